@@ -1,0 +1,1 @@
+"""Producer success -> exactly one asset event -> consumer DAG runs."""

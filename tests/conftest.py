@@ -1,0 +1,101 @@
+"""Shared fixtures: one PostgreSQL server per session, a migrated Airflow template, fresh clones per test.
+
+The test process itself imports Airflow (for seeding), so Airflow's environment is fixed here, before
+anything imports it: a private AIRFLOW_HOME and one Fernet key shared with every process a test starts.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="smart-triggerer-tests-"))
+os.environ["AIRFLOW_HOME"] = str(_SESSION_HOME / "airflow")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
+    from cryptography.fernet import Fernet
+
+    os.environ["AIRFLOW__CORE__FERNET_KEY"] = Fernet.generate_key().decode()
+
+from tests.helpers.databases import database, unique_name  # noqa: E402
+from triggerer.devstack import AirflowConfig, AirflowStack, migrate  # noqa: E402
+from triggerer.pgserver import postgres_dsn  # noqa: E402
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "report_call", None)
+    return report is None or report.failed
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """DSN of a PostgreSQL server: SMART_TRIGGERER_DSN, or a private embedded one."""
+    with postgres_dsn() as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def pg_db(pg_server: str) -> Iterator[str]:
+    """An empty database of its own, dropped after the test."""
+    with database(pg_server, "st_plain") as dsn:
+        yield dsn
+
+
+@pytest.fixture(scope="session")
+def airflow_template(pg_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Name of a database migrated once per session by `airflow db migrate`, cloned by each test."""
+    from tests.helpers.databases import create_database, drop_database
+
+    name = unique_name("st_template")
+    dsn = create_database(pg_server, name)
+    home = tmp_path_factory.mktemp("template-home")
+    try:
+        migrate(AirflowConfig(home=home, database_dsn=dsn, dags_folder=home / "dags",
+                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+        yield name
+    finally:
+        drop_database(pg_server, name)
+
+
+@pytest.fixture
+def airflow_db(pg_server: str, airflow_template: str) -> Iterator[str]:
+    """DSN of a fresh, migrated Airflow metadata database (a template clone)."""
+    with database(pg_server, "st_airflow", template=airflow_template) as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def airflow_config(airflow_db: str, tmp_path: Path) -> AirflowConfig:
+    """A deployment on the fresh database: its own home and dags folder, the session's Fernet key."""
+    home = tmp_path / "airflow"
+    home.mkdir()
+    return AirflowConfig(home=home, database_dsn=airflow_db, dags_folder=tmp_path / "dags",
+                         fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
+
+
+@pytest.fixture
+def airflow_stack(airflow_config: AirflowConfig, request: pytest.FixtureRequest) -> Iterator[AirflowStack]:
+    """A stack object; the test writes its DAG files, then calls ``start_core()`` and adds triggerers.
+
+    Every process it started is stopped at teardown; a failed test prints the components' log tails.
+    """
+    airflow_config.dags_folder.mkdir(parents=True, exist_ok=True)
+    stack = AirflowStack(airflow_config)
+    try:
+        yield stack
+    finally:
+        if _failed(request):
+            print(stack.log_tails())
+        stack.stop()

@@ -1,0 +1,58 @@
+"""Airflow provider metadata, so ``airflow providers list`` shows this package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triggerer import __version__
+
+
+def get_provider_info() -> dict[str, Any]:
+    return {
+        "package-name": "airflow-smart-triggerer",
+        "name": "Smart Triggerer",
+        "description": "Deduplicating, sharded triggerer, deferrable sensors and a dataset bridge.",
+        "versions": [__version__],
+        "config": {
+            "smart_triggerer": {
+                "description": "Settings of the smart triggerer service.",
+                "options": {
+                    "shards": {
+                        "description": "Virtual shards that identity groups hash into; fixed per deployment.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": None,
+                        "default": "64",
+                    },
+                    "lease_seconds": {
+                        "description": "How long a shard lease lasts without renewal.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": None,
+                        "default": "10",
+                    },
+                    "dedup": {
+                        "description": "Run one coroutine per identity group instead of one per trigger.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": None,
+                        "default": "True",
+                    },
+                    "dedup_classpaths": {
+                        "description": "Extra foreign trigger classpaths whose kwargs are all identity.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "my.module.MyStateTrigger",
+                        "default": "",
+                    },
+                    "health_port": {
+                        "description": "Port of the health/metrics endpoint; 0 picks a free port.",
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": None,
+                        "default": "0",
+                    },
+                },
+            }
+        },
+    }
