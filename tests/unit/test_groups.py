@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from triggerer.groups import Groups
+
+
+def test_join_same_hash_makes_one_group() -> None:
+    groups = Groups()
+    for trigger_id in (5, 3, 9):
+        groups.join(trigger_id, identity_hash=42)
+    groups.join(10, identity_hash=7)
+    assert groups.group_count() == 2
+    assert groups.waiter_count() == 4
+    assert groups.by_hash[42].leader == 3
+
+
+def test_leader_leaving_keeps_the_runner() -> None:
+    groups = Groups()
+    for trigger_id in (3, 5, 9):
+        group = groups.join(trigger_id, 42)
+    runner = groups.start(group)
+    assert runner == 3
+    groups.leave(3)
+    # Leadership passes to the next member; the coroutine (runner 3) keeps running for them.
+    assert group.leader == 5
+    assert groups.by_runner(3) is group
+    assert groups.runner_ids() == {3}
+
+
+def test_empty_group_is_reported_then_forgotten() -> None:
+    groups = Groups()
+    group = groups.join(1, 42)
+    groups.start(group)
+    left = groups.leave(1)
+    assert left is group and left.empty
+    assert groups.group_count() == 0
+    groups.finish(group)
+    assert groups.by_runner(1) is None
+    assert groups.by_hash == {} and groups.runner_ids() == set()
+
+
+def test_leave_unknown_member_is_a_no_op() -> None:
+    assert Groups().leave(99) is None
+
+
+def test_starting_an_empty_group_is_refused() -> None:
+    groups = Groups()
+    group = groups.join(1, 42)
+    groups.leave(1)
+    with pytest.raises(ValueError, match="empty"):
+        groups.start(group)
+
+
+def test_stop_runner_keeps_members_waiting() -> None:
+    groups = Groups()
+    group = groups.join(1, 42)
+    groups.join(2, 42)
+    groups.start(group)
+    groups.stop_runner(group)
+    assert group.runner_id is None and groups.runner_ids() == set()
+    assert groups.members() == {1, 2}
