@@ -103,10 +103,6 @@ def canonical(value: Any) -> Any:
     """
     if value is None or isinstance(value, bool | int | str):
         return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return {"$float": repr(value)}
-        return value
     if isinstance(value, Mapping):
         return {str(k): canonical(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -117,6 +113,8 @@ def canonical(value: Any) -> Any:
 
 
 def _canonical_scalar(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
             return {"$naive_datetime": value.isoformat()}
