@@ -112,22 +112,28 @@ def canonical(value: Any) -> Any:
     return _canonical_scalar(value)
 
 
+def _datetime(value: dt.datetime) -> Any:
+    if value.tzinfo is None:
+        return {"$naive_datetime": value.isoformat()}
+    instant = value.astimezone(dt.UTC)
+    return {"$datetime": dt.datetime(*instant.timetuple()[:6], instant.microsecond).isoformat()}
+
+
+# Order matters: datetime is a date subclass.
+_SCALARS: tuple[tuple[type | tuple[type, ...], Callable[[Any], Any]], ...] = (
+    (float, lambda v: v if math.isfinite(v) else {"$float": repr(v)}),
+    (dt.datetime, _datetime),
+    (_TIME_TYPES, lambda v: {f"${type(v).__name__}": v.isoformat()}),
+    (dt.timedelta, lambda v: {"$timedelta": [v.days, v.seconds, v.microseconds]}),
+    (decimal.Decimal, lambda v: {"$decimal": str(v.normalize())}),
+    (bytes, lambda v: {"$bytes": v.hex()}),
+)
+
+
 def _canonical_scalar(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is None:
-            return {"$naive_datetime": value.isoformat()}
-        instant = value.astimezone(dt.UTC)
-        return {"$datetime": dt.datetime(*instant.timetuple()[:6], instant.microsecond).isoformat()}
-    if isinstance(value, _TIME_TYPES):
-        return {f"${type(value).__name__}": value.isoformat()}
-    if isinstance(value, dt.timedelta):
-        return {"$timedelta": [value.days, value.seconds, value.microseconds]}
-    if isinstance(value, decimal.Decimal):
-        return {"$decimal": str(value.normalize())}
-    if isinstance(value, bytes):
-        return {"$bytes": value.hex()}
+    for types, encode in _SCALARS:
+        if isinstance(value, types):
+            return encode(value)
     raise IdentityError(f"cannot encode a {type(value).__name__} into a trigger identity")
 
 
