@@ -1,12 +1,44 @@
-"""The ``smart-triggerer`` command line."""
+"""The ``smart-triggerer`` command line (also ``airflow smart-triggerer`` through the provider)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
 from triggerer import __version__
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 0-65535 (0 picks a free one), got {value}")
+    return number
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--capacity", type=_positive_int, default=None,
+                        help="declared capacity: the instance's weight in shard placement and the most "
+                             "triggers it runs (default: [triggerer] capacity)")
+    parser.add_argument("--health-port", type=_port, default=None,
+                        help="serve GET /health and /metrics on 127.0.0.1:PORT; 0 picks a free port and "
+                             "logs it (default: [smart_triggerer] health_port, unset = no endpoint)")
+    parser.add_argument("--queues", default=None,
+                        help="comma-separated trigger queues to serve (isolation from stock triggerers)")
+    parser.add_argument("--skip-serve-logs", action="store_true",
+                        help="do not start the trigger log server (as for `airflow triggerer`)")
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,8 +50,37 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_run_arguments(commands.add_parser("run", help="run one smart triggerer instance"))
+    status = commands.add_parser("status", help="instances, shards, waiters, groups, dedup ratio")
+    add_status_arguments(status)
     return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from triggerer.config import Settings
+    from triggerer.service import run
+
+    settings = Settings.from_airflow()
+    if args.health_port is not None:
+        settings = replace(settings, health_port=args.health_port)
+    queues = {q.strip() for q in args.queues.split(",") if q.strip()} if args.queues else None
+    run(args.capacity, queues, settings, args.skip_serve_logs)
+    return 0
+
+
+def status_command(args: argparse.Namespace) -> int:
+    from triggerer import status
+    from triggerer.config import Settings
+
+    result = status.collect(Settings.from_airflow())
+    if args.json:
+        print(json.dumps(result))
+    else:
+        status.render(result)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,8 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    from triggerer.config import ConfigError
+
+    handlers = {"run": run_command, "status": status_command}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as err:
+        print(f"smart-triggerer: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""``GET /health`` and ``GET /metrics`` (Prometheus text) on 127.0.0.1, served by aiohttp in a thread.
+
+Bound to localhost only, so it needs no authentication: it exposes counts, never trigger kwargs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(logger_name=__name__)
+
+Snapshot = Callable[[], dict[str, Any]]
+
+METRICS = (
+    ("smart_triggerer_waiters", "gauge", "Deferred waiters (trigger rows) this instance runs", "waiters"),
+    ("smart_triggerer_groups", "gauge", "Running identity groups (one coroutine each)", "groups"),
+    ("smart_triggerer_shards_owned", "gauge", "Shards whose lease this instance holds", "shards_owned"),
+    ("smart_triggerer_events_total", "counter", "Trigger events received from the runner", "events_total"),
+    ("smart_triggerer_resumed_total", "counter", "Task instances resumed by an event", "resumed_total"),
+    ("smart_triggerer_failures_total", "counter", "Task instances failed by a trigger failure",
+     "failures_total"),
+)
+
+
+def render_metrics(snapshot: dict[str, Any]) -> str:
+    lines = []
+    job = snapshot.get("job_id", "")
+    for name, kind, help_text, key in METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                  f'{name}{{job_id="{job}"}} {int(snapshot.get(key, 0))}']
+    return "\n".join(lines) + "\n"
+
+
+def is_healthy(snapshot: dict[str, Any], lease_seconds: float) -> bool:
+    return bool(snapshot.get("runner_alive")) and snapshot.get("lease_age", float("inf")) < lease_seconds
+
+
+class HealthServer:
+    """Runs in a daemon thread; ``start()`` returns once the port is bound."""
+
+    def __init__(self, port: int, lease_seconds: float, host: str = "127.0.0.1") -> None:
+        self.host, self.port, self.lease_seconds = host, port, lease_seconds
+        self.snapshot: Snapshot = dict
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="smart-triggerer-health", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"health endpoint could not bind {self.host}:{self.port}")
+        log.info("health endpoint listening", url=self.url)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        snapshot = self.snapshot()
+        healthy = is_healthy(snapshot, self.lease_seconds)
+        return web.json_response({"healthy": healthy, **snapshot}, status=200 if healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=render_metrics(self.snapshot()), content_type="text/plain")
+
+    def _serve(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, self.host, self.port)
+        self._loop.run_until_complete(site.start())
+        server = site._server
+        if server is not None and self.port == 0:
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self._ready.set()
+        self._loop.run_forever()

@@ -1,0 +1,71 @@
+"""Running one smart triggerer instance: a ``TriggererJob`` whose supervisor is the smart one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import structlog
+from airflow.jobs.job import Job, run_job
+from airflow.jobs.triggerer_job_runner import TriggererJobRunner
+from sqlalchemy.exc import SQLAlchemyError
+
+from triggerer.config import Settings
+from triggerer.health import HealthServer
+from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+log = structlog.get_logger(logger_name=__name__)
+
+
+class SmartTriggererJobRunner(TriggererJobRunner):
+    """Airflow's triggerer job (same job type, so Airflow's health checks count it) with our supervisor."""
+
+    def __init__(self, job: Job, capacity: int | None, queues: set[str] | None, settings: Settings) -> None:
+        super().__init__(job, capacity=capacity, queues=queues)
+        self.settings = settings
+
+    def _execute(self) -> int | None:
+        os.environ["_AIRFLOW_PROCESS_CONTEXT"] = "server"
+        self.register_signals()
+        health = None
+        if self.settings.health_port is not None:
+            health = HealthServer(self.settings.health_port, self.settings.lease_seconds)
+            health.start()
+        supervisor: SmartTriggerRunnerSupervisor | None = None
+        try:
+            supervisor = SmartTriggerRunnerSupervisor.start(
+                job=self.job, capacity=self.capacity, logger=log, queues=self.queues,
+                settings=self.settings, health_url=health.url if health else None,
+            )
+            self.trigger_runner = supervisor
+            if health is not None:
+                health.snapshot = supervisor.snapshot
+            supervisor.register()
+            log.info("smart triggerer started", job_id=self.job.id, shards=self.settings.shards,
+                     capacity=self.capacity, dedup=self.settings.dedup)
+            supervisor.run()
+            return 0
+        finally:
+            self._shutdown(supervisor, health)
+
+    def _shutdown(self, supervisor: SmartTriggerRunnerSupervisor | None, health: HealthServer | None) -> None:
+        if supervisor is not None:
+            # Release first: the next owner takes the shards within one of its loops.
+            with contextlib.suppress(SQLAlchemyError):
+                supervisor.release_all()
+                log.info("released shard leases")
+            supervisor.kill(escalation_delay=10, force=True)
+        if health is not None:
+            health.stop()
+        log.info("smart triggerer stopped")
+
+
+def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> None:
+    from airflow.cli.commands.triggerer_command import _serve_logs
+    from airflow.configuration import conf
+
+    with _serve_logs(skip_serve_logs):
+        runner = SmartTriggererJobRunner(
+            Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings
+        )
+        run_job(job=runner.job, execute_callable=runner._execute)

@@ -1,0 +1,76 @@
+"""``smart-triggerer status``: every instance, what it owns and runs, and the deduplication ratio."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from triggerer.config import Settings
+
+
+def collect(settings: Settings) -> dict[str, Any]:
+    from airflow.utils.session import create_session
+
+    from triggerer.store import Store
+
+    with create_session() as session:
+        rows = Store(session).instances(settings.lease_seconds)
+    instances = [_instance(r) for r in rows]
+    live = [i for i in instances if i["healthy"]]
+    waiters = sum(i["waiters"] for i in live)
+    groups = sum(i["groups"] for i in live)
+    return {
+        "instances": instances,
+        "totals": {
+            "instances": len(live),
+            "shards": settings.shards,
+            "shards_owned": sum(i["shards_owned"] for i in live),
+            "waiters": waiters,
+            "groups": groups,
+            "events_total": sum(i["events_total"] for i in instances),
+            "resumed_total": sum(i["resumed_total"] for i in instances),
+            "failures_total": sum(i["failures_total"] for i in instances),
+        },
+        "dedup_ratio": round(waiters / groups, 3) if groups else None,
+    }
+
+
+def _instance(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "job_id": row["job_id"],
+        "host": row["hostname"],
+        "healthy": bool(row["healthy"]),
+        "shards_owned": int(row["shards_owned"]),
+        "waiters": int(row["waiters"]),
+        "groups": int(row["groups"]),
+        "capacity": int(row["capacity"]),
+        "queues": row["queues"],
+        "health_url": row["health_url"],
+        "events_total": int(row["events_total"]),
+        "resumed_total": int(row["resumed_total"]),
+        "failures_total": int(row["failures_total"]),
+        "heartbeat_at": _iso(row["heartbeat_at"]),
+        "stopped_at": _iso(row["stopped_at"]),
+    }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def render(status: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="smart triggerer instances")
+    for column in ("job id", "host", "healthy", "shards", "waiters", "groups", "resumed", "failed"):
+        table.add_column(column)
+    for i in status["instances"]:
+        table.add_row(str(i["job_id"]), i["host"], "yes" if i["healthy"] else "no", str(i["shards_owned"]),
+                      str(i["waiters"]), str(i["groups"]), str(i["resumed_total"]), str(i["failures_total"]))
+    console = Console()
+    console.print(table)
+    totals = status["totals"]
+    console.print(f"{totals['instances']} healthy instance(s), {totals['shards_owned']}/{totals['shards']} "
+                  f"shards owned, {totals['waiters']} waiters in {totals['groups']} groups, "
+                  f"dedup ratio {status['dedup_ratio']}")

@@ -1,0 +1,173 @@
+"""The triggerer's own state in PostgreSQL: migrations, membership, shard leases, trigger identities.
+
+All SQL lives in ``sql/queries.sql`` (one named query each) and ``sql/NNNN_*.sql`` migrations; this module
+has one method per query and runs them on the session it is given (Airflow's own SQLAlchemy session, so
+our writes can share a transaction with Airflow's).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from triggerer.rendezvous import Member
+
+SCHEMA = "smart_triggerer"
+_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+class ShardCountMismatch(RuntimeError):
+    """The configured number of shards differs from the one this deployment was created with."""
+
+
+@cache
+def queries() -> dict[str, str]:
+    """Parse ``queries.sql``: each query follows a ``-- name: NAME`` line."""
+    source = resources.files("triggerer").joinpath("sql/queries.sql").read_text()
+    found: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", source, flags=re.MULTILINE)[1:]:
+        name, _, body = block.partition("\n")
+        lines = [line for line in body.splitlines() if not line.startswith("--")]
+        found[name.strip()] = "\n".join(lines).strip().rstrip(";")
+    return found
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, name, sql) of every migration shipped, in order."""
+    found = []
+    for entry in resources.files("triggerer").joinpath("sql").iterdir():
+        match = _MIGRATION_FILE.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), match.group(2), entry.read_text()))
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class WaitingTrigger:
+    trigger_id: int
+    identity_hash: int
+    shard: int
+    dedupable: bool
+    created_date: dt.datetime
+    has_task: bool
+
+
+@dataclass(frozen=True)
+class NewIdentity:
+    trigger_id: int
+    identity_hash: int
+    shard: int
+    dedupable: bool
+    execution: dict[str, float]
+    error: str | None = None
+
+
+class Store:
+    """One method per query; the caller owns the session and its transaction."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def _run(self, query: str, /, **params: Any) -> Any:
+        return self.session.execute(text(queries()[query]), params)
+
+    # --- schema ---
+
+    def migrate(self, shards: int) -> list[int]:
+        """Apply pending migrations and pin the shard count, safely when instances start at once."""
+        self._run("lock_schema")
+        self.session.execute(text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+        self.session.execute(text(
+            f"CREATE TABLE IF NOT EXISTS {SCHEMA}.migration (version integer PRIMARY KEY, "
+            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        ))
+        applied = {row[0] for row in self._run("applied_migrations")}
+        done = []
+        for version, name, sql in migrations():
+            if version in applied:
+                continue
+            self.session.connection().exec_driver_sql(sql)
+            self._run("record_migration", version=version, name=name)
+            done.append(version)
+        self._pin_shards(shards)
+        return done
+
+    def _pin_shards(self, shards: int) -> None:
+        self._run("put_setting", key="shards", value=str(shards))
+        stored = int(self._run("get_setting", key="shards").scalar_one())
+        if stored != shards:
+            raise ShardCountMismatch(
+                f"[smart_triggerer] shards is {shards}, but this deployment was created with {stored}. "
+                "The shard count is fixed per deployment (identical waits must hash to one shard); "
+                f"set AIRFLOW__SMART_TRIGGERER__SHARDS={stored}."
+            )
+        self._run("create_shards", shards=shards)
+
+    # --- membership and leases ---
+
+    def register(self, job_id: int, hostname: str, capacity: int, queues: str | None,
+                 health_url: str | None) -> None:
+        self._run("register_instance", job_id=job_id, hostname=hostname, capacity=capacity,
+                  queues=queues, health_url=health_url)
+
+    def heartbeat(self, job_id: int, **counters: Any) -> dt.datetime:
+        db_now: dt.datetime = self._run("heartbeat_instance", job_id=job_id, **counters).scalar_one()
+        return db_now
+
+    def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
+        rows = self._run("live_instances", lease_seconds=lease_seconds, queues=queues)
+        return [Member(job_id=r.job_id, capacity=r.capacity) for r in rows]
+
+    def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float) -> set[int]:
+        rows = self._run("claim_shards", job_id=job_id, shards=sorted(shards), lease_seconds=lease_seconds)
+        return {r.shard for r in rows}
+
+    def release_shards(self, job_id: int, shards: Iterable[int]) -> None:
+        self._run("release_shards", job_id=job_id, shards=sorted(shards))
+
+    def stop_instance(self, job_id: int) -> None:
+        self._run("stop_instance", job_id=job_id)
+
+    def instances(self, lease_seconds: float) -> list[dict[str, Any]]:
+        return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds)]
+
+    # --- identities ---
+
+    def unhashed_triggers(self, queues: Sequence[str] | None, limit: int) -> list[tuple[int, str, str]]:
+        rows = self._run("unhashed_triggers", queues=list(queues) if queues else None, limit=limit)
+        return [(r.id, r.classpath, r.kwargs) for r in rows]
+
+    def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
+        if not identities:
+            return
+        self.session.execute(
+            text(queries()["insert_identity"]),
+            [
+                {"trigger_id": i.trigger_id, "identity_hash": i.identity_hash, "shard": i.shard,
+                 "dedupable": i.dedupable, "execution": json.dumps(i.execution), "error": i.error}
+                for i in identities
+            ],
+        )
+
+    def waiting_triggers(self, shards: Iterable[int], after_id: int = 0) -> list[WaitingTrigger]:
+        rows = self._run("waiting_triggers", shards=sorted(shards), after_id=after_id)
+        return [WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.created_date,
+                               r.has_task) for r in rows]
+
+    def failed_identities(self, shards: Iterable[int]) -> list[tuple[int, str]]:
+        return [(r.trigger_id, r.error) for r in self._run("failed_identities", shards=sorted(shards))]
+
+    def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
+        self._run("claim_triggers", job_id=job_id, ids=sorted(ids))
+
+    def execution_settings(self, ids: Iterable[int]) -> list[dict[str, float]]:
+        return [dict(r.execution) for r in self._run("execution_settings", ids=sorted(ids))]
