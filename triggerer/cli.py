@@ -67,8 +67,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.health_port is not None:
         settings = replace(settings, health_port=args.health_port)
     queues = {q.strip() for q in args.queues.split(",") if q.strip()} if args.queues else None
-    run(args.capacity, queues, settings, args.skip_serve_logs)
-    return 0
+    return run(args.capacity, queues, settings, args.skip_serve_logs)
 
 
 def status_command(args: argparse.Namespace) -> int:

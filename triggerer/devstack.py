@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import secrets
 import signal
@@ -214,6 +215,29 @@ class AirflowStack:
 
     def start_stock_triggerer(self, name: str = "triggerer") -> Component:
         return self.add(name, [self.config.airflow_bin(), "triggerer", "--skip-serve-logs"])
+
+    def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
+                              health_port: int = 0, env: dict[str, str] | None = None) -> Component:
+        """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port."""
+        argv = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
+                "--health-port", str(health_port)]
+        if capacity is not None:
+            argv += ["--capacity", str(capacity)]
+        component = Component(name, argv, self.log_dir / f"{name}.log")
+        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
+        self.components.append(component)
+        return component
+
+    def smart_status(self) -> dict[str, Any]:
+        """``smart-triggerer status --json`` of this deployment."""
+        result = subprocess.run(
+            [str(Path(sys.executable).with_name("smart-triggerer")), "status", "--json"],
+            env=self.config.env(), capture_output=True, text=True, timeout=120, check=False,
+        )
+        if result.returncode != 0:
+            raise StackError(f"smart-triggerer status failed: {result.stderr[-2000:]}")
+        status: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+        return status
 
     def stop(self) -> None:
         stop_components(self.components)

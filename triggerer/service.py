@@ -44,6 +44,9 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             log.info("smart triggerer started", job_id=self.job.id, shards=self.settings.shards,
                      capacity=self.capacity, dedup=self.settings.dedup)
             supervisor.run()
+            if not supervisor.stop:
+                log.error("the trigger runner subprocess died; exiting", exit_code=supervisor._exit_code)
+                return 1
             return 0
         finally:
             self._shutdown(supervisor, health)
@@ -60,7 +63,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         log.info("smart triggerer stopped")
 
 
-def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> None:
+def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> int:
     from airflow.cli.commands.triggerer_command import _serve_logs
     from airflow.configuration import conf
 
@@ -68,4 +71,5 @@ def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_
         runner = SmartTriggererJobRunner(
             Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings
         )
-        run_job(job=runner.job, execute_callable=runner._execute)
+        code = run_job(job=runner.job, execute_callable=runner._execute)
+    return int(code or 0)

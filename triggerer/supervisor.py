@@ -386,28 +386,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     # --- cancellation without on_kill ---
 
+    def send_msg(self, msg: Any, request_id: int, error: Any = None, **dump_opts: Any) -> Any:
+        """Send cancels signed: negative ids are cancelled without on_kill (see runner.py)."""
+        if isinstance(msg, messages.TriggerStateSync) and msg.to_cancel:
+            signed = {i if i in self.user_cancels else -i for i in msg.to_cancel}
+            msg = msg.model_copy(update={"to_cancel": signed})
+        return super().send_msg(msg, request_id, error, **dump_opts)
+
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
-        if not isinstance(msg, messages.TriggerStateChanges):
-            super()._handle_request(msg, log, req_id)
-            return
-        # Let the stock code do its bookkeeping, then send the cancels signed: negative = no on_kill.
-        sent = self.send_msg
-        captured: dict[str, Any] = {}
-
-        def capture(resp: Any, **kwargs: Any) -> None:
-            captured["resp"], captured["kwargs"] = resp, kwargs
-
-        self.send_msg = capture  # type: ignore[method-assign,assignment]
-        try:
-            super()._handle_request(msg, log, req_id)
-        finally:
-            self.send_msg = sent  # type: ignore[method-assign]
-        response = captured["resp"]
-        if isinstance(response, messages.TriggerStateSync) and response.to_cancel:
-            response.to_cancel = {i if i in self.user_cancels else -i for i in response.to_cancel}
-        for trigger_id in msg.finished or ():
-            self.user_cancels.discard(trigger_id)
-        self.send_msg(response, **captured["kwargs"])
+        super()._handle_request(msg, log, req_id)
+        if isinstance(msg, messages.TriggerStateChanges):
+            for trigger_id in msg.finished or ():
+                self.user_cancels.discard(trigger_id)
 
     # --- reporting ---
 
