@@ -20,6 +20,8 @@ Snapshot = Callable[[], dict[str, Any]]
 METRICS = (
     ("smart_triggerer_waiters", "gauge", "Deferred waiters (trigger rows) this instance runs", "waiters"),
     ("smart_triggerer_groups", "gauge", "Running identity groups (one coroutine each)", "groups"),
+    ("smart_triggerer_coroutines", "gauge", "Trigger coroutines running in the runner subprocess",
+     "coroutines"),
     ("smart_triggerer_shards_owned", "gauge", "Shards whose lease this instance holds", "shards_owned"),
     ("smart_triggerer_events_total", "counter", "Trigger events received from the runner", "events_total"),
     ("smart_triggerer_resumed_total", "counter", "Task instances resumed by an event", "resumed_total"),

@@ -24,7 +24,7 @@ def group_key(trigger_id: int, identity: int, dedupable: bool) -> int:
 
 
 def _resolve_class(classpath: str) -> type:
-    from airflow.utils.module_loading import import_string
+    from airflow._shared.module_loading import import_string
 
     cls: type = import_string(classpath)
     return cls

@@ -416,7 +416,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """What /metrics and /health report (read from the HTTP thread: plain values only)."""
         counters = self._counters()
         counters.update(shards_owned=len(self.owned), job_id=self.job_id,
-                        lease_age=time.monotonic() - self.last_renewal)
+                        coroutines=len(self.running_triggers), lease_age=time.monotonic() - self.last_renewal)
         return counters
 
 

@@ -94,6 +94,20 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+_TEMPLATE_MARKERS = ("{{", "{%", "{#")
+
+
+def has_template(value: Any) -> bool:
+    """Whether a (nested) value still holds unrendered Jinja."""
+    if isinstance(value, str):
+        return any(marker in value for marker in _TEMPLATE_MARKERS)
+    if isinstance(value, Mapping):
+        return any(has_template(v) for v in value.values())
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(has_template(v) for v in value)
+    return False
+
+
 def canonical(value: Any) -> Any:
     """A JSON-ready form in which equal waits are equal and different waits differ.
 
@@ -185,6 +199,10 @@ class IdentityPolicy:
 
     def identity(self, classpath: str, kwargs: Mapping[str, Any], trigger_id: int) -> Identity:
         keys = self.identity_keys(classpath, kwargs)
+        if keys is not None and has_template(kwargs):
+            # start_from_trigger tasks are rendered in the runner: "{{ data_interval_end }}" is the same
+            # text for runs that wait for different times, so unrendered kwargs say nothing of the wait.
+            keys = None
         if keys is None:
             return Identity(singleton_hash(classpath, trigger_id), dedupable=False)
         missing = [k for k in keys if k not in kwargs]

@@ -141,3 +141,11 @@ def test_declared_kwarg_missing_from_serialize_is_an_error() -> None:
 def test_merge_picks_most_demanding_settings() -> None:
     merged = merge_most_demanding([{"poll_interval": 30, "mode": "a"}, {"poll_interval": 5.0, "mode": "b"}])
     assert merged == {"poll_interval": 5.0, "mode": "a"}
+
+
+def test_unrendered_templates_are_never_deduplicated() -> None:
+    policy = IdentityPolicy.with_extra(["my.State"], resolve_class=lambda cp: object)
+    kwargs = {"target_time": "{{ data_interval_end }}", "end_from_trigger": False}
+    a, b = policy.identity("my.State", kwargs, 1), policy.identity("my.State", kwargs, 2)
+    assert not a.dedupable and a != b
+    assert policy.identity("my.State", {"nested": ["{% if x %}"]}, 3).dedupable is False

@@ -1,0 +1,51 @@
+"""Triggers for tests, importable by the triggerer processes a test starts (PYTHONPATH = repo root)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+
+
+class AtTimeTrigger(DedupableTrigger, BaseTrigger):
+    """Fires at ``moment`` (what is waited on); polls every ``poll_interval`` seconds (how)."""
+
+    identity_kwargs = ("moment",)
+
+    def __init__(self, moment: str, poll_interval: float = 0.2) -> None:
+        super().__init__()
+        self.moment = moment
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.AtTimeTrigger", {"moment": self.moment, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        target = dt.datetime.fromisoformat(self.moment)
+        while dt.datetime.now(dt.UTC) < target:
+            await asyncio.sleep(self.poll_interval)
+        yield TriggerEvent({"moment": self.moment, "status": "success"})
+
+
+class FailingTrigger(DedupableTrigger, BaseTrigger):
+    """Raises after ``delay`` seconds: the source is unreachable."""
+
+    identity_kwargs = ("target",)
+
+    def __init__(self, target: str, delay: float = 0.5) -> None:
+        super().__init__()
+        self.target = target
+        self.delay = delay
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.FailingTrigger", {"target": self.target, "delay": self.delay})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await asyncio.sleep(self.delay)
+        raise RuntimeError(f"boom: {self.target} is unreachable")
+        yield  # pragma: no cover - makes this an async generator

@@ -1,0 +1,42 @@
+"""Polling the metadata database from tests: bounded waits that fail with what was last seen."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg2
+
+T = TypeVar("T")
+
+
+def rows(dsn: str, query: str, *params: object) -> list[tuple[Any, ...]]:
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute(query, params)
+        result = cur.fetchall()
+    conn.close()
+    return result
+
+
+def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, what: str,
+             interval: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    value = probe()
+    while not done(value):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {value!r}")
+        time.sleep(interval)
+        value = probe()
+    return value
+
+
+def ti_states(dsn: str, dag_id: str) -> dict[int, str]:
+    return {r[0]: r[1] for r in rows(dsn, "SELECT map_index, state FROM task_instance WHERE dag_id = %s",
+                                      dag_id)}
+
+
+def lease_owners(dsn: str) -> dict[int, int | None]:
+    return {r[0]: r[1] for r in rows(
+        dsn, "SELECT shard, CASE WHEN expires_at > now() THEN owner_job_id END "
+             "FROM smart_triggerer.shard_lease ORDER BY shard")}

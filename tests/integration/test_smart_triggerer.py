@@ -1,0 +1,246 @@
+"""The smart triggerer against a real PostgreSQL and real `smart-triggerer run` processes.
+
+Waiters are seeded deferred task instances (no scheduler, no workers): what is asserted is what the
+triggerer wrote into Airflow's tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
+from triggerer.devstack import AirflowStack, Component
+
+ROOT = Path(__file__).resolve().parents[2]
+AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
+FAILING = "tests.helpers.triggers.FailingTrigger"
+SHARDS = 16
+LEASE = 6.0
+ENV = {
+    "PYTHONPATH": str(ROOT),
+    "AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS),
+    "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(LEASE),
+    # Seeded waiters deferred "just now"; the race guard is tested on its own in e2e.
+    "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+}
+
+
+def in_seconds(seconds: float) -> str:
+    return (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)).isoformat()
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def health_url(component: Component) -> str:
+    found = wait_for(lambda: component.log_tail(20_000), lambda t: "health endpoint listening" in t,
+                     30, "the health endpoint")
+    line = next(line for line in found.splitlines() if "health endpoint listening" in line)
+    return line.split("url=")[1].split()[0]
+
+
+@pytest.fixture
+def stack(airflow_stack: AirflowStack) -> Iterator[AirflowStack]:
+    yield airflow_stack
+
+
+def start(stack: AirflowStack, name: str = "smart-triggerer", **env: str) -> Component:
+    return stack.start_smart_triggerer(name, env={**ENV, **env})
+
+
+def seed(stack: AirflowStack, count: int, classpath: str, kwargs_for: Any, **kw: Any) -> Seeded:
+    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
+                         classpath=classpath, kwargs_for=kwargs_for, **kw)
+
+
+def next_kwargs(dsn: str, dag_id: str) -> dict[int, dict[str, Any]]:
+    return {r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
+            for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)}
+
+
+def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    moments = [in_seconds(12 + g) for g in range(3)]
+    seeded = seed(stack, 30, AT_TIME, lambda i: {"moment": moments[i % 3], "poll_interval": 0.2 + i % 2})
+    url = health_url(start(stack))
+
+    waiting = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 30
+                       and m.get("smart_triggerer_coroutines", 0) > 0, 30, "all 30 waiters running")
+    assert waiting["smart_triggerer_groups"] == 3
+    assert waiting["smart_triggerer_coroutines"] == 3
+    status = stack.smart_status()
+    assert status["totals"]["groups"] == 3 and status["totals"]["waiters"] == 30
+    assert status["dedup_ratio"] == 10.0
+
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "every waiter resumed")
+    kwargs = next_kwargs(dsn, seeded.dag_id)
+    for map_index, value in kwargs.items():
+        assert value["event"]["moment"] == moments[map_index % 3], value
+    done = metrics(url)
+    assert done["smart_triggerer_events_total"] == 3
+    assert done["smart_triggerer_resumed_total"] == 30
+    # Only the three leaders ran: one trigger log per group.
+    logs = list((stack.config.home / "logs").rglob("*.trigger.*.log"))
+    assert len(logs) == 3, logs
+
+
+def test_a_failing_trigger_fails_every_member_with_the_cause(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    bad = seed(stack, 6, FAILING, lambda i: {"target": "warehouse-db", "delay": 0.5})
+    soon = in_seconds(3)
+    good = seed(stack, 4, AT_TIME, lambda i: {"moment": soon})
+    url = health_url(start(stack))
+
+    wait_for(lambda: ti_states(dsn, bad.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "every member of the failing group failed")
+    for value in next_kwargs(dsn, bad.dag_id).values():
+        assert value["error"] == "Trigger failure"
+        assert "boom: warehouse-db is unreachable" in "".join(value["traceback"])
+    wait_for(lambda: ti_states(dsn, good.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "the healthy group still resumed")
+    assert metrics(url)["smart_triggerer_failures_total"] == 6
+
+
+def test_one_member_timing_out_leaves_the_others_waiting(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    later = in_seconds(600)
+    seeded = seed(stack, 5, AT_TIME, lambda i: {"moment": later},
+                  trigger_timeout=dt.timedelta(minutes=30))
+    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() + interval '3 seconds' "
+              "WHERE dag_id = %s AND map_index = 0 RETURNING 1", seeded.dag_id)
+    url = health_url(start(stack))
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 5, 30, "5 waiters")
+
+    states = wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: s[0] == "scheduled", 30,
+                      "member 0 timed out")
+    assert [states[i] for i in range(1, 5)] == ["deferred"] * 4
+    assert next_kwargs(dsn, seeded.dag_id)[0] == {"error": "Trigger timeout"}
+    after = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 4, 30,
+                     "the group shrank to 4", interval=0.5)
+    assert after["smart_triggerer_groups"] == 1 and after["smart_triggerer_coroutines"] == 1
+
+
+def test_three_instances_own_disjoint_shards_covering_all(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    moments = [in_seconds(600 + k) for k in range(20)]
+    seed(stack, 60, AT_TIME, lambda i: {"moment": moments[i % 20]})
+    urls = [health_url(start(stack, f"smart-{n}")) for n in range(3)]
+
+    def owners() -> dict[int, int | None]:
+        return lease_owners(dsn)
+
+    settled = wait_for(owners, lambda o: len(o) == SHARDS and None not in o.values()
+                       and len(set(o.values())) == 3, 60, "3 instances owning all shards")
+    per_instance = [metrics(u) for u in urls]
+    assert sum(m["smart_triggerer_shards_owned"] for m in per_instance) == SHARDS
+    assert all(m["smart_triggerer_shards_owned"] >= 1 for m in per_instance)
+    total = wait_for(lambda: [metrics(u) for u in urls],
+                     lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 60, 30, "60 waiters")
+    assert sum(m["smart_triggerer_groups"] for m in total) == 20
+    assert len(settled) == SHARDS
+
+
+def _owned_by(dsn: str, job_ids: set[int]) -> bool:
+    owners = lease_owners(dsn)
+    return len(owners) == SHARDS and set(owners.values()) <= job_ids
+
+
+def _job_of(url: str) -> int:
+    return int(httpx.get(f"{url}/health", timeout=5).json()["job_id"])
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str) -> None:
+    dsn = stack.config.database_dsn
+    moments = [in_seconds(600 + k) for k in range(8)]
+    seeded = seed(stack, 40, AT_TIME, lambda i: {"moment": moments[i % 8]})
+    components = [start(stack, f"smart-{n}") for n in range(3)]
+    urls = [health_url(c) for c in components]
+    jobs = [_job_of(u) for u in urls]
+    wait_for(lambda: lease_owners(dsn), lambda o: None not in o.values() and len(set(o.values())) == 3,
+             60, "3 owners")
+    victim, survivors = components[0], set(jobs[1:])
+
+    started = time.monotonic()
+    os.killpg(victim.pid, getattr(signal, how))
+    wait_for(lambda: _owned_by(dsn, survivors), bool, LEASE + 10, f"takeover after {how}", interval=0.05)
+    took = time.monotonic() - started
+    limit = LEASE + 2 * 1.0 + 1.0 if how == "SIGKILL" else 2.0
+    assert took <= limit, f"takeover after {how} took {took:.1f}s (limit {limit:.1f}s)"
+
+    total = wait_for(lambda: [metrics(u) for u in urls[1:]],
+                     lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 40, 30,
+                     "survivors run every waiter")
+    assert sum(m["smart_triggerer_groups"] for m in total) == 8
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
+    if how == "SIGTERM":
+        assert victim.process is not None and victim.process.wait(15) == 0
+
+
+def test_database_outage_is_survived_without_restart(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    dbname = dsn.rsplit("/", 1)[1]
+    soon = in_seconds(25)
+    seeded = seed(stack, 6, AT_TIME, lambda i: {"moment": soon})
+    component = start(stack)
+    url = health_url(component)
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 6, 30, "6 waiters")
+
+    admin = dsn.rsplit("/", 1)[0] + "/postgres"
+    rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false; SELECT 1')
+    rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", dbname)
+    try:
+        down = wait_for(lambda: httpx.get(f"{url}/health", timeout=5), lambda r: r.status_code == 503,
+                        LEASE + 10, "/health to report the outage")
+        assert down.json()["shards_owned"] == 0  # stopped running shards before the leases could expire
+    finally:
+        rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
+
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=5), lambda r: r.status_code == 200, 30,
+             "/health to recover")
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "waiters resumed after the outage")
+    assert component.running()
+
+
+def test_unimportable_or_undecryptable_triggers_fail_alone(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    missing = seed(stack, 3, "no_such_module.GoneTrigger", lambda i: {"x": i})
+    soon = in_seconds(5)
+    garbled = seed(stack, 2, AT_TIME, lambda i: {"moment": soon})
+    rows(dsn, "UPDATE trigger SET kwargs = 'gAAAAABnot-a-fernet-token' WHERE id = ANY(%s) RETURNING 1",
+         garbled.trigger_ids)
+    healthy = seed(stack, 4, AT_TIME, lambda i: {"moment": soon})
+    component = start(stack)
+
+    for broken in (missing, garbled):
+        wait_for(lambda b=broken: ti_states(dsn, b.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+                 f"{broken.dag_id} failed")
+    for value in next_kwargs(dsn, missing.dag_id).values():
+        assert "no_such_module" in "".join(value["traceback"])
+    for value in next_kwargs(dsn, garbled.dag_id).values():
+        text = "".join(value["traceback"])
+        assert "could not read the kwargs" in text and "not-a-fernet-token" not in text
+    wait_for(lambda: ti_states(dsn, healthy.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "healthy waiters resumed")
+    assert all("event" in v for v in next_kwargs(dsn, healthy.dag_id).values())
+    assert component.running()
