@@ -14,7 +14,8 @@ def collect(settings: Settings) -> dict[str, Any]:
     from triggerer.store import Store
 
     with create_session() as session:
-        rows = Store(session).instances(settings.lease_seconds)
+        store = Store(session)
+        rows = store.instances(settings.lease_seconds) if store.schema_exists() else []
     instances = [_instance(r) for r in rows]
     live = [i for i in instances if i["healthy"]]
     waiters = sum(i["waiters"] for i in live)

@@ -112,6 +112,10 @@ class Store:
             )
         self._run("create_shards", shards=shards)
 
+    def schema_exists(self) -> bool:
+        """False until the first instance has migrated this database."""
+        return self.session.execute(text(f"SELECT to_regclass('{SCHEMA}.instance')")).scalar() is not None
+
     # --- membership and leases ---
 
     def register(self, job_id: int, hostname: str, capacity: int, queues: str | None,

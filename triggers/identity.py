@@ -42,8 +42,20 @@ BUILTIN_DEDUP_CLASSPATHS: frozenset[str] = frozenset(
     }
 )
 
-# Kwargs Airflow itself adds to triggers that say how, not what (TimeDeltaSensor/DateTimeSensor's
-# end_from_trigger changes what the *task* does on the event, so it stays identity).
+_DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
+
+
+def _serialized(trigger: Any) -> Mapping[str, Any]:
+    kwargs: Mapping[str, Any] = trigger.serialize()[1]
+    return kwargs
+
+
+# A DateTimeTrigger started from the triggerer keeps its (rendered) ``target_time`` string; one deferred
+# from a worker carries ``moment``. Both wait for the same instant.
+_NORMALIZERS: dict[str, Callable[[Any], Mapping[str, Any]]] = {
+    _DATETIME_TRIGGER: lambda t: {"moment": t.moment, "end_from_trigger": t.end_from_trigger},
+}
+
 _TIME_TYPES = (dt.datetime, dt.date, dt.time)
 
 
@@ -197,6 +209,15 @@ class IdentityPolicy:
             return None
         return tuple(declared)
 
+    def _normalized(self, classpath: str, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What the trigger itself makes of its kwargs: constructor variants of one wait (e.g.
+        DateTimeTrigger's ``target_time`` string and ``moment`` datetime) become one identity."""
+        try:
+            trigger = self.resolve_class(classpath)(**kwargs)
+            return _NORMALIZERS.get(classpath, _serialized)(trigger)
+        except Exception:
+            return kwargs
+
     def identity(self, classpath: str, kwargs: Mapping[str, Any], trigger_id: int) -> Identity:
         keys = self.identity_keys(classpath, kwargs)
         if keys is not None and has_template(kwargs):
@@ -205,6 +226,9 @@ class IdentityPolicy:
             keys = None
         if keys is None:
             return Identity(singleton_hash(classpath, trigger_id), dedupable=False)
+        if classpath in self.allowed_classpaths:
+            kwargs = self._normalized(classpath, kwargs)
+            keys = tuple(sorted(kwargs))
         missing = [k for k in keys if k not in kwargs]
         if missing:
             raise IdentityError(f"{classpath} declares identity kwargs {missing} that it did not serialize")

@@ -149,3 +149,16 @@ def test_unrendered_templates_are_never_deduplicated() -> None:
     a, b = policy.identity("my.State", kwargs, 1), policy.identity("my.State", kwargs, 2)
     assert not a.dedupable and a != b
     assert policy.identity("my.State", {"nested": ["{% if x %}"]}, 3).dedupable is False
+
+
+def test_allow_listed_constructor_variants_share_one_identity() -> None:
+    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
+    from airflow.sdk import timezone
+
+    classpath = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
+    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: DateTimeTrigger)
+    moment = timezone.parse("2026-11-22T10:00:00+00:00")
+    by_moment = policy.identity(classpath, {"moment": moment, "end_from_trigger": False}, 1)
+    by_string = policy.identity(classpath, {"target_time": "2026-11-22T10:00:00+00:00",
+                                            "end_from_trigger": False}, 2)
+    assert by_moment == by_string and by_moment.dedupable
