@@ -13,6 +13,7 @@ def get_provider_info() -> dict[str, Any]:
         "name": "Smart Triggerer",
         "description": "Deduplicating, sharded triggerer, deferrable sensors and a dataset bridge.",
         "versions": [__version__],
+        "cli": ["triggerer.provider_cli.get_cli_commands"],
         "config": {
             "smart_triggerer": {
                 "description": "Settings of the smart triggerer service.",

@@ -49,3 +49,33 @@ class FailingTrigger(DedupableTrigger, BaseTrigger):
         await asyncio.sleep(self.delay)
         raise RuntimeError(f"boom: {self.target} is unreachable")
         yield  # pragma: no cover - makes this an async generator
+
+
+class KillMarkerTrigger(DedupableTrigger, BaseTrigger):
+    """Waits forever; ``on_kill`` (a user action in Airflow's eyes) writes a marker file."""
+
+    identity_kwargs = ("key",)
+
+    def __init__(self, key: str, marker_dir: str) -> None:
+        super().__init__()
+        self.key = key
+        self.marker_dir = marker_dir
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.{type(self).__name__}", {"key": self.key, "marker_dir": self.marker_dir})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+    async def on_kill(self) -> None:
+        from pathlib import Path
+
+        Path(self.marker_dir, f"on_kill-{self.key}-{self.trigger_id}").write_text("killed")
+
+
+class LoneKillMarkerTrigger(KillMarkerTrigger):
+    """The same, but it declares no identity: every task runs its own coroutine, as in stock Airflow."""
+
+    identity_kwargs = ()

@@ -62,8 +62,10 @@ def stack(airflow_stack: AirflowStack) -> Iterator[AirflowStack]:
     yield airflow_stack
 
 
-def start(stack: AirflowStack, name: str = "smart-triggerer", **env: str) -> Component:
-    return stack.start_smart_triggerer(name, env={**ENV, **env})
+def start(stack: AirflowStack, name: str = "smart-triggerer", **settings: str) -> Component:
+    """Start an instance; ``settings`` override ``[smart_triggerer]`` keys (upper case)."""
+    extra = {f"AIRFLOW__SMART_TRIGGERER__{k}": v for k, v in settings.items()}
+    return stack.start_smart_triggerer(name, env={**ENV, **extra})
 
 
 def seed(stack: AirflowStack, count: int, classpath: str, kwargs_for: Any, **kw: Any) -> Seeded:
@@ -244,3 +246,47 @@ def test_unimportable_or_undecryptable_triggers_fail_alone(stack: AirflowStack) 
              "healthy waiters resumed")
     assert all("event" in v for v in next_kwargs(dsn, healthy.dag_id).values())
     assert component.running()
+
+
+def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, tmp_path: Path) -> None:
+    dsn = stack.config.database_dsn
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    shared = seed(stack, 24, "tests.helpers.triggers.KillMarkerTrigger",
+                  lambda i: {"key": f"k{i % 8}", "marker_dir": str(markers)})
+    lone = seed(stack, 2, "tests.helpers.triggers.LoneKillMarkerTrigger",
+                lambda i: {"key": f"lone{i}", "marker_dir": str(markers)})
+    first = health_url(start(stack, "smart-a"))
+    wait_for(lambda: metrics(first), lambda m: m.get("smart_triggerer_coroutines") == 10, 30,
+             "8 groups + 2 lone triggers running")
+
+    second = health_url(start(stack, "smart-b"))
+    both = wait_for(lambda: [metrics(first), metrics(second)],
+                    lambda ms: all(m.get("smart_triggerer_shards_owned", 0) > 0 for m in ms)
+                    and sum(m["smart_triggerer_waiters"] for m in ms) == 26
+                    and sum(m["smart_triggerer_coroutines"] for m in ms) == 10, 40, "shards split over two")
+    assert both[0]["smart_triggerer_shards_owned"] + both[1]["smart_triggerer_shards_owned"] == SHARDS
+    time.sleep(2)  # cancellations reach the runner within a loop
+    assert list(markers.iterdir()) == [], "a shard handover called on_kill"
+    assert set(ti_states(dsn, shared.dag_id).values()) == {"deferred"}
+
+    # A user marks one lone task failed: its own trigger is cancelled as a user action (on_kill).
+    rows(dsn, "UPDATE task_instance SET state = 'failed' WHERE dag_id = %s AND map_index = 0 RETURNING 1",
+         lone.dag_id)
+    found = wait_for(lambda: sorted(p.name for p in markers.iterdir()), lambda names: len(names) == 1, 30,
+                     "on_kill of the task the user acted on")
+    assert found[0].startswith("on_kill-lone0-")
+
+
+def test_events_for_just_deferred_members_are_held_back(stack: AirflowStack) -> None:
+    """The guard against Airflow 3.3.2 failing tasks resumed within ~5 s of deferral (#71580 family)."""
+    dsn = stack.config.database_dsn
+    past = in_seconds(-60)
+    seeded = seed(stack, 5, AT_TIME, lambda i: {"moment": past})
+    created = rows(dsn, "SELECT min(created_date) FROM trigger WHERE id = ANY(%s)", seeded.trigger_ids)[0][0]
+    start(stack, RESUME_HOLD_SECONDS="8")
+
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "held waiters resumed")
+    resumed_at = rows(dsn, "SELECT min(scheduled_dttm) FROM task_instance WHERE dag_id = %s", seeded.dag_id)
+    assert (resumed_at[0][0] - created).total_seconds() >= 8.0

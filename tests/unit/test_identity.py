@@ -162,3 +162,37 @@ def test_allow_listed_constructor_variants_share_one_identity() -> None:
     by_string = policy.identity(classpath, {"target_time": "2026-11-22T10:00:00+00:00",
                                             "end_from_trigger": False}, 2)
     assert by_moment == by_string and by_moment.dedupable
+
+
+def test_shared_stream_triggers_are_placed_together_but_not_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections.abc import AsyncIterator, Hashable
+
+    from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+    from triggerer.config import Settings
+    from triggerer.identities import _shared_stream_identity
+
+    class Watcher(BaseEventTrigger):
+        def __init__(self, table: str, asset: str) -> None:
+            super().__init__()
+            self.table, self.asset = table, asset
+
+        def serialize(self) -> tuple[str, dict[str, Any]]:
+            return ("x.Watcher", {"table": self.table, "asset": self.asset})
+
+        def shared_stream_key(self) -> Hashable:
+            return ("status-table", self.table)
+
+        async def run(self) -> AsyncIterator[TriggerEvent]:
+            yield TriggerEvent({})
+
+    from triggerer import identities
+
+    monkeypatch.setattr(identities, "_resolve_class", lambda cp: Watcher)
+    a = _shared_stream_identity("x.Watcher", {"table": "meta.status", "asset": "a"}, 1)
+    b = _shared_stream_identity("x.Watcher", {"table": "meta.status", "asset": "b"}, 2)
+    c = _shared_stream_identity("x.Watcher", {"table": "meta.other", "asset": "a"}, 3)
+    assert a is not None and b is not None and c is not None
+    assert a == b and not a.dedupable  # same shard, separate coroutines sharing one stream
+    assert a.shard(Settings().shards) == b.shard(Settings().shards)
+    assert a != c
