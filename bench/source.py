@@ -1,0 +1,54 @@
+"""An HTTP "source" for the benchmark: answers polls and counts them, server side."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+from aiohttp import web
+
+
+class PollSource:
+    def __init__(self) -> None:
+        self.polls = 0
+        self.per_key: Counter[str] = Counter()
+        self.ready_prefixes: set[str] = set()
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _poll(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        self.polls += 1
+        self.per_key[key] += 1
+        return web.json_response({"ready": any(key.startswith(p) for p in self.ready_prefixes)})
+
+    def flip(self, prefix: str) -> float:
+        """Make every key with this prefix ready; returns the wall-clock time of the flip."""
+        self.ready_prefixes.add(prefix)
+        return time.time()
+
+    def start(self) -> None:
+        threading.Thread(target=self._serve, daemon=True, name="poll-source").start()
+        if not self._ready.wait(10):
+            raise RuntimeError("poll source did not start")
+
+    def _serve(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_get("/poll/{key}", self._poll)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)
+        self._loop.run_until_complete(site.start())
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self._ready.set()
+        self._loop.run_forever()

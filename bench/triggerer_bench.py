@@ -1,0 +1,300 @@
+"""Smart triggerer vs stock ``airflow triggerer`` on the same seeded workload, in one run.
+
+    .venv/bin/python -m bench.triggerer_bench --waiters 5000 --duplicates 0.4 --interval 5 --instances 2
+
+For each mode: a fresh metadata database, N deferred task instances polling an HTTP source (that counts
+every poll, server side), ``--instances`` triggerers. Measured: polls per interval at steady state,
+triggerer CPU seconds and peak RSS over the process trees, time from the condition flip to each task
+instance leaving DEFERRED (its ``scheduled_dttm``), failover time after SIGKILL and after SIGTERM of one
+instance (until every waiting trigger row belongs to the survivor). Prints a table with ratios and
+appends it to bench/RESULTS.md with --write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+_HOME = Path(tempfile.mkdtemp(prefix="smart-triggerer-bench-"))
+os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
+    from cryptography.fernet import Fernet
+
+    os.environ["AIRFLOW__CORE__FERNET_KEY"] = Fernet.generate_key().decode()
+
+from bench.source import PollSource  # noqa: E402
+from tests.helpers.databases import create_database, drop_database, unique_name  # noqa: E402
+from tests.helpers.seeding import seed_deferred  # noqa: E402
+from tests.helpers.waiting import rows  # noqa: E402
+from triggerer.devstack import AirflowConfig, AirflowStack, Component, migrate  # noqa: E402
+from triggerer.pgserver import postgres_dsn  # noqa: E402
+
+console = Console()
+POLL_TRIGGER = "bench.triggers.PollTrigger"
+
+
+@dataclass
+class Result:
+    mode: str
+    polls_per_interval: float = 0.0
+    unique: int = 0
+    waiters: int = 0
+    cpu_seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    resume: list[float] = field(default_factory=list)
+    failover_kill: float | None = None
+    failover_term: float | None = None
+    steady_after: float = 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.resume:
+            return float("nan")
+        ordered = sorted(self.resume)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class TreeSampler:
+    """Samples CPU and RSS of the triggerer process trees every 0.5 s."""
+
+    def __init__(self, components: list[Component]) -> None:
+        self.components = components
+        self.cpu: dict[int, float] = {}
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = 0
+            for component in self.components:
+                for proc in component.tree():
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        times = proc.cpu_times()
+                        self.cpu[proc.pid] = times.user + times.system
+                        rss += proc.memory_info().rss
+            self.peak_rss = max(self.peak_rss, rss)
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu.values())
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> float:
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+def triggerer_jobs(dsn: str) -> list[int]:
+    return [r[0] for r in rows(dsn, "SELECT id FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
+                                    "ORDER BY id")]
+
+
+def assigned_to(dsn: str, job_ids: list[int], trigger_ids: list[int]) -> int:
+    return int(rows(dsn, "SELECT count(*) FROM trigger WHERE id = ANY(%s) AND triggerer_id = ANY(%s)",
+                    trigger_ids, job_ids)[0][0])
+
+
+def start_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> tuple[Component, int]:
+    """Start one triggerer of ``mode`` and return it with the id of the job row it created."""
+    dsn = stack.config.database_dsn
+    known = set(triggerer_jobs(dsn))
+    env = {"PYTHONPATH": str(ROOT)}
+    if mode == "stock":
+        argv = [stack.config.airflow_bin(), "triggerer", "--skip-serve-logs", "--capacity", str(capacity)]
+        component = Component(name, argv, stack.log_dir / f"{name}.log")
+        component.start({**stack.config.env(), **env}, cwd=stack.config.home)
+        stack.components.append(component)
+    else:
+        component = stack.start_smart_triggerer(name, capacity=capacity, env=env)
+    wait_until(lambda: bool(set(triggerer_jobs(dsn)) - known), 90, f"{name} job row", interval=0.2)
+    return component, (set(triggerer_jobs(dsn)) - known).pop()
+
+
+def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *, prefix: str,
+         interval: float) -> list[int]:
+    seeded = seed_deferred(
+        config.database_dsn, config.dags_folder, count=waiters, classpath=POLL_TRIGGER,
+        kwargs_for=lambda i: {"url": source.url, "key": f"{prefix}{i % unique}", "poll_interval": interval},
+        dag_id=f"bench_{prefix}",
+    )
+    return seeded.trigger_ids
+
+
+def resume_latencies(dsn: str, dag_id: str, flipped_at: float) -> list[float]:
+    values = rows(dsn, "SELECT extract(epoch FROM scheduled_dttm) FROM task_instance "
+                       "WHERE dag_id = %s AND state <> 'deferred'", dag_id)
+    return [float(v[0]) - flipped_at for v in values]
+
+
+def measure_failover(stack: AirflowStack, instances: list[tuple[Component, int]], trigger_ids: list[int],
+                     how: signal.Signals) -> float:
+    victim = instances[0][0]
+    survivors = [job for _, job in instances[1:]]
+    dsn = stack.config.database_dsn
+    wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids), 300,
+               "failover batch assigned")
+    started = time.monotonic()
+    os.killpg(victim.pid, how)
+    took = wait_until(lambda: assigned_to(dsn, survivors, trigger_ids) == len(trigger_ids), 180,
+                      f"takeover after {how.name}")
+    console.print(f"  {how.name}: every waiting trigger owned by the survivor after {took:.1f}s")
+    return time.monotonic() - started
+
+
+def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str) -> Result:
+    result = Result(mode=mode, waiters=args.waiters)
+    unique = round(args.waiters * (1 - args.duplicates))
+    result.unique = unique
+    name = unique_name(f"st_bench_{mode}")
+    dsn = create_database(server_dsn, name, template)
+    home = _HOME / mode
+    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
+                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+                           extra={"AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+                                  "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5"})
+    config.home.mkdir(parents=True, exist_ok=True)
+    source = PollSource()
+    source.start()
+    stack = AirflowStack(config)
+    try:
+        console.print(f"[bold]{mode}[/]: seeding {args.waiters} waiters on {unique} identities")
+        trigger_ids = seed(config, source, args.waiters, unique, prefix="k", interval=args.interval)
+        instances = [start_instance(stack, mode, f"{mode}-{n}", args.waiters) for n in range(args.instances)]
+        with TreeSampler([c for c, _ in instances]) as sampler:
+            t0 = time.monotonic()
+            wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids),
+                       600, "all waiters assigned", interval=0.5)
+            wait_until(lambda: len(source.per_key) >= unique, 120, "every identity polled", interval=0.5)
+            result.steady_after = time.monotonic() - t0
+            console.print(f"  steady after {result.steady_after:.1f}s; counting polls for 3 intervals")
+            time.sleep(args.interval)  # let start-up bursts pass
+            before = source.polls
+            time.sleep(3 * args.interval)
+            result.polls_per_interval = (source.polls - before) / 3
+            flipped_at = source.flip("k")
+            wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
+                                         "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
+                       interval=0.2)
+            result.resume = resume_latencies(dsn, "bench_k", flipped_at)
+        result.cpu_seconds = sampler.cpu_seconds
+        result.peak_rss_mb = sampler.peak_rss / 2**20
+        console.print(f"  resumed all: p50 {result.pct(0.5):.2f}s p99 {result.pct(0.99):.2f}s "
+                      f"max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
+                      f"rss {result.peak_rss_mb:.0f}MB")
+        batch = seed(config, source, args.failover_waiters, args.failover_waiters // 2, prefix="f",
+                     interval=args.interval)
+        result.failover_term = measure_failover(stack, instances, batch, signal.SIGTERM)
+        # A fresh partner for the survivor, given time to take its share, then the survivor crashes.
+        extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
+        time.sleep(3 * args.interval)
+        result.failover_kill = measure_failover(stack, [instances[1], extra], batch, signal.SIGKILL)
+    finally:
+        stack.stop()
+        with contextlib.suppress(Exception):
+            drop_database(server_dsn, name)
+    return result
+
+
+def ratio(smart: float, stock: float) -> str:
+    return f"{smart / stock:.2f}x" if stock else "n/a"
+
+
+def report(results: dict[str, Result], args: argparse.Namespace) -> str:
+    stock, smart = results.get("stock"), results.get("smart")
+    table = Table(title=f"{args.waiters} waiters, {args.duplicates:.0%} duplicates, poll interval "
+                        f"{args.interval:g}s, {args.instances} instances each")
+    table.add_column("metric")
+    for mode in results:
+        table.add_column(mode)
+    if stock and smart:
+        table.add_column("smart / stock")
+    lines = ["| metric | " + " | ".join(results) + (" | smart / stock |" if stock and smart else " |"),
+             "|---|" + "---|" * (len(results) + (1 if stock and smart else 0))]
+
+    def add(label: str, get: Callable[[Result], float | None], fmt: str) -> None:
+        values = [get(r) for r in results.values()]
+        cells = [fmt.format(v) if v is not None else "-" for v in values]
+        if stock and smart:
+            a, b = get(smart), get(stock)
+            cells.append(ratio(a, b) if a is not None and b is not None else "-")
+        table.add_row(label, *cells)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    add("unique identities", lambda r: r.unique, "{:.0f}")
+    add("polls per interval (server side)", lambda r: r.polls_per_interval, "{:.0f}")
+    add("polls / unique identities", lambda r: r.polls_per_interval / r.unique, "{:.2f}")
+    add("triggerer CPU seconds", lambda r: r.cpu_seconds, "{:.1f}")
+    add("peak RSS of triggerer trees (MB)", lambda r: r.peak_rss_mb, "{:.0f}")
+    add("resume p50 (s)", lambda r: r.pct(0.5), "{:.2f}")
+    add("resume p99 (s)", lambda r: r.pct(0.99), "{:.2f}")
+    add("resume max (s)", lambda r: max(r.resume) if r.resume else None, "{:.2f}")
+    add("failover after SIGKILL (s)", lambda r: r.failover_kill, "{:.1f}")
+    add("handover after SIGTERM (s)", lambda r: r.failover_term, "{:.1f}")
+    add("time to steady state (s)", lambda r: r.steady_after, "{:.1f}")
+    console.print(table)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--waiters", type=int, default=5000)
+    parser.add_argument("--duplicates", type=float, default=0.4)
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--failover-waiters", type=int, default=500)
+    parser.add_argument("--modes", default="stock,smart")
+    parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args()
+    results: dict[str, Result] = {}
+    with postgres_dsn() as server_dsn:
+        template = unique_name("st_bench_template")
+        dsn = create_database(server_dsn, template)
+        try:
+            console.print("migrating a template metadata database")
+            migrate(AirflowConfig(home=_HOME / "template", database_dsn=dsn, dags_folder=_HOME / "dags",
+                                  fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+            for mode in args.modes.split(","):
+                results[mode] = run_mode(mode, args, server_dsn, template)
+        finally:
+            drop_database(server_dsn, template)
+    markdown = report(results, args)
+    if args.write:
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = "python -m bench.triggerer_bench " + " ".join(sys.argv[1:])
+        with (ROOT / "bench" / "RESULTS.md").open("a") as out:
+            out.write(f"\n## Triggerer: {stamp}\n\n`{command}`\n\n{markdown}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The benchmark's trigger: polls an HTTP source that counts every request it receives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+
+_sessions: dict[int, aiohttp.ClientSession] = {}
+
+
+def _session() -> aiohttp.ClientSession:
+    """One client session per event loop: thousands of triggers must not open thousands of pools."""
+    loop_id = id(asyncio.get_running_loop())
+    session = _sessions.get(loop_id)
+    if session is None or session.closed:
+        session = _sessions[loop_id] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=50), timeout=aiohttp.ClientTimeout(total=30)
+        )
+    return session
+
+
+class PollTrigger(DedupableTrigger, BaseTrigger):
+    """Waits until ``GET {url}/poll/{key}`` answers ready; ``poll_interval`` is how, not what."""
+
+    identity_kwargs = ("url", "key")
+
+    def __init__(self, url: str, key: str, poll_interval: float = 5.0) -> None:
+        super().__init__()
+        self.url, self.key, self.poll_interval = url, key, poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("bench.triggers.PollTrigger",
+                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            try:
+                async with _session().get(f"{self.url}/poll/{self.key}") as response:
+                    if (await response.json())["ready"]:
+                        yield TriggerEvent({"key": self.key})
+                        return
+            except aiohttp.ClientError:
+                pass  # the source is down: poll again next interval
+            await asyncio.sleep(self.poll_interval)
