@@ -8,7 +8,8 @@ next coroutine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -17,6 +18,10 @@ class Group:
     identity_hash: int
     members: set[int] = field(default_factory=set)
     runner_id: int | None = None  # trigger id of the running coroutine, None before it starts
+    # numeric execution settings (poll intervals...): the most demanding (smallest) of all members,
+    # and those the running coroutine was started with
+    settings: dict[str, float] = field(default_factory=dict)
+    running_settings: dict[str, float] = field(default_factory=dict)
 
     @property
     def leader(self) -> int | None:
@@ -27,6 +32,16 @@ class Group:
     def empty(self) -> bool:
         return not self.members
 
+    def merge_settings(self, execution: Mapping[str, float]) -> None:
+        for key, value in execution.items():
+            self.settings[key] = min(value, self.settings.get(key, value))
+
+    def stricter_than_running(self) -> bool:
+        """A member joined that needs a more demanding setting than the coroutine runs with."""
+        return self.runner_id is not None and any(
+            value < self.running_settings.get(key, math.inf) for key, value in self.settings.items()
+        )
+
 
 @dataclass
 class Groups:
@@ -36,11 +51,13 @@ class Groups:
     hash_of_member: dict[int, int] = field(default_factory=dict)
     hash_of_runner: dict[int, int] = field(default_factory=dict)
 
-    def join(self, trigger_id: int, identity_hash: int) -> Group:
+    def join(self, trigger_id: int, identity_hash: int,
+             execution: Mapping[str, float] | None = None) -> Group:
         group = self.by_hash.get(identity_hash)
         if group is None:
             group = self.by_hash[identity_hash] = Group(identity_hash)
         group.members.add(trigger_id)
+        group.merge_settings(execution or {})
         self.hash_of_member[trigger_id] = identity_hash
         return group
 
@@ -53,14 +70,22 @@ class Groups:
         group.members.discard(trigger_id)
         return group
 
-    def start(self, group: Group) -> int:
-        """Record that the leader's row now runs the group's coroutine; returns the runner id."""
-        leader = group.leader
-        if leader is None:
+    def start(self, group: Group, runner: int | None = None) -> int:
+        """Record that a member's row (the leader's by default) now runs the group's coroutine."""
+        runner = group.leader if runner is None else runner
+        if runner is None:
             raise ValueError("cannot start an empty group")
-        group.runner_id = leader
-        self.hash_of_runner[leader] = group.identity_hash
-        return leader
+        if runner not in group.members:
+            raise ValueError(f"trigger {runner} is not a member of the group")
+        group.runner_id = runner
+        group.running_settings = dict(group.settings)
+        self.hash_of_runner[runner] = group.identity_hash
+        return runner
+
+    def restart(self, group: Group, runner: int) -> int:
+        """Run the group from another member's row (its old coroutine is cancelled by the caller)."""
+        self.stop_runner(group)
+        return self.start(group, runner)
 
     def by_runner(self, runner_id: int) -> Group | None:
         identity_hash = self.hash_of_runner.get(runner_id)

@@ -59,6 +59,7 @@ class WaitingTrigger:
     dedupable: bool
     created_date: dt.datetime
     has_task: bool
+    execution: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Store:
     def waiting_triggers(self, shards: Iterable[int], after_id: int = 0) -> list[WaitingTrigger]:
         rows = self._run("waiting_triggers", shards=sorted(shards), after_id=after_id)
         return [WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.created_date,
-                               r.has_task) for r in rows]
+                               r.has_task, dict(r.execution or {})) for r in rows]
 
     def failed_identities(self, shards: Iterable[int]) -> list[tuple[int, str]]:
         return [(r.trigger_id, r.error) for r in self._run("failed_identities", shards=sorted(shards))]
@@ -173,5 +174,3 @@ class Store:
     def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))
 
-    def execution_settings(self, ids: Iterable[int]) -> list[dict[str, float]]:
-        return [dict(r.execution) for r in self._run("execution_settings", ids=sorted(ids))]

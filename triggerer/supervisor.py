@@ -209,7 +209,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             return
         self.member_info[row.trigger_id] = row
         dedup = row.dedupable and self.settings.dedup
-        self.groups.join(row.trigger_id, group_key(row.trigger_id, row.identity_hash, dedup))
+        key = group_key(row.trigger_id, row.identity_hash, dedup)
+        group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
+        if group.stricter_than_running():
+            # The newcomer needs a more demanding setting (e.g. a shorter poll interval): run the group
+            # from its row with the merged settings; the old coroutine is cancelled without on_kill.
+            log.info("restarting a group with more demanding settings", members=len(group.members))
+            self.groups.restart(group, runner=row.trigger_id)
 
     def _reconcile(self, waiting: set[int]) -> None:
         for trigger_id in set(self.member_info) - waiting:
@@ -271,19 +277,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if info is not None and info.dedupable and self.settings.dedup:
             # Members time out one by one (see _timeout_members); the shared coroutine must not.
             workload = workload.model_copy(update={"timeout_after": None})
-            workload = self._with_group_settings(workload, trigger, group, session)
+            workload = self._with_group_settings(workload, trigger, group)
         return workload
 
-    def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group, session: Session) -> Any:
-        if len(group.members) < 2:
-            return workload
-        settings = Store(session).execution_settings(group.members)
-        merged: dict[str, float] = {}
-        for member in settings:
-            for key, value in member.items():
-                merged[key] = min(value, merged.get(key, value))
+    def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group) -> Any:
+        """Run the group with its members' most demanding numeric settings."""
         kwargs = trigger.kwargs
-        changed = {k: v for k, v in merged.items() if k in kwargs and kwargs[k] != v}
+        changed = {k: v for k, v in group.settings.items() if k in kwargs and kwargs[k] != v}
         if not changed:
             return workload
         kwargs.update(changed)

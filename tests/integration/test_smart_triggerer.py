@@ -290,3 +290,22 @@ def test_events_for_just_deferred_members_are_held_back(stack: AirflowStack) -> 
              "held waiters resumed")
     resumed_at = rows(dsn, "SELECT min(scheduled_dttm) FROM task_instance WHERE dag_id = %s", seeded.dag_id)
     assert (resumed_at[0][0] - created).total_seconds() >= 8.0
+
+
+def test_a_more_demanding_newcomer_restarts_the_group_with_its_setting(stack: AirflowStack) -> None:
+    dsn = stack.config.database_dsn
+    moment = in_seconds(12)
+    slow = seed(stack, 3, AT_TIME, lambda i: {"moment": moment, "poll_interval": 120.0})
+    url = health_url(start(stack))
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 1, 30,
+             "the slow group running")
+
+    fast = seed(stack, 1, AT_TIME, lambda i: {"moment": moment, "poll_interval": 0.2})
+    both = wait_for(lambda: ti_states(dsn, slow.dag_id) | {9: ti_states(dsn, fast.dag_id)[0]},
+                    lambda s: set(s.values()) == {"scheduled"}, 40, "the whole group resumed")
+    assert len(both) == 4
+    resumed = rows(dsn, "SELECT max(scheduled_dttm) FROM task_instance WHERE dag_id IN (%s, %s)",
+                   slow.dag_id, fast.dag_id)[0][0]
+    # With the members' 120 s interval the group would have fired minutes late.
+    assert (resumed - dt.datetime.fromisoformat(moment)).total_seconds() < 5
+    assert metrics(url)["smart_triggerer_groups"] == 0

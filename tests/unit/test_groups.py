@@ -60,3 +60,24 @@ def test_stop_runner_keeps_members_waiting() -> None:
     groups.stop_runner(group)
     assert group.runner_id is None and groups.runner_ids() == set()
     assert groups.members() == {1, 2}
+
+
+def test_group_settings_are_the_most_demanding_of_its_members() -> None:
+    groups = Groups()
+    group = groups.join(1, 42, {"poll_interval": 30.0})
+    groups.join(2, 42, {"poll_interval": 60.0})
+    assert group.settings == {"poll_interval": 30.0}
+    groups.start(group)
+    assert not group.stricter_than_running()
+    groups.join(3, 42, {"poll_interval": 5.0})
+    assert group.stricter_than_running()
+    assert groups.restart(group, runner=3) == 3
+    assert group.running_settings == {"poll_interval": 5.0} and groups.runner_ids() == {3}
+    assert not group.stricter_than_running()
+
+
+def test_runner_must_be_a_member() -> None:
+    groups = Groups()
+    group = groups.join(1, 42)
+    with pytest.raises(ValueError, match="not a member"):
+        groups.start(group, runner=9)

@@ -88,7 +88,7 @@ ON CONFLICT (trigger_id) DO NOTHING;
 
 -- name: waiting_triggers
 -- Triggers of the given shards that something still waits on (a deferred task, an asset, a callback).
-SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, t.created_date,
+SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, t.created_date,
        EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task
 FROM smart_triggerer.trigger_identity i
 JOIN trigger t ON t.id = i.trigger_id
@@ -108,10 +108,6 @@ WHERE i.error IS NOT NULL AND i.shard = ANY(:shards);
 -- Marks the triggers this instance runs as its own (the UI and trigger-log paths read triggerer_id).
 UPDATE trigger SET triggerer_id = :job_id
 WHERE id = ANY(:ids) AND triggerer_id IS DISTINCT FROM :job_id;
-
--- name: execution_settings
--- Numeric execution settings of a group's members, to run the group with the most demanding ones.
-SELECT execution FROM smart_triggerer.trigger_identity WHERE trigger_id = ANY(:ids);
 
 -- name: instances
 -- Every known instance and what it owns, for `smart-triggerer status`.
