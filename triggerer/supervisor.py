@@ -21,15 +21,13 @@ from typing import Any
 import attrs
 import structlog
 from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor, messages
-from airflow.models.taskinstance import TaskInstance
-from airflow.models.trigger import Trigger, TriggerFailureReason, handle_event_submit
+from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.session import create_session
-from airflow.utils.state import TaskInstanceState
-from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from triggerer import fanout
 from triggerer.config import Settings
 from triggerer.groups import Group, Groups
 from triggerer.identities import compute_identities, group_key
@@ -38,7 +36,6 @@ from triggerer.runner import SmartTriggerRunner
 from triggerer.store import Store, WaitingTrigger
 
 log = structlog.get_logger(logger_name=__name__)
-TRIGGER_FAIL_REPR = "__fail__"
 
 
 @dataclass
@@ -237,27 +234,15 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _timeout_members(self) -> None:
         """Time out deferred members one by one (as the scheduler does), precisely, each loop."""
-        members = [t for t, info in self.member_info.items() if info.has_task]
-        if not members:
-            return
         with create_session() as session:
-            session.execute(
-                update(TaskInstance)
-                .where(TaskInstance.state == TaskInstanceState.DEFERRED,
-                       TaskInstance.trigger_id.in_(members),
-                       TaskInstance.trigger_timeout < time_now())
-                .values(state=TaskInstanceState.SCHEDULED, next_method=TRIGGER_FAIL_REPR,
-                        next_kwargs={"error": TriggerFailureReason.TRIGGER_TIMEOUT},
-                        scheduled_dttm=time_now(), trigger_id=None)
-                .execution_options(synchronize_session=False)
-            )
+            fanout.timeout(session, sorted(self.owned))
 
     def _fail_unreadable(self) -> None:
         """Tasks whose trigger kwargs could not be read fail at once with the cause, alone."""
         with create_session() as session:
             for trigger_id, error in Store(session).failed_identities(self.owned):
                 log.error("failing the tasks of an unreadable trigger", trigger_id=trigger_id, error=error)
-                fail_members(session, [trigger_id], [f"smart-triggerer: {error}\n"])
+                fanout.fail(session, [trigger_id], [f"smart-triggerer: {error}\n"])
 
     def _start_groups(self) -> None:
         for group in list(self.groups.waiting()):
@@ -297,15 +282,17 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         entries = list(self.events)
         plans = [(entry, self.groups.by_runner(entry.trigger_id)) for entry in entries]
         now = time.time()
+        batches: list[fanout.Batch] = []
         with create_session() as session:
             for entry, group in plans:
                 if group is None:
                     continue
                 ready, _young = self._split_by_age(group.members, now)
-                self.resumed_total += resume_members(session, self._task_members(ready), entry.event)
+                batches.append((self._task_members(ready), entry.event))
                 for trigger_id in group.members:
                     if not self._is_task(trigger_id):
                         Trigger.submit_event(trigger_id=trigger_id, event=entry.event, session=session)
+            self.resumed_total += fanout.resume(session, batches)
         for _ in entries:
             entry = self.events.popleft()
             if entry.persist_seq is not None:
@@ -357,9 +344,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         for trigger_id in due:
             by_event[id(self.held[trigger_id].event)].append(trigger_id)
         with create_session() as session:
-            for trigger_ids in by_event.values():
-                event = self.held[trigger_ids[0]].event
-                self.resumed_total += resume_members(session, trigger_ids, event)
+            batches = [(ids, self.held[ids[0]].event) for ids in by_event.values()]
+            self.resumed_total += fanout.resume(session, batches)
         for trigger_id in due:
             self.held.pop(trigger_id, None)
             self.member_info.pop(trigger_id, None)
@@ -375,7 +361,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 if group is None:
                     log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
                     continue
-                self.failures_total += fail_members(session, self._task_members(members), exc)
+                self.failures_total += fanout.fail(session, self._task_members(members), exc)
         for _ in entries:
             self.failed_triggers.popleft()
         for _runner_id, _exc, group in plans:
@@ -418,46 +404,3 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         counters.update(shards_owned=len(self.owned), job_id=self.job_id,
                         coroutines=len(self.running_triggers), lease_age=time.monotonic() - self.last_renewal)
         return counters
-
-
-def time_now() -> Any:
-    from airflow._shared.timezones import timezone
-
-    return timezone.utcnow()
-
-
-def _locked_deferred(session: Session, trigger_ids: list[int]) -> list[TaskInstance]:
-    """Deferred task instances of these triggers, row-locked: a concurrent submitter re-checks the
-    state after our commit and skips them, so no task is resumed twice."""
-    if not trigger_ids:
-        return []
-    query = (
-        select(TaskInstance)
-        .where(TaskInstance.trigger_id.in_(trigger_ids), TaskInstance.state == TaskInstanceState.DEFERRED)
-        .with_for_update(of=TaskInstance)
-    )
-    return list(session.scalars(query))
-
-
-def resume_members(session: Session, trigger_ids: list[int], event: TriggerEvent) -> int:
-    tis = _locked_deferred(session, trigger_ids)
-    for ti in tis:
-        handle_event_submit(event, task_instance=ti, session=session)
-    return len(tis)
-
-
-def fail_members(session: Session, trigger_ids: list[int], exc: Any) -> int:
-    """As ``Trigger.submit_failure``, for every member at once."""
-    from traceback import format_exception
-
-    traceback = format_exception(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else exc
-    tis = _locked_deferred(session, trigger_ids)
-    for ti in tis:
-        ti.next_method = TRIGGER_FAIL_REPR
-        ti.next_kwargs = {"error": TriggerFailureReason.TRIGGER_FAILURE, "traceback": traceback}
-        ti.trigger_id = None
-        ti.state = TaskInstanceState.SCHEDULED
-        ti.scheduled_dttm = time_now()
-    session.flush()
-    return len(tis)
-

@@ -43,3 +43,4 @@ CREATE TABLE smart_triggerer.trigger_identity (
 
 CREATE INDEX trigger_identity_shard ON smart_triggerer.trigger_identity (shard, trigger_id);
 CREATE INDEX trigger_identity_hash ON smart_triggerer.trigger_identity (identity_hash);
+CREATE INDEX trigger_identity_error ON smart_triggerer.trigger_identity (trigger_id) WHERE error IS NOT NULL;

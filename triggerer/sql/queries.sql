@@ -120,3 +120,33 @@ SELECT i.job_id, i.hostname, i.capacity, i.queues, i.health_url, i.started_at, i
         WHERE l.owner_job_id = i.job_id AND l.expires_at > now()) AS shards_owned
 FROM smart_triggerer.instance i
 ORDER BY i.job_id;
+
+-- name: lock_deferred
+-- Deferred task instances of these triggers, row-locked in id order: a concurrent submitter waits, then
+-- re-checks the state and skips them, so no task is resumed twice.
+SELECT id, trigger_id, next_kwargs FROM task_instance
+WHERE trigger_id = ANY(:trigger_ids) AND state = 'deferred'
+ORDER BY id
+FOR UPDATE;
+
+-- name: resume_task_instances
+-- Resumes many task instances in one statement, as Airflow's handle_event_submit does one by one.
+UPDATE task_instance AS ti
+SET state = 'scheduled', next_kwargs = CAST(v.next_kwargs AS jsonb), trigger_id = NULL, scheduled_dttm = now()
+FROM unnest(CAST(:ids AS uuid[]), CAST(:next_kwargs AS text[])) AS v(id, next_kwargs)
+WHERE ti.id = v.id;
+
+-- name: fail_task_instances
+-- Fails many task instances through Airflow's __fail__ resume path (the worker runs failure callbacks).
+UPDATE task_instance
+SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwargs AS jsonb),
+    trigger_id = NULL, scheduled_dttm = now()
+WHERE id = ANY(CAST(:ids AS uuid[]));
+
+-- name: timeout_members
+-- Times out deferred members of this instance's shards one by one, exactly as the scheduler does.
+UPDATE task_instance
+SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwargs AS jsonb),
+    trigger_id = NULL, scheduled_dttm = now()
+WHERE state = 'deferred' AND trigger_timeout < now()
+  AND trigger_id IN (SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE shard = ANY(:shards));

@@ -1,0 +1,102 @@
+"""Fan-out: resume or fail many task instances in one transaction, with a few statements.
+
+Stock Airflow resumes each task instance through the ORM and commits each event on its own (~115 tasks/s
+here). Here every event of a loop is applied in one transaction: one row-locking SELECT, the new
+``next_kwargs`` computed once per distinct (stored kwargs, event) pair, one UPDATE for all. Anything the
+fast path cannot express (task-end events, undecodable kwargs) goes through Airflow's own
+``handle_event_submit``, which also decides how such a task fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from traceback import format_exception
+from typing import Any
+
+from airflow.models.taskinstance import TaskInstance
+from airflow.models.trigger import TriggerFailureReason, handle_event_submit
+from airflow.triggers.base import TriggerEvent
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from triggerer.store import queries
+
+Batch = tuple[Sequence[int], TriggerEvent]
+
+
+def _resumed_kwargs(stored: Any, payload: Any) -> str | None:
+    """``next_kwargs`` with the event added, as JSON text; None when Airflow's own path must decide."""
+    from airflow.models.trigger import _decode_next_kwargs
+    from airflow.sdk.serde import serialize
+
+    try:
+        next_kwargs = _decode_next_kwargs(stored or {})
+        next_kwargs["event"] = payload
+        return json.dumps(serialize(next_kwargs))
+    except Exception:
+        return None
+
+
+def resume(session: Session, batches: Sequence[Batch]) -> int:
+    """Resume every deferred task instance of each batch's triggers with that batch's event."""
+    plain = {tid: event for ids, event in batches if type(event) is TriggerEvent for tid in ids}
+    special = [(ids, event) for ids, event in batches if type(event) is not TriggerEvent]
+    resumed = 0
+    if plain:
+        locked = session.execute(text(queries()["lock_deferred"]), {"trigger_ids": list(plain)}).all()
+        cache: dict[tuple[str, int], str | None] = {}
+        ids: list[str] = []
+        values: list[str] = []
+        slow: list[tuple[Any, TriggerEvent]] = []
+        for ti_id, trigger_id, stored in locked:
+            event = plain[trigger_id]
+            key = (json.dumps(stored, sort_keys=True), id(event))
+            if key not in cache:
+                cache[key] = _resumed_kwargs(stored, event.payload)
+            if cache[key] is None:
+                slow.append((ti_id, event))
+            else:
+                ids.append(str(ti_id))
+                values.append(cache[key])  # type: ignore[arg-type]
+        if ids:
+            session.execute(text(queries()["resume_task_instances"]), {"ids": ids, "next_kwargs": values})
+        resumed += len(ids) + _resume_through_airflow(session, slow)
+    for trigger_ids, event in special:
+        tis = session.scalars(
+            select(TaskInstance)
+            .where(TaskInstance.trigger_id.in_(list(trigger_ids)), TaskInstance.state == "deferred")
+            .with_for_update(of=TaskInstance)
+        ).all()
+        resumed += _resume_through_airflow(session, [(ti.id, event) for ti in tis])
+    return resumed
+
+
+def _resume_through_airflow(session: Session, items: Sequence[tuple[Any, TriggerEvent]]) -> int:
+    for ti_id, event in items:
+        ti = session.get(TaskInstance, ti_id)
+        if ti is not None:
+            handle_event_submit(event, task_instance=ti, session=session)
+    return len(items)
+
+
+def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
+    """As ``Trigger.submit_failure``, for every deferred task instance of these triggers at once."""
+    traceback = format_exception(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else exc
+    if not trigger_ids:
+        return 0
+    locked = session.execute(text(queries()["lock_deferred"]), {"trigger_ids": list(trigger_ids)}).all()
+    if not locked:
+        return 0
+    next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_FAILURE.value, "traceback": traceback})
+    session.execute(text(queries()["fail_task_instances"]),
+                    {"ids": [str(row[0]) for row in locked], "next_kwargs": next_kwargs})
+    return len(locked)
+
+
+def timeout(session: Session, shards: Sequence[int]) -> None:
+    """Time out deferred members of these shards whose own ``trigger_timeout`` passed."""
+    if not shards:
+        return
+    next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_TIMEOUT.value})
+    session.execute(text(queries()["timeout_members"]), {"shards": list(shards), "next_kwargs": next_kwargs})
