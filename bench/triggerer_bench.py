@@ -104,6 +104,12 @@ class TreeSampler:
     def cpu_seconds(self) -> float:
         return sum(self.cpu.values())
 
+    def split(self) -> tuple[float, float]:
+        """CPU seconds so far of the supervisors (the roots) and of everything below them."""
+        roots = {c.pid for c in self.components}
+        top = sum(v for pid, v in self.cpu.items() if pid in roots)
+        return top, self.cpu_seconds - top
+
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> float:
     started = time.monotonic()
@@ -196,16 +202,24 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
                        600, "all waiters assigned", interval=0.5)
             wait_until(lambda: len(source.per_key) >= unique, 120, "every identity polled", interval=0.5)
             result.steady_after = time.monotonic() - t0
+            phases = [("start", sampler.split())]
             console.print(f"  steady after {result.steady_after:.1f}s; counting polls for 3 intervals")
             time.sleep(args.interval)  # let start-up bursts pass
             before = source.polls
             time.sleep(3 * args.interval)
             result.polls_per_interval = (source.polls - before) / 3
+            phases.append(("steady", sampler.split()))
             flipped_at = source.flip("k")
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
                                          "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
                        interval=0.2)
             result.resume = resume_latencies(dsn, "bench_k", flipped_at)
+            time.sleep(1)
+            phases.append(("resume", sampler.split()))
+        last = (0.0, 0.0)
+        for phase, (top, below) in phases:
+            console.print(f"  cpu {phase}: supervisors {top - last[0]:.1f}s, runners {below - last[1]:.1f}s")
+            last = (top, below)
         result.cpu_seconds = sampler.cpu_seconds
         result.peak_rss_mb = sampler.peak_rss / 2**20
         console.print(f"  resumed all: p50 {result.pct(0.5):.2f}s p99 {result.pct(0.99):.2f}s "

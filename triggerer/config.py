@@ -22,6 +22,8 @@ class Settings:
     loop_seconds: float = 1.0
     # every N loops the full membership of owned shards is re-read (departures); new rows every loop
     reconcile_every: int = 5
+    # coroutines started per loop (Airflow builds each workload with a few queries)
+    max_new_per_loop: int = 250
 
     def __post_init__(self) -> None:
         if self.shards < 1:

@@ -177,7 +177,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _hash_new_triggers(self) -> None:
         with create_session() as session:
             store = Store(session)
-            rows = store.unhashed_triggers(sorted(self.queues) if self.queues else None, limit=5000)
+            rows = store.unhashed_triggers(sorted(self.queues) if self.queues else None,
+                                           limit=self.settings.max_new_per_loop * 4)
             if rows:
                 store.insert_identities(compute_identities(rows, self.settings))
 
@@ -191,8 +192,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             else:
                 rows = store.waiting_triggers(self.owned - gained, after_id=self.max_seen_id)
                 rows += store.waiting_triggers(gained & self.owned)
-            if rows:
-                store.claim_triggers(self.job_id, [r.trigger_id for r in rows])
+            new = [r.trigger_id for r in rows if r.trigger_id not in self.member_info]
+            if new:
+                store.claim_triggers(self.job_id, new)
         if full:
             self._reconcile({r.trigger_id for r in rows})
         for row in rows:
@@ -245,9 +247,11 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 fanout.fail(session, [trigger_id], [f"smart-triggerer: {error}\n"])
 
     def _start_groups(self) -> None:
-        for group in list(self.groups.waiting()):
-            if group.runner_id is None:
-                self.groups.start(group)
+        # Building a workload costs Airflow a few queries per trigger: start a bounded number per loop so
+        # every loop stays short and renews its leases in time (stock Airflow takes 50 per loop).
+        pending = [g for g in self.groups.waiting() if g.runner_id is None]
+        for group in pending[: self.settings.max_new_per_loop]:
+            self.groups.start(group)
         self.update_triggers(self.groups.runner_ids())
 
     # --- workloads ---
