@@ -60,6 +60,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     max_seen_id: int = attrs.field(default=0, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
+    last_load: float = attrs.field(default=-math.inf, init=False)
     db_ok: bool = attrs.field(default=True, init=False)
     events_total: int = attrs.field(default=0, init=False)
     resumed_total: int = attrs.field(default=0, init=False)
@@ -87,13 +88,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             store.register(self.job_id, socket.getfqdn(), self.capacity, self.queues_key, self.health_url)
 
     def run_once(self) -> None:
-        self.loops += 1
-        self._db_step("load", self.load_triggers)
-        self._service_subprocess(self.settings.loop_seconds)
+        """Load once per ``loop_seconds``; in between, handle runner messages (events) as they come."""
+        since_load = time.monotonic() - self.last_load
+        if since_load >= self.settings.loop_seconds:
+            self.loops += 1
+            self.last_load = time.monotonic()
+            self._db_step("load", self.load_triggers)
+            self._db_step("cleanup", self.clean_unused)
+            since_load = 0.0
+        self._service_subprocess(self.settings.loop_seconds - since_load)
         self._db_step("events", self.handle_events)
         self._db_step("failures", self.handle_failed_triggers)
         self._db_step("held events", self.release_held)
-        self._db_step("cleanup", self.clean_unused)
         self._db_step("heartbeat", self.heartbeat)
         self.emit_metrics()
         self._guard_leases()
