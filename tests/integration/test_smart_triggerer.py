@@ -186,7 +186,9 @@ def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str) -
     os.killpg(victim.pid, getattr(signal, how))
     wait_for(lambda: _owned_by(dsn, survivors), bool, LEASE + 10, f"takeover after {how}", interval=0.05)
     took = time.monotonic() - started
-    limit = LEASE + 2 * 1.0 + 1.0 if how == "SIGKILL" else 2.0
+    # lease + 2 loops after a crash, 2 s after a graceful stop; 0.3 s for this test's own polling
+    limit = (LEASE + 2 * 1.0 if how == "SIGKILL" else 2.0) + 0.3
+    print(f"takeover after {how}: {took:.2f}s")
     assert took <= limit, f"takeover after {how} took {took:.1f}s (limit {limit:.1f}s)"
 
     total = wait_for(lambda: [metrics(u) for u in urls[1:]],
