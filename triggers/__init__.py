@@ -1,1 +1,5 @@
 """Async triggers (asyncpg, aiohttp) and the identity contract: what a trigger waits on."""
+
+from triggers.table_load import TableLoadTrigger
+
+__all__ = ["TableLoadTrigger"]

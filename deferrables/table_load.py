@@ -1,0 +1,111 @@
+"""TableLoadSensor: one sensor waits for n tables recorded in an ETL load-status table."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, Context
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+
+from triggers.table_load import LoadState, StatusTable, TableLoadTrigger, check_once, parse_since
+
+
+class TableLoadSensor(BaseSensorOperator):
+    """Wait until every ``required_tables`` entry's latest status in ``status_table`` is SUCCESS.
+
+    A latest FAILED fails the task (skips it with ``soft_fail``); a latest START (mid-load) or no row keeps
+    waiting. ``since`` (templated, e.g. ``"{{ data_interval_end }}"``) ignores loads not newer than it.
+    With ``notify_channel``, a ``NOTIFY <channel>`` from the ETL wakes the wait at once; polling every
+    ``poke_interval`` stays the safety net. Deferrable by default: the worker checks once, then hands the
+    wait to the triggerer, where identical waits of other DAGs share one poll.
+    """
+
+    template_fields: Sequence[str] = ("required_tables", "since")
+    ui_color = "#e3f2e8"
+
+    def __init__(
+        self,
+        *,
+        conn_id: str,
+        required_tables: Sequence[str],
+        status_table: str = "meta.detail_process_table_status",
+        table_column: str = "table_name",
+        status_column: str = "status",
+        time_column: str = "created_dttm",
+        since: str | dt.datetime | None = None,
+        notify_channel: str | None = None,
+        deferrable: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(conn_id, str) or not conn_id:
+            raise ValueError(f"conn_id must be a non-empty connection id, got {conn_id!r}")
+        if isinstance(required_tables, str) or not required_tables:
+            raise ValueError("required_tables must be a non-empty list of table names, "
+                             f"got {required_tables!r}")
+        if not all(isinstance(t, str) and t for t in required_tables):
+            raise ValueError(f"required_tables must hold non-empty strings, got {list(required_tables)!r}")
+        if notify_channel is not None and not notify_channel.replace("_", "").isalnum():
+            raise ValueError(f"notify_channel={notify_channel!r} is not a plain channel name (letters, "
+                             "digits, _)")
+        self.conn_id = conn_id
+        self.required_tables = list(required_tables)
+        self.status = StatusTable(status_table, table_column, status_column, time_column)
+        self.since = since
+        self.notify_channel = notify_channel
+        self.deferrable = deferrable
+
+    def _since(self) -> dt.datetime | None:
+        try:
+            return parse_since(self.since)
+        except ValueError as err:
+            raise AirflowException(f"since={self.since!r} is not a timestamp: {err}") from err
+
+    def _check(self) -> LoadState:
+        return asyncio.run(check_once(self.conn_id, self.status, self.required_tables, self._since()))
+
+    def _finish(self, state: dict[str, Any]) -> None:
+        if state["status"] == "success":
+            self.log.info("%s", state["message"])
+            return
+        message = f"{self.task_id}: {state['message']}"
+        if self.soft_fail:
+            raise AirflowSkipException(message)
+        raise AirflowException(message)
+
+    def poke(self, context: Context) -> bool:
+        state = self._check()
+        if state.status == "failed":
+            self._finish(state.payload())
+        self.log.info("%s", state.message())
+        return state.status == "success"
+
+    def execute(self, context: Context) -> None:
+        if not self.deferrable:
+            super().execute(context)
+            return
+        state = self._check()  # finish at once when it already holds: no triggerer round trip
+        if state.done:
+            self._finish(state.payload())
+            return
+        since = self._since()
+        self.defer(
+            trigger=TableLoadTrigger(
+                self.conn_id, self.required_tables, status_table=self.status.status_table,
+                table_column=self.status.table_column, status_column=self.status.status_column,
+                time_column=self.status.time_column, since=since.isoformat() if since else None,
+                poll_interval=self.poke_interval, notify_channel=self.notify_channel,
+            ),
+            method_name="execute_complete",
+            timeout=dt.timedelta(seconds=self.timeout) if self.timeout else None,
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> None:
+        if not event:
+            raise AirflowException(f"{self.task_id}: resumed without an event")
+        if event.get("status") == "error":
+            raise AirflowException(f"{self.task_id}: the status check failed: {event.get('message')}")
+        self._finish(event)

@@ -1,0 +1,165 @@
+"""PostgreSQL for triggers: one asyncpg pool per connection and event loop, LISTEN, error classes.
+
+Thousands of waiting triggers run in one triggerer process; they must share connections. A pool is keyed
+by a digest of the connection's parameters (never by Python's ``hash()``, never logged) and by the event
+loop it belongs to (asyncpg pools are loop-bound; the worker-side check runs its own short loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+POOL_MAX_SIZE = 5
+
+
+@dataclass(frozen=True)
+class PgTarget:
+    """Where to connect; built from an Airflow connection (password included, so never logged)."""
+
+    host: str
+    port: int
+    user: str | None
+    password: str | None
+    database: str | None
+    ssl: str | None = None
+
+    def __repr__(self) -> str:  # keep the password out of any accidental log line
+        return f"PgTarget(host={self.host!r}, port={self.port}, database={self.database!r})"
+
+    @property
+    def key(self) -> str:
+        fields = (self.host, self.port, self.user, self.password, self.database, self.ssl)
+        raw = "\0".join(str(v) for v in fields)
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"host": self.host, "port": self.port, "user": self.user,
+                                  "password": self.password, "database": self.database}
+        if self.ssl:
+            kwargs["ssl"] = self.ssl
+        return kwargs
+
+
+class SourceError(Exception):
+    """The source rejected the check itself (bad SQL, missing table or column): retrying cannot help."""
+
+
+async def target_for(conn_id: str) -> PgTarget:
+    """Resolve an Airflow connection (works in the triggerer, in workers and in plain processes)."""
+    from airflow.sdk import BaseHook
+
+    conn = await BaseHook.aget_connection(conn_id)
+    extra = conn.extra_dejson or {}
+    return PgTarget(host=conn.host or "localhost", port=int(conn.port or 5432), user=conn.login,
+                    password=conn.password, database=conn.schema or None, ssl=extra.get("sslmode"))
+
+
+_pools: dict[tuple[str, int], asyncpg.Pool] = {}
+_pool_locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+
+async def shared_pool(target: PgTarget, max_size: int = POOL_MAX_SIZE) -> asyncpg.Pool:
+    """The process-wide pool for this target on the running loop (created on first use)."""
+    key = (target.key, id(asyncio.get_running_loop()))
+    lock = _pool_locks.setdefault(key, asyncio.Lock())
+    async with lock:
+        pool = _pools.get(key)
+        if pool is None or pool.is_closing():
+            pool = await asyncpg.create_pool(min_size=0, max_size=max_size, **target.connect_kwargs())
+            _pools[key] = pool
+        return pool
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Errors in the check itself (SQL, schema, privileges); everything else is worth retrying."""
+    permanent = (
+        asyncpg.PostgresSyntaxError,
+        asyncpg.UndefinedTableError,
+        asyncpg.UndefinedColumnError,
+        asyncpg.InsufficientPrivilegeError,
+        asyncpg.DataError,
+        asyncpg.InvalidCatalogNameError,
+        asyncpg.InvalidPasswordError,
+        asyncpg.InvalidAuthorizationSpecificationError,
+    )
+    return isinstance(exc, (*permanent, SourceError))
+
+
+def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 60.0) -> float:
+    """Exponential backoff with full jitter (so a thousand waiters do not retry in step)."""
+    return random.uniform(0, min(cap, base * 2 ** min(attempt, 16)))  # noqa: S311 (not cryptographic)
+
+
+class ChannelListener:
+    """One LISTEN connection per (target, channel) and loop, shared by every trigger waiting on it.
+
+    A notification is a hint that wakes the waiters at once; polling stays the source of truth, so a lost
+    notification or a dropped listener costs at most one poll interval.
+    """
+
+    def __init__(self, target: PgTarget, channel: str) -> None:
+        self.target, self.channel = target, channel
+        self.waiters: set[asyncio.Event] = set()
+        self.conn: asyncpg.Connection | None = None
+        self.lock = asyncio.Lock()
+
+    def _notified(self, *args: object) -> None:
+        for event in self.waiters:
+            event.set()
+
+    def _lost(self, *args: object) -> None:
+        self.conn = None
+
+    async def ensure(self) -> bool:
+        async with self.lock:
+            if self.conn is not None and not self.conn.is_closed():
+                return True
+            try:
+                conn = await asyncpg.connect(**self.target.connect_kwargs())
+                await conn.add_listener(self.channel, self._notified)
+                conn.add_termination_listener(self._lost)
+            except (OSError, asyncpg.PostgresError):
+                self.conn = None
+                return False
+            self.conn = conn
+            return True
+
+    @contextmanager
+    def subscription(self) -> Iterator[asyncio.Event]:
+        event = asyncio.Event()
+        self.waiters.add(event)
+        try:
+            yield event
+        finally:
+            self.waiters.discard(event)
+
+
+_listeners: dict[tuple[str, str, int], ChannelListener] = {}
+
+
+def shared_listener(target: PgTarget, channel: str) -> ChannelListener:
+    key = (target.key, channel, id(asyncio.get_running_loop()))
+    if key not in _listeners:
+        _listeners[key] = ChannelListener(target, channel)
+    return _listeners[key]
+
+
+async def wait_or_hint(hint: asyncio.Event | None, seconds: float) -> bool:
+    """Sleep up to ``seconds``; return early (True) when the hint is set. The caller clears it before
+    each check, so a notification that arrives during a check is not lost."""
+    if hint is None:
+        await asyncio.sleep(seconds)
+        return False
+    try:
+        await asyncio.wait_for(hint.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True

@@ -1,0 +1,223 @@
+"""Waiting for ETL loads recorded in a load-status table (``table_name``, ``status``, timestamp).
+
+One parameterised query per check covers all required tables: the latest row of each. The tables are
+loaded when every latest status is SUCCESS (newer than ``since`` when given); a latest FAILED fails the
+wait; a latest START (mid-load) or a missing row keeps waiting. The same check serves the trigger (on a
+shared pool) and the sensor's worker-side check (on a short-lived connection).
+
+Identifiers (status table, columns) cannot be query parameters: they are validated against a strict
+pattern and quoted; every value (table names, ``since``) is a parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+from triggers.pg import (
+    ChannelListener,
+    PgTarget,
+    backoff_seconds,
+    is_permanent,
+    shared_listener,
+    shared_pool,
+    target_for,
+    wait_or_hint,
+)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+SUCCESS, START, FAILED = "SUCCESS", "START", "FAILED"
+
+
+def quote_identifier(name: str, *, argument: str, qualified: bool = False) -> str:
+    """``schema.table`` -> ``"schema"."table"``; anything else than plain identifiers is refused."""
+    parts = name.split(".") if qualified else [name]
+    if not name or len(parts) > 2 or not all(_IDENTIFIER.match(p) for p in parts):
+        kind = "a table name like schema.table" if qualified else "a column name"
+        raise ValueError(f"{argument}={name!r} is not {kind} (letters, digits, _)")
+    return ".".join(f'"{p}"' for p in parts)
+
+
+@dataclass(frozen=True)
+class StatusTable:
+    """Where loads are recorded; validated at construction so a bad name fails at DAG parse time."""
+
+    status_table: str = "meta.detail_process_table_status"
+    table_column: str = "table_name"
+    status_column: str = "status"
+    time_column: str = "created_dttm"
+
+    def __post_init__(self) -> None:
+        self.query()  # validates every identifier
+
+    def query(self) -> str:
+        table = quote_identifier(self.status_table, argument="status_table", qualified=True)
+        name = quote_identifier(self.table_column, argument="table_column")
+        status = quote_identifier(self.status_column, argument="status_column")
+        at = quote_identifier(self.time_column, argument="time_column")
+        return (
+            f"SELECT DISTINCT ON ({name}) {name} AS table_name, upper({status}::text) AS status, {at} AS at "
+            f"FROM {table} WHERE {name} = ANY($1::text[]) ORDER BY {name}, {at} DESC"
+        )
+
+
+@dataclass
+class LoadState:
+    """Outcome of one check of the required tables."""
+
+    status: str  # "success", "waiting" or "failed"
+    loaded: list[str] = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.status != "waiting"
+
+    def message(self) -> str:
+        if self.status == "failed":
+            return f"latest load FAILED for {', '.join(self.failed)}"
+        if self.status == "success":
+            return f"all {len(self.loaded)} required tables loaded"
+        parts = [f"{label}: {', '.join(names)}" for label, names in
+                 (("loading", self.loading), ("not loaded", self.missing)) if names]
+        return "waiting for " + "; ".join(parts)
+
+    def payload(self) -> dict[str, Any]:
+        return {"status": self.status, "message": self.message(), "loaded": self.loaded,
+                "failed": self.failed}
+
+
+def evaluate(rows: Sequence[Any], required: Sequence[str], since: dt.datetime | None) -> LoadState:
+    latest = {row["table_name"]: row for row in rows}
+    state = LoadState(status="waiting")
+    for table in required:
+        row = latest.get(table)
+        if row is None or (row["status"] == SUCCESS and since is not None and _aware(row["at"]) <= since):
+            state.missing.append(table)
+        elif row["status"] == FAILED:
+            state.failed.append(table)
+        elif row["status"] == SUCCESS:
+            state.loaded.append(table)
+        else:
+            state.loading.append(table)  # START, or any status still in progress
+    if state.failed:
+        state.status = "failed"
+    elif len(state.loaded) == len(required):
+        state.status = "success"
+    return state
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+async def check_tables(conn: asyncpg.Connection | asyncpg.Pool, spec: StatusTable,
+                       required: Sequence[str], since: dt.datetime | None) -> LoadState:
+    rows = await conn.fetch(spec.query(), list(required))
+    return evaluate(rows, required, since)
+
+
+async def check_once(conn_id: str, spec: StatusTable, required: Sequence[str],
+                     since: dt.datetime | None) -> LoadState:
+    """The worker-side check: one short-lived connection, no pool left behind."""
+    target = await target_for(conn_id)
+    conn = await asyncpg.connect(**target.connect_kwargs())
+    try:
+        return await check_tables(conn, spec, required, since)
+    finally:
+        await conn.close()
+
+
+def parse_since(since: str | dt.datetime | None) -> dt.datetime | None:
+    if since is None or since == "":
+        return None
+    value = since if isinstance(since, dt.datetime) else dt.datetime.fromisoformat(str(since))
+    return _aware(value)
+
+
+class TableLoadTrigger(DedupableTrigger, BaseTrigger):
+    """Fires once the required tables are loaded (or one failed). Push: optional LISTEN channel."""
+
+    identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
+                       "time_column", "since")
+
+    def __init__(
+        self,
+        conn_id: str,
+        required_tables: Sequence[str],
+        *,
+        status_table: str = "meta.detail_process_table_status",
+        table_column: str = "table_name",
+        status_column: str = "status",
+        time_column: str = "created_dttm",
+        since: str | None = None,
+        poll_interval: float = 60.0,
+        notify_channel: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        # sorted and de-duplicated: the same set of tables is the same wait
+        self.required_tables = sorted(set(required_tables))
+        self.spec = StatusTable(status_table, table_column, status_column, time_column)
+        self.since = parse_since(since).isoformat() if since else None  # type: ignore[union-attr]
+        self.poll_interval = float(poll_interval)
+        self.notify_channel = notify_channel
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "triggers.table_load.TableLoadTrigger",
+            {
+                "conn_id": self.conn_id, "required_tables": self.required_tables,
+                "status_table": self.spec.status_table, "table_column": self.spec.table_column,
+                "status_column": self.spec.status_column, "time_column": self.spec.time_column,
+                "since": self.since, "poll_interval": self.poll_interval,
+                "notify_channel": self.notify_channel,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        target = await target_for(self.conn_id)
+        if not self.notify_channel:
+            async for event in self._poll(target, None, None):
+                yield event
+                return
+        listener = shared_listener(target, str(self.notify_channel))
+        with listener.subscription() as hint:
+            async for event in self._poll(target, listener, hint):
+                yield event
+                return
+
+    async def _poll(self, target: PgTarget, listener: ChannelListener | None,
+                    hint: asyncio.Event | None) -> AsyncIterator[TriggerEvent]:
+        since = parse_since(self.since)
+        failures = 0
+        while True:
+            if listener is not None and hint is not None:
+                await listener.ensure()  # (re)connects a dropped listener; polling covers the gap
+                hint.clear()
+            try:
+                state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)
+            except Exception as err:
+                if is_permanent(err):
+                    yield TriggerEvent({"status": "error", "message": f"{type(err).__name__}: {err}"})
+                    return
+                failures += 1
+                self.log.warning("status table unreachable; backing off", error=type(err).__name__,
+                                 attempt=failures)
+                await asyncio.sleep(backoff_seconds(failures, cap=self.poll_interval))
+                continue
+            failures = 0
+            if state.done:
+                yield TriggerEvent(state.payload())
+                return
+            await wait_or_hint(hint, self.poll_interval)
