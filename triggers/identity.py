@@ -226,8 +226,9 @@ class IdentityPolicy:
             keys = None
         if keys is None:
             return Identity(singleton_hash(classpath, trigger_id), dedupable=False)
-        if classpath in self.allowed_classpaths:
+        if keys is not None:
             kwargs = self._normalized(classpath, kwargs)
+        if classpath in self.allowed_classpaths:
             keys = tuple(sorted(kwargs))
         missing = [k for k in keys if k not in kwargs]
         if missing:
