@@ -11,7 +11,6 @@ pattern and quoted; every value (table names, ``since``) is a parameter.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -22,16 +21,8 @@ import asyncpg
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from triggers.identity import DedupableTrigger
-from triggers.pg import (
-    ChannelListener,
-    PgTarget,
-    backoff_seconds,
-    is_permanent,
-    shared_listener,
-    shared_pool,
-    target_for,
-    wait_or_hint,
-)
+from triggers.pg import shared_pool, target_for
+from triggers.polling import listening, poll_until
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 SUCCESS, START, FAILED = "SUCCESS", "START", "FAILED"
@@ -187,37 +178,12 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await target_for(self.conn_id)
-        if not self.notify_channel:
-            async for event in self._poll(target, None, None):
-                yield event
-                return
-        listener = shared_listener(target, str(self.notify_channel))
-        with listener.subscription() as hint:
-            async for event in self._poll(target, listener, hint):
-                yield event
-                return
-
-    async def _poll(self, target: PgTarget, listener: ChannelListener | None,
-                    hint: asyncio.Event | None) -> AsyncIterator[TriggerEvent]:
         since = parse_since(self.since)
-        failures = 0
-        while True:
-            if listener is not None and hint is not None:
-                await listener.ensure()  # (re)connects a dropped listener; polling covers the gap
-                hint.clear()
-            try:
-                state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)
-            except Exception as err:
-                if is_permanent(err):
-                    yield TriggerEvent({"status": "error", "message": f"{type(err).__name__}: {err}"})
-                    return
-                failures += 1
-                self.log.warning("status table unreachable; backing off", error=type(err).__name__,
-                                 attempt=failures)
-                await asyncio.sleep(backoff_seconds(failures, cap=self.poll_interval))
-                continue
-            failures = 0
-            if state.done:
-                yield TriggerEvent(state.payload())
-                return
-            await wait_or_hint(hint, self.poll_interval)
+
+        async def check() -> dict[str, Any] | None:
+            state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)
+            return state.payload() if state.done else None
+
+        async with listening(target, self.notify_channel) as hint:
+            payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)
+        yield TriggerEvent(payload)
