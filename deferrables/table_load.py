@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import BaseSensorOperator, Context
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException
 
-from triggers.table_load import LoadState, StatusTable, TableLoadTrigger, check_once, parse_since
+from deferrables.base import CheckThenDeferSensor
+from triggers.table_load import StatusTable, TableLoadTrigger, check_once, parse_since
 
 
-class TableLoadSensor(BaseSensorOperator):
+class TableLoadSensor(CheckThenDeferSensor):
     """Wait until every ``required_tables`` entry's latest status in ``status_table`` is SUCCESS.
 
     A latest FAILED fails the task (skips it with ``soft_fail``); a latest START (mid-load) or no row keeps
@@ -37,7 +36,6 @@ class TableLoadSensor(BaseSensorOperator):
         time_column: str = "created_dttm",
         since: str | dt.datetime | None = None,
         notify_channel: str | None = None,
-        deferrable: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -56,7 +54,6 @@ class TableLoadSensor(BaseSensorOperator):
         self.status = StatusTable(status_table, table_column, status_column, time_column)
         self.since = since
         self.notify_channel = notify_channel
-        self.deferrable = deferrable
 
     def _since(self) -> dt.datetime | None:
         try:
@@ -64,48 +61,18 @@ class TableLoadSensor(BaseSensorOperator):
         except ValueError as err:
             raise AirflowException(f"since={self.since!r} is not a timestamp: {err}") from err
 
-    def _check(self) -> LoadState:
-        return asyncio.run(check_once(self.conn_id, self.status, self.required_tables, self._since()))
+    async def check(self) -> dict[str, Any] | None:
+        state = await check_once(self.conn_id, self.status, self.required_tables, self._since())
+        if not state.done:
+            self.log.info("%s", state.message())
+            return None
+        return state.payload()
 
-    def _finish(self, state: dict[str, Any]) -> None:
-        if state["status"] == "success":
-            self.log.info("%s", state["message"])
-            return
-        message = f"{self.task_id}: {state['message']}"
-        if self.soft_fail:
-            raise AirflowSkipException(message)
-        raise AirflowException(message)
-
-    def poke(self, context: Context) -> bool:
-        state = self._check()
-        if state.status == "failed":
-            self._finish(state.payload())
-        self.log.info("%s", state.message())
-        return state.status == "success"
-
-    def execute(self, context: Context) -> None:
-        if not self.deferrable:
-            super().execute(context)
-            return
-        state = self._check()  # finish at once when it already holds: no triggerer round trip
-        if state.done:
-            self._finish(state.payload())
-            return
+    def trigger(self) -> TableLoadTrigger:
         since = self._since()
-        self.defer(
-            trigger=TableLoadTrigger(
-                self.conn_id, self.required_tables, status_table=self.status.status_table,
-                table_column=self.status.table_column, status_column=self.status.status_column,
-                time_column=self.status.time_column, since=since.isoformat() if since else None,
-                poll_interval=self.poke_interval, notify_channel=self.notify_channel,
-            ),
-            method_name="execute_complete",
-            timeout=dt.timedelta(seconds=self.timeout) if self.timeout else None,
+        return TableLoadTrigger(
+            self.conn_id, self.required_tables, status_table=self.status.status_table,
+            table_column=self.status.table_column, status_column=self.status.status_column,
+            time_column=self.status.time_column, since=since.isoformat() if since else None,
+            poll_interval=self.poke_interval, notify_channel=self.notify_channel,
         )
-
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> None:
-        if not event:
-            raise AirflowException(f"{self.task_id}: resumed without an event")
-        if event.get("status") == "error":
-            raise AirflowException(f"{self.task_id}: the status check failed: {event.get('message')}")
-        self._finish(event)
