@@ -1,5 +1,6 @@
 """Deferrable sensors for DAG authors: they hand their wait to an async trigger at once."""
 
+from deferrables.sql_condition import SqlConditionSensor
 from deferrables.table_load import TableLoadSensor
 
-__all__ = ["TableLoadSensor"]
+__all__ = ["SqlConditionSensor", "TableLoadSensor"]

@@ -1,5 +1,6 @@
 """Async triggers (asyncpg, aiohttp) and the identity contract: what a trigger waits on."""
 
+from triggers.sql_condition import SqlConditionTrigger
 from triggers.table_load import TableLoadTrigger
 
-__all__ = ["TableLoadTrigger"]
+__all__ = ["SqlConditionTrigger", "TableLoadTrigger"]

@@ -1,0 +1,69 @@
+"""Waiting for a SQL condition on a PostgreSQL Airflow connection.
+
+The condition holds when the first column of the first row of ``sql`` is truthy; ``failure_sql`` (checked
+first) ends the wait as failed. Both are run with their ``parameters`` as bind values ($1, $2, ...): the
+statement text is the author's, the values are never spliced into it. There are no Python callables here
+(``SqlSensor``'s ``success``/``failure``): a trigger's arguments must serialise to plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import asyncpg
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+from triggers.pg import shared_pool, target_for
+from triggers.polling import listening, poll_until
+
+STATEMENT_TIMEOUT = 60.0
+
+
+async def sql_condition(conn: asyncpg.Connection | asyncpg.Pool, sql: str, parameters: Sequence[Any],
+                        failure_sql: str | None, failure_parameters: Sequence[Any]) -> dict[str, Any] | None:
+    if failure_sql and await conn.fetchval(failure_sql, *failure_parameters, timeout=STATEMENT_TIMEOUT):
+        return {"status": "failed", "message": "the failure condition holds"}
+    if await conn.fetchval(sql, *parameters, timeout=STATEMENT_TIMEOUT):
+        return {"status": "success", "message": "the condition holds"}
+    return None
+
+
+class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
+    identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
+
+    def __init__(
+        self,
+        conn_id: str,
+        sql: str,
+        *,
+        parameters: Sequence[Any] = (),
+        failure_sql: str | None = None,
+        failure_parameters: Sequence[Any] = (),
+        poll_interval: float = 60.0,
+        notify_channel: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.conn_id, self.sql, self.failure_sql = conn_id, sql, failure_sql
+        self.parameters, self.failure_parameters = list(parameters), list(failure_parameters)
+        self.poll_interval = float(poll_interval)
+        self.notify_channel = notify_channel
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("triggers.sql_condition.SqlConditionTrigger", {
+            "conn_id": self.conn_id, "sql": self.sql, "parameters": self.parameters,
+            "failure_sql": self.failure_sql, "failure_parameters": self.failure_parameters,
+            "poll_interval": self.poll_interval, "notify_channel": self.notify_channel,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        target = await target_for(self.conn_id)
+
+        async def check() -> dict[str, Any] | None:
+            return await sql_condition(await shared_pool(target), self.sql, self.parameters,
+                                       self.failure_sql, self.failure_parameters)
+
+        async with listening(target, self.notify_channel) as hint:
+            payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)
+        yield TriggerEvent(payload)
