@@ -1,6 +1,7 @@
 """Deferrable sensors for DAG authors: they hand their wait to an async trigger at once."""
 
+from deferrables.http import HttpConditionSensor
 from deferrables.sql_condition import SqlConditionSensor
 from deferrables.table_load import TableLoadSensor
 
-__all__ = ["SqlConditionSensor", "TableLoadSensor"]
+__all__ = ["HttpConditionSensor", "SqlConditionSensor", "TableLoadSensor"]

@@ -1,6 +1,7 @@
 """Async triggers (asyncpg, aiohttp) and the identity contract: what a trigger waits on."""
 
+from triggers.http import HttpConditionTrigger
 from triggers.sql_condition import SqlConditionTrigger
 from triggers.table_load import TableLoadTrigger
 
-__all__ = ["SqlConditionTrigger", "TableLoadTrigger"]
+__all__ = ["HttpConditionTrigger", "SqlConditionTrigger", "TableLoadTrigger"]

@@ -1,0 +1,62 @@
+"""A real aiohttp server in a thread, on a free localhost port, whose answers a test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from aiohttp import web
+
+
+class ControlledServer:
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {"job": {"state": "running"}}
+        self.status = 200
+        self.requests = 0
+        self.auth_seen: list[str | None] = []
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _status(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.auth_seen.append(request.headers.get("Authorization"))
+        return web.json_response(self.state, status=self.status)
+
+    async def _missing(self, request: web.Request) -> web.Response:
+        return web.Response(status=404, text="no such job")
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/api/job", self._status)
+        app.router.add_get("/api/gone", self._missing)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self._ready.set()
+        self._loop.run_forever()
+
+    @contextmanager
+    def running(self) -> Iterator[ControlledServer]:
+        thread = threading.Thread(target=self._serve, daemon=True)
+        thread.start()
+        self._ready.wait(10)
+        try:
+            yield self
+        finally:
+            assert self._runner is not None
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            thread.join(10)

@@ -1,0 +1,81 @@
+"""HttpConditionTrigger / HttpConditionSensor against a real aiohttp server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, TaskDeferred
+
+from deferrables import HttpConditionSensor
+from tests.helpers.http_server import ControlledServer
+from triggers import HttpConditionTrigger
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlledServer]:
+    with ControlledServer().running() as running:
+        monkeypatch.setenv("AIRFLOW_CONN_JOBS", f"http://ops:s3cret@127.0.0.1:{running.port}")
+        yield running
+
+
+async def first_event(trigger: HttpConditionTrigger, timeout: float = 10) -> dict[str, Any]:
+    return dict((await asyncio.wait_for(trigger.run().__anext__(), timeout)).payload)
+
+
+async def test_waits_for_the_json_value_with_basic_auth(server: ControlledServer) -> None:
+    trigger = HttpConditionTrigger("jobs", "/api/job", json_path="job.state", expected_value="done",
+                                   poll_interval=0.1)
+    waiting = asyncio.create_task(first_event(trigger))
+    await asyncio.sleep(0.4)
+    assert not waiting.done() and server.requests >= 2
+    server.state = {"job": {"state": "done"}}
+    event = await waiting
+    assert event["status"] == "success" and event["value"] == "done"
+    assert server.auth_seen[-1] is not None and server.auth_seen[-1].startswith("Basic ")
+
+
+async def test_server_errors_keep_waiting(server: ControlledServer) -> None:
+    server.status = 503
+    trigger = HttpConditionTrigger("jobs", "/api/job", poll_interval=0.1)
+    waiting = asyncio.create_task(first_event(trigger))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+    server.status = 200
+    assert (await waiting)["status"] == "success"
+
+
+async def test_an_unexpected_4xx_fails_with_the_cause(server: ControlledServer) -> None:
+    event = await first_event(HttpConditionTrigger("jobs", "/api/gone", poll_interval=0.1))
+    assert event["status"] == "error" and "HTTP 404" in event["message"]
+    assert "s3cret" not in event["message"]
+
+
+async def test_an_unreachable_host_backs_off_instead_of_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_DOWN", "http://127.0.0.1:9")  # discard port: connection refused
+    with pytest.raises(TimeoutError):
+        await first_event(HttpConditionTrigger("down", "/x", poll_interval=0.2), timeout=1.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"method": "DELETE"}, "method"), ({"expected_statuses": [99]}, "expected_statuses"),
+     ({"json_path": "a..b"}, "json_path"), ({"endpoint": 5}, "endpoint")],
+)
+def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(ValueError, match=argument):
+        HttpConditionSensor(**{"task_id": "wait", "endpoint": "/api/job", **kwargs})
+
+
+def test_sensor_checks_in_the_worker_then_defers(server: ControlledServer) -> None:
+    sensor = HttpConditionSensor(task_id="wait", http_conn_id="jobs", endpoint="/api/job",
+                                 json_path="job.state", expected_value="done", poke_interval=30)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert deferred.value.trigger.serialize()[1]["verify_ssl"] is True
+    server.state = {"job": {"state": "done"}}
+    sensor.execute({})
+    with pytest.raises(AirflowException, match="HTTP 404"):
+        HttpConditionSensor(task_id="gone", http_conn_id="jobs", endpoint="/api/gone").execute({})

@@ -1,0 +1,166 @@
+"""Waiting for an HTTP endpoint: expected status codes, optionally a JSON value at a dotted path.
+
+One aiohttp session per event loop serves every HTTP trigger of the process. TLS certificates are
+verified unless the sensor says otherwise. 5xx, 408 and 429 mean "not yet" (the service is busy or down);
+any other unexpected status, and an invalid URL, end the wait with the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+from triggers.pg import SourceError
+from triggers.polling import poll_until
+
+RETRYABLE = {408, 429}
+METHODS = {"GET", "POST", "HEAD", "PUT", "PATCH"}
+_JSON_PATH = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+_sessions: dict[int, aiohttp.ClientSession] = {}
+
+
+def shared_session() -> aiohttp.ClientSession:
+    key = id(asyncio.get_running_loop())
+    session = _sessions.get(key)
+    if session is None or session.closed:
+        session = _sessions[key] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=50), timeout=aiohttp.ClientTimeout(total=60)
+        )
+    return session
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    base_url: str
+    auth: aiohttp.BasicAuth | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # credentials stay out of logs
+        return f"HttpTarget(base_url={self.base_url!r})"
+
+
+async def http_target(conn_id: str) -> HttpTarget:
+    from airflow.sdk import BaseHook
+
+    conn = await BaseHook.aget_connection(conn_id)
+    host = conn.host or ""
+    if "://" not in host:
+        host = f"{conn.schema or 'http'}://{host}"
+    if conn.port:
+        host = f"{host}:{conn.port}"
+    extra = conn.extra_dejson or {}
+    headers = extra.get("headers", {k: v for k, v in extra.items() if isinstance(v, str)})
+    auth = aiohttp.BasicAuth(conn.login, conn.password or "") if conn.login else None
+    return HttpTarget(base_url=host.rstrip("/"), auth=auth, headers=dict(headers))
+
+
+def json_value(document: Any, path: str) -> Any:
+    """``a.b.0.c`` into nested objects and lists; a missing step gives None."""
+    for step in path.split("."):
+        if isinstance(document, dict):
+            document = document.get(step)
+        elif isinstance(document, list) and step.isdigit() and int(step) < len(document):
+            document = document[int(step)]
+        else:
+            return None
+    return document
+
+
+@dataclass(frozen=True)
+class HttpCondition:
+    endpoint: str
+    method: str = "GET"
+    data: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    expected_statuses: tuple[int, ...] = (200,)
+    json_path: str | None = None
+    expected_value: Any = None
+    verify_ssl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method.upper() not in METHODS:
+            raise ValueError(f"method={self.method!r} is not one of {sorted(METHODS)}")
+        if not self.expected_statuses or not all(
+            isinstance(s, int) and 100 <= s <= 599 for s in self.expected_statuses
+        ):
+            raise ValueError(f"expected_statuses={self.expected_statuses!r} must be HTTP status codes")
+        if self.json_path is not None and not _JSON_PATH.match(self.json_path):
+            raise ValueError(f"json_path={self.json_path!r} must be dotted keys like 'data.state'")
+
+    async def check(self, session: aiohttp.ClientSession, target: HttpTarget) -> dict[str, Any] | None:
+        url = f"{target.base_url}/{self.endpoint.lstrip('/')}"
+        try:
+            request = session.request(
+                self.method.upper(), url, auth=target.auth, headers={**target.headers, **self.headers},
+                json=self.data if self.data is not None else None, ssl=self.verify_ssl,
+            )
+        except (aiohttp.InvalidURL, ValueError) as err:
+            raise SourceError(f"invalid URL {url!r}: {err}") from err
+        async with request as response:
+            return await self._judge(response, url)
+
+    async def _judge(self, response: aiohttp.ClientResponse, url: str) -> dict[str, Any] | None:
+        status = response.status
+        if status not in self.expected_statuses:
+            if status >= 500 or status in RETRYABLE:
+                return None
+            raise SourceError(f"HTTP {status} from {url} (expected {list(self.expected_statuses)})")
+        if self.json_path is None:
+            return {"status": "success", "message": f"HTTP {status} from {url}"}
+        try:
+            document = await response.json(content_type=None)
+        except ValueError:
+            return None  # not JSON (yet): keep waiting
+        value = json_value(document, self.json_path)
+        if value == self.expected_value:
+            return {"status": "success", "message": f"{self.json_path} is {value!r}", "value": value}
+        return None
+
+
+class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
+    identity_kwargs = ("http_conn_id", "endpoint", "method", "data", "headers", "expected_statuses",
+                       "json_path", "expected_value", "verify_ssl")
+
+    def __init__(
+        self,
+        http_conn_id: str,
+        endpoint: str,
+        *,
+        method: str = "GET",
+        data: Any = None,
+        headers: dict[str, str] | None = None,
+        expected_statuses: Sequence[int] = (200,),
+        json_path: str | None = None,
+        expected_value: Any = None,
+        verify_ssl: bool = True,
+        poll_interval: float = 60.0,
+    ) -> None:
+        super().__init__()
+        self.http_conn_id = http_conn_id
+        self.condition = HttpCondition(endpoint, method.upper(), data, dict(headers or {}),
+                                       tuple(expected_statuses), json_path, expected_value, verify_ssl)
+        self.poll_interval = float(poll_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        c = self.condition
+        return ("triggers.http.HttpConditionTrigger", {
+            "http_conn_id": self.http_conn_id, "endpoint": c.endpoint, "method": c.method, "data": c.data,
+            "headers": c.headers, "expected_statuses": list(c.expected_statuses), "json_path": c.json_path,
+            "expected_value": c.expected_value, "verify_ssl": c.verify_ssl,
+            "poll_interval": self.poll_interval,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        target = await http_target(self.http_conn_id)
+
+        async def check() -> dict[str, Any] | None:
+            return await self.condition.check(shared_session(), target)
+
+        yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))
