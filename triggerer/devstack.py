@@ -292,8 +292,10 @@ class AirflowStack:
             response = client.patch(f"/dags/{dag_id}", json={"is_paused": False})
             response.raise_for_status()
 
-    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
-        body = {"logical_date": dt.datetime.now(dt.UTC).isoformat(), "conf": conf or {}}
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None,
+                logical_date: dt.datetime | None = None) -> str:
+        when = logical_date or dt.datetime.now(dt.UTC)
+        body = {"logical_date": when.isoformat(), "conf": conf or {}}
         with self.client() as client:
             response = client.post(f"/dags/{dag_id}/dagRuns", json=body)
             response.raise_for_status()

@@ -1,0 +1,120 @@
+"""Waiting for another DAG's run, or some of its tasks, at a logical date (or a run id).
+
+The states come through Airflow's own task-SDK calls (``get_task_states``, ``get_dr_count``), which work
+in the triggerer and in workers alike. Unlike Airflow's deferrable ExternalTaskSensor as reported in
+apache/airflow#47298, failed and skipped states end the wait: ``failed`` at once, ``skipped`` as the
+sensor's ``on_skipped`` says.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from triggers.identity import DedupableTrigger
+from triggers.polling import poll_until
+
+ALLOWED = ("success",)
+FAILED = ("failed", "upstream_failed")
+SKIPPED = ("skipped",)
+
+
+@dataclass(frozen=True)
+class ExternalTarget:
+    dag_id: str
+    task_ids: tuple[str, ...] = ()
+    logical_date: str | None = None
+    run_id: str | None = None
+    allowed_states: tuple[str, ...] = ALLOWED
+    failed_states: tuple[str, ...] = FAILED
+    skipped_states: tuple[str, ...] = SKIPPED
+
+    def __post_init__(self) -> None:
+        if (self.logical_date is None) == (self.run_id is None):
+            raise ValueError("give exactly one of logical_date and run_id")
+        overlap = set(self.allowed_states) & (set(self.failed_states) | set(self.skipped_states))
+        if overlap:
+            raise ValueError(f"allowed_states and failed/skipped states overlap: {sorted(overlap)}")
+
+    def _selector(self) -> dict[str, Any]:
+        if self.run_id:
+            return {"run_ids": [self.run_id]}
+        assert self.logical_date is not None
+        return {"logical_dates": [dt.datetime.fromisoformat(self.logical_date)]}
+
+    def check_sync(self) -> dict[str, Any] | None:
+        """Synchronous: the task SDK's comms calls are synchronous (run it in a thread from async code)."""
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        if self.task_ids:
+            runs = RuntimeTaskInstance.get_task_states(dag_id=self.dag_id, task_ids=list(self.task_ids),
+                                                       **self._selector())
+            states = {task: state for tasks in runs.values() for task, state in tasks.items()}
+            return self.judge(states)
+        counts = {
+            kind: RuntimeTaskInstance.get_dr_count(dag_id=self.dag_id, states=list(states),
+                                                   **self._selector())
+            for kind, states in (("failed", self.failed_states), ("success", self.allowed_states))
+        }
+        if counts["failed"]:
+            return {"status": "failed", "message": f"run of {self.dag_id} is in {list(self.failed_states)}"}
+        if counts["success"]:
+            return {"status": "success", "message": f"run of {self.dag_id} succeeded"}
+        return None
+
+    def judge(self, states: dict[str, str | None]) -> dict[str, Any] | None:
+        """Task states -> payload: failed beats skipped beats waiting; all allowed is success."""
+        where = f"{self.dag_id} at {self.logical_date or self.run_id}"
+        failed = sorted(t for t in self.task_ids if states.get(t) in self.failed_states)
+        if failed:
+            return {"status": "failed", "message": f"{', '.join(failed)} of {where} failed"}
+        skipped = sorted(t for t in self.task_ids if states.get(t) in self.skipped_states)
+        if skipped:
+            return {"status": "skipped", "message": f"{', '.join(skipped)} of {where} skipped"}
+        if all(states.get(t) in self.allowed_states for t in self.task_ids):
+            return {"status": "success", "message": f"{', '.join(self.task_ids)} of {where} succeeded"}
+        return None
+
+
+class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
+    identity_kwargs = ("external_dag_id", "external_task_ids", "logical_date", "run_id", "allowed_states",
+                       "failed_states", "skipped_states")
+
+    def __init__(
+        self,
+        external_dag_id: str,
+        *,
+        external_task_ids: Sequence[str] = (),
+        logical_date: str | None = None,
+        run_id: str | None = None,
+        allowed_states: Sequence[str] = ALLOWED,
+        failed_states: Sequence[str] = FAILED,
+        skipped_states: Sequence[str] = SKIPPED,
+        poll_interval: float = 60.0,
+    ) -> None:
+        super().__init__()
+        self.target = ExternalTarget(external_dag_id, tuple(sorted(external_task_ids)), logical_date, run_id,
+                                     tuple(allowed_states), tuple(failed_states), tuple(skipped_states))
+        self.poll_interval = float(poll_interval)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        t = self.target
+        return ("triggers.external_dag.ExternalDagTrigger", {
+            "external_dag_id": t.dag_id, "external_task_ids": list(t.task_ids),
+            "logical_date": t.logical_date, "run_id": t.run_id, "allowed_states": list(t.allowed_states),
+            "failed_states": list(t.failed_states), "skipped_states": list(t.skipped_states),
+            "poll_interval": self.poll_interval,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from asgiref.sync import sync_to_async
+
+        async def check() -> dict[str, Any] | None:
+            result: dict[str, Any] | None = await sync_to_async(self.target.check_sync)()
+            return result
+
+        yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))
