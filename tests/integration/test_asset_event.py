@@ -1,0 +1,57 @@
+"""AssetEventSensor against a real (migrated) Airflow metadata database."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from deferrables import AssetEventSensor
+from tests.helpers.airflow_orm import use_airflow_db
+from triggers import SqlConditionTrigger
+
+
+def add_event(dsn: str, uri: str, at: dt.datetime) -> None:
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    use_airflow_db(dsn)
+    with create_session() as session:
+        asset = session.scalar(select(AssetModel).where(AssetModel.uri == uri))
+        if asset is None:
+            asset = AssetModel(name=uri, uri=uri)
+            session.add(asset)
+            session.flush()
+        session.add(AssetEvent(asset_id=asset.id, timestamp=at))
+
+
+def test_waits_for_an_event_newer_than_since(airflow_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_db)
+    since = dt.datetime.now(dt.UTC)
+    add_event(airflow_db, "warehouse://dds/h_user", since - dt.timedelta(hours=1))  # too old
+    sensor = AssetEventSensor(task_id="wait", asset="warehouse://dds/h_user", since=since.isoformat(),
+                              poke_interval=0.2)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, SqlConditionTrigger)
+    assert trigger.serialize()[1]["parameters"] == ["warehouse://dds/h_user", since.isoformat()]
+
+    async def wait_then_publish() -> dict[str, object]:
+        waiting = asyncio.create_task(trigger.run().__anext__())
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        later = since + dt.timedelta(seconds=1)
+        await asyncio.to_thread(add_event, airflow_db, "warehouse://dds/h_user", later)
+        return dict((await asyncio.wait_for(waiting, 10)).payload)
+
+    assert asyncio.run(wait_then_publish())["status"] == "success"
+    sensor.execute({})  # the event is there now: finishes in the worker
+
+
+def test_rejects_a_missing_asset_at_parse_time() -> None:
+    with pytest.raises(ValueError, match="asset"):
+        AssetEventSensor(task_id="wait", asset="")
