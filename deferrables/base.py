@@ -22,6 +22,20 @@ class CheckThenDeferSensor(BaseSensorOperator):
         super().__init__(**kwargs)
         self.deferrable = deferrable
 
+    def _start_in_triggerer(self, trigger: BaseTrigger) -> None:
+        """``start_from_trigger``: the scheduler defers the task straight into ``trigger`` (no worker
+        slot until it resumes); the triggerer renders the trigger's templated fields."""
+        from airflow.triggers.base import StartTriggerArgs
+
+        if not self.deferrable:
+            raise ValueError("start_from_trigger=True needs deferrable=True")
+        classpath, kwargs = trigger.serialize()
+        self.start_from_trigger = True
+        self.start_trigger_args = StartTriggerArgs(
+            trigger_cls=classpath, trigger_kwargs=kwargs, next_method="execute_complete", next_kwargs=None,
+            timeout=dt.timedelta(seconds=self.timeout) if self.timeout else None,
+        )
+
     async def check(self) -> dict[str, Any] | None:
         raise NotImplementedError
 

@@ -36,6 +36,7 @@ class TableLoadSensor(CheckThenDeferSensor):
         time_column: str = "created_dttm",
         since: str | dt.datetime | None = None,
         notify_channel: str | None = None,
+        start_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -52,8 +53,15 @@ class TableLoadSensor(CheckThenDeferSensor):
         self.conn_id = conn_id
         self.required_tables = list(required_tables)
         self.status = StatusTable(status_table, table_column, status_column, time_column)
+        if isinstance(since, str) and "{{" not in since and "{%" not in since:
+            try:
+                parse_since(since)
+            except ValueError as err:
+                raise ValueError(f"since={since!r} is neither a timestamp nor a template: {err}") from err
         self.since = since
         self.notify_channel = notify_channel
+        if start_from_trigger:
+            self._start_in_triggerer(self._trigger(str(since) if since else None))
 
     def _since(self) -> dt.datetime | None:
         try:
@@ -70,9 +78,12 @@ class TableLoadSensor(CheckThenDeferSensor):
 
     def trigger(self) -> TableLoadTrigger:
         since = self._since()
+        return self._trigger(since.isoformat() if since else None)
+
+    def _trigger(self, since: str | None) -> TableLoadTrigger:
         return TableLoadTrigger(
             self.conn_id, self.required_tables, status_table=self.status.status_table,
             table_column=self.status.table_column, status_column=self.status.status_column,
-            time_column=self.status.time_column, since=since.isoformat() if since else None,
-            poll_interval=self.poke_interval, notify_channel=self.notify_channel,
+            time_column=self.status.time_column, since=since, poll_interval=self.poke_interval,
+            notify_channel=self.notify_channel,
         )

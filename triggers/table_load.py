@@ -136,11 +136,23 @@ def parse_since(since: str | dt.datetime | None) -> dt.datetime | None:
     return _aware(value)
 
 
+def _normalized_since(since: str | None) -> str | None:
+    """An ISO timestamp in one canonical form; a template is kept as is (rendered in the triggerer)."""
+    if not since:
+        return None
+    if "{{" in since or "{%" in since:
+        return since
+    parsed = parse_since(since)
+    return parsed.isoformat() if parsed else None
+
+
 class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     """Fires once the required tables are loaded (or one failed). Push: optional LISTEN channel."""
 
     identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
                        "time_column", "since")
+    # rendered in the triggerer when the task starts there (start_from_trigger)
+    template_fields = ("required_tables", "since")
 
     def __init__(
         self,
@@ -160,7 +172,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         # sorted and de-duplicated: the same set of tables is the same wait
         self.required_tables = sorted(set(required_tables))
         self.spec = StatusTable(status_table, table_column, status_column, time_column)
-        self.since = parse_since(since).isoformat() if since else None  # type: ignore[union-attr]
+        self.since = _normalized_since(since)
         self.poll_interval = float(poll_interval)
         self.notify_channel = notify_channel
 
@@ -179,6 +191,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await target_for(self.conn_id)
         since = parse_since(self.since)
+        self.required_tables = sorted(set(self.required_tables))
 
         async def check() -> dict[str, Any] | None:
             state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)

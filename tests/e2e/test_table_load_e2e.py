@@ -68,3 +68,36 @@ def test_notify_resumes_the_waiting_sensor_within_seconds(airflow_stack: Airflow
     took = time.monotonic() - started
     assert airflow_stack.wait_for_run("model_user", run_id, timeout=120) == "success"
     print(f"NOTIFY to resume: {took:.2f}s")
+
+
+START_DAG = '''
+import pendulum
+from airflow.sdk import DAG
+from deferrables import TableLoadSensor
+
+with DAG(dag_id="model_profile", schedule=None, start_date=pendulum.datetime(2024, 1, 1), catchup=False):
+    TableLoadSensor(task_id="wait_tables", conn_id="warehouse", required_tables=["dds.s_user_profile"],
+                    since="{{ logical_date }}", start_from_trigger=True, poke_interval=1, timeout=600)
+'''
+
+
+def test_start_from_trigger_waits_without_a_worker(airflow_stack: AirflowStack, pg_db: str) -> None:
+    asyncio.run(_execute(pg_db, STATUS_DDL, "INSERT INTO meta.detail_process_table_status "
+                                            "(table_name, status, created_dttm) VALUES "
+                                            "('dds.s_user_profile', 'SUCCESS', now() - interval '1 day')"))
+    airflow_stack.config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
+    (airflow_stack.config.dags_folder / "model_profile.py").write_text(textwrap.dedent(START_DAG))
+    airflow_stack.start_core()
+    airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
+    airflow_stack.wait_for_dags(["model_profile"])
+    airflow_stack.unpause("model_profile")
+    run_id = airflow_stack.trigger("model_profile")
+    dsn = airflow_stack.config.database_dsn
+    query = "SELECT state, hostname FROM task_instance WHERE dag_id = 'model_profile'"
+    found = wait_for(lambda: rows(dsn, query), lambda r: bool(r) and r[0][0] == "deferred", 120, "deferral")
+    assert not found[0][1], "a worker ran the task before it deferred"
+    time.sleep(4)
+    assert rows(dsn, query)[0][0] == "deferred"  # yesterday's load is older than the rendered since
+    asyncio.run(_execute(pg_db, "INSERT INTO meta.detail_process_table_status (table_name, status) "
+                                "VALUES ('dds.s_user_profile', 'SUCCESS')"))
+    assert airflow_stack.wait_for_run("model_profile", run_id, timeout=120) == "success"

@@ -60,7 +60,8 @@ def test_query_quotes_identifiers_and_parameterises_values() -> None:
     ("kwargs", "argument"),
     [({"conn_id": ""}, "conn_id"), ({"required_tables": []}, "required_tables"),
      ({"required_tables": "dds.h_user"}, "required_tables"), ({"status_table": "x;y"}, "status_table"),
-     ({"notify_channel": "load done"}, "notify_channel")],
+     ({"notify_channel": "load done"}, "notify_channel"), ({"since": "yesterday"}, "since"),
+     ({"start_from_trigger": True, "deferrable": False}, "start_from_trigger")],
 )
 def test_sensor_rejects_bad_arguments_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     arguments = {"task_id": "wait", "conn_id": "warehouse", "required_tables": ["dds.h_user"], **kwargs}
@@ -79,3 +80,14 @@ def test_trigger_serializes_and_identity_ignores_order_and_poll_interval() -> No
     assert policy.identity(classpath, kwargs, 1) == policy.identity(classpath, b.serialize()[1], 2)
     other = TableLoadTrigger("wh", ["a", "c"]).serialize()[1]
     assert policy.identity(classpath, kwargs, 1) != policy.identity(classpath, other, 3)
+
+
+def test_start_from_trigger_defers_from_the_scheduler_with_a_templated_since() -> None:
+    sensor = TableLoadSensor(task_id="wait", conn_id="wh", required_tables=["b", "a"],
+                             since="{{ data_interval_end }}", start_from_trigger=True, timeout=60)
+    args = sensor.start_trigger_args
+    assert sensor.start_from_trigger and args is not None
+    assert args.trigger_cls == "triggers.table_load.TableLoadTrigger"
+    assert args.trigger_kwargs["since"] == "{{ data_interval_end }}"
+    assert args.timeout is not None and args.timeout.total_seconds() == 60
+    assert "since" in TableLoadTrigger.template_fields
