@@ -34,6 +34,7 @@ class SqlConditionSensor(CheckThenDeferSensor):
         notify_channel: str | None = None,
         success: Any = None,
         failure: Any = None,
+        start_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
         for name, value in (("success", success), ("failure", failure)):
@@ -54,6 +55,8 @@ class SqlConditionSensor(CheckThenDeferSensor):
         self.parameters = list(parameters or [])
         self.failure_parameters = list(failure_parameters or [])
         self.notify_channel = notify_channel
+        if start_from_trigger:
+            self._start_in_triggerer(self.trigger())
 
     async def check(self) -> dict[str, Any] | None:
         target = await target_for(self.conn_id)

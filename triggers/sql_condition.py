@@ -32,6 +32,8 @@ async def sql_condition(conn: asyncpg.Connection | asyncpg.Pool, sql: str, param
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
+    # rendered in the triggerer when the task starts there (start_from_trigger)
+    template_fields = ("sql", "parameters", "failure_sql", "failure_parameters")
 
     def __init__(
         self,

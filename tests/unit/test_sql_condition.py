@@ -28,3 +28,12 @@ def test_identity_is_the_query_and_its_values_not_the_interval() -> None:
     c = SqlConditionTrigger("wh", "SELECT $1", parameters=[2]).serialize()[1]
     assert policy.identity(classpath, a, 1) == policy.identity(classpath, b, 2)
     assert policy.identity(classpath, a, 1) != policy.identity(classpath, c, 3)
+
+
+def test_start_from_trigger_carries_the_templated_query() -> None:
+    sensor = SqlConditionSensor(task_id="wait", conn_id="wh", sql="SELECT $1::date <= current_date",
+                                parameters=["{{ ds }}"], start_from_trigger=True)
+    args = sensor.start_trigger_args
+    assert sensor.start_from_trigger and args is not None
+    assert args.trigger_kwargs["parameters"] == ["{{ ds }}"]
+    assert set(SqlConditionTrigger.template_fields) >= {"sql", "parameters"}
