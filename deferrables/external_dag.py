@@ -37,6 +37,7 @@ class ExternalDagSensor(CheckThenDeferSensor):
         failed_states: Sequence[str] = FAILED,
         skipped_states: Sequence[str] = SKIPPED,
         on_skipped: str = "skip",
+        start_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -54,6 +55,8 @@ class ExternalDagSensor(CheckThenDeferSensor):
         self.logical_date, self.run_id = logical_date, run_id
         self.allowed_states, self.failed_states = list(allowed_states), list(failed_states)
         self.skipped_states, self.on_skipped = list(skipped_states), on_skipped
+        if start_from_trigger:
+            self._start_in_triggerer(self._trigger(self.logical_date))
 
     def _target(self) -> ExternalTarget:
         logical_date = None
@@ -83,9 +86,11 @@ class ExternalDagSensor(CheckThenDeferSensor):
             raise AirflowException(f"{self.task_id}: {err}") from err
 
     def trigger(self) -> ExternalDagTrigger:
-        t = self._target()
+        return self._trigger(self._target().logical_date)
+
+    def _trigger(self, logical_date: str | None) -> ExternalDagTrigger:
         return ExternalDagTrigger(
-            t.dag_id, external_task_ids=t.task_ids, logical_date=t.logical_date, run_id=t.run_id,
-            allowed_states=t.allowed_states, failed_states=t.failed_states, skipped_states=t.skipped_states,
-            poll_interval=self.poke_interval,
+            self.external_dag_id, external_task_ids=self.external_task_ids, logical_date=logical_date,
+            run_id=self.run_id, allowed_states=self.allowed_states, failed_states=self.failed_states,
+            skipped_states=self.skipped_states, poll_interval=self.poke_interval,
         )

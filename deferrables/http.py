@@ -35,6 +35,7 @@ class HttpConditionSensor(CheckThenDeferSensor):
         json_path: str | None = None,
         expected_value: Any = None,
         verify_ssl: bool = True,
+        start_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -50,6 +51,8 @@ class HttpConditionSensor(CheckThenDeferSensor):
         self.data, self.headers = data, dict(headers or {})
         self.expected_statuses = tuple(expected_statuses)
         self.json_path, self.expected_value, self.verify_ssl = json_path, expected_value, verify_ssl
+        if start_from_trigger:
+            self._start_in_triggerer(self.trigger())
 
     def _condition(self) -> HttpCondition:
         return HttpCondition(self.endpoint, self.method, self.data, self.headers, self.expected_statuses,

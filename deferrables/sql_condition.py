@@ -15,7 +15,8 @@ from triggers.sql_condition import SqlConditionTrigger, sql_condition
 class SqlConditionSensor(CheckThenDeferSensor):
     """Wait until ``sql`` (bind values in ``parameters``, as $1, $2, ...) returns a truthy first cell.
 
-    ``failure_sql`` ends the wait as failed when it returns a truthy first cell. Unlike Airflow's
+    ``failure_sql`` ends the wait as failed when it returns a truthy first cell. Rendered templates are
+    text: cast them in SQL (``CAST($1 AS text)::date``). Unlike Airflow's
     ``SqlSensor`` there are no ``success``/``failure`` Python callables: the wait runs in the triggerer,
     whose arguments must serialise to plain data, so callables are refused when the DAG is parsed.
     """

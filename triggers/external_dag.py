@@ -83,6 +83,8 @@ class ExternalTarget:
 class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("external_dag_id", "external_task_ids", "logical_date", "run_id", "allowed_states",
                        "failed_states", "skipped_states")
+    # rendered in the triggerer when the task starts there (start_from_trigger)
+    template_fields = ("external_dag_id", "external_task_ids", "logical_date", "run_id")
 
     def __init__(
         self,
@@ -97,24 +99,33 @@ class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
         poll_interval: float = 60.0,
     ) -> None:
         super().__init__()
-        self.target = ExternalTarget(external_dag_id, tuple(sorted(external_task_ids)), logical_date, run_id,
-                                     tuple(allowed_states), tuple(failed_states), tuple(skipped_states))
+        self.external_dag_id, self.external_task_ids = external_dag_id, sorted(external_task_ids)
+        self.logical_date, self.run_id = logical_date, run_id
+        self.allowed_states, self.failed_states = list(allowed_states), list(failed_states)
+        self.skipped_states = list(skipped_states)
         self.poll_interval = float(poll_interval)
+        self.target()  # validates now; rebuilt at run time from the (possibly rendered) fields
+
+    def target(self) -> ExternalTarget:
+        return ExternalTarget(self.external_dag_id, tuple(self.external_task_ids), self.logical_date or None,
+                              self.run_id or None, tuple(self.allowed_states), tuple(self.failed_states),
+                              tuple(self.skipped_states))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        t = self.target
         return ("triggers.external_dag.ExternalDagTrigger", {
-            "external_dag_id": t.dag_id, "external_task_ids": list(t.task_ids),
-            "logical_date": t.logical_date, "run_id": t.run_id, "allowed_states": list(t.allowed_states),
-            "failed_states": list(t.failed_states), "skipped_states": list(t.skipped_states),
-            "poll_interval": self.poll_interval,
+            "external_dag_id": self.external_dag_id, "external_task_ids": list(self.external_task_ids),
+            "logical_date": self.logical_date, "run_id": self.run_id,
+            "allowed_states": self.allowed_states, "failed_states": self.failed_states,
+            "skipped_states": self.skipped_states, "poll_interval": self.poll_interval,
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from asgiref.sync import sync_to_async
 
+        target = self.target()
+
         async def check() -> dict[str, Any] | None:
-            result: dict[str, Any] | None = await sync_to_async(self.target.check_sync)()
+            result: dict[str, Any] | None = await sync_to_async(target.check_sync)()
             return result
 
         yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))

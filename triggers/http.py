@@ -127,6 +127,8 @@ class HttpCondition:
 class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("http_conn_id", "endpoint", "method", "data", "headers", "expected_statuses",
                        "json_path", "expected_value", "verify_ssl")
+    # rendered in the triggerer when the task starts there (start_from_trigger)
+    template_fields = ("endpoint", "data", "headers", "expected_value")
 
     def __init__(
         self,
@@ -143,24 +145,32 @@ class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
         poll_interval: float = 60.0,
     ) -> None:
         super().__init__()
-        self.http_conn_id = http_conn_id
-        self.condition = HttpCondition(endpoint, method.upper(), data, dict(headers or {}),
-                                       tuple(expected_statuses), json_path, expected_value, verify_ssl)
+        self.http_conn_id, self.endpoint, self.method = http_conn_id, endpoint, method.upper()
+        self.data, self.headers = data, dict(headers or {})
+        self.expected_statuses = [int(s) for s in expected_statuses]
+        self.json_path, self.expected_value, self.verify_ssl = json_path, expected_value, verify_ssl
         self.poll_interval = float(poll_interval)
+        self.validate()
+
+    def validate(self) -> HttpCondition:
+        """The condition from the current fields (rendered first when the task starts in the triggerer)."""
+        return HttpCondition(self.endpoint, self.method, self.data, dict(self.headers),
+                             tuple(self.expected_statuses), self.json_path, self.expected_value,
+                             self.verify_ssl)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        c = self.condition
         return ("triggers.http.HttpConditionTrigger", {
-            "http_conn_id": self.http_conn_id, "endpoint": c.endpoint, "method": c.method, "data": c.data,
-            "headers": c.headers, "expected_statuses": list(c.expected_statuses), "json_path": c.json_path,
-            "expected_value": c.expected_value, "verify_ssl": c.verify_ssl,
+            "http_conn_id": self.http_conn_id, "endpoint": self.endpoint, "method": self.method,
+            "data": self.data, "headers": self.headers, "expected_statuses": self.expected_statuses,
+            "json_path": self.json_path, "expected_value": self.expected_value, "verify_ssl": self.verify_ssl,
             "poll_interval": self.poll_interval,
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await http_target(self.http_conn_id)
+        condition = self.validate()
 
         async def check() -> dict[str, Any] | None:
-            return await self.condition.check(shared_session(), target)
+            return await condition.check(shared_session(), target)
 
         yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))

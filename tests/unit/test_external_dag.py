@@ -35,3 +35,14 @@ def test_failed_and_skipped_end_the_wait() -> None:
 def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
         ExternalDagSensor(**{"task_id": "wait", "external_dag_id": "producer", **kwargs})
+
+
+def test_start_from_trigger_keeps_the_logical_date_template_for_the_triggerer() -> None:
+    from triggers import ExternalDagTrigger
+
+    sensor = ExternalDagSensor(task_id="wait", external_dag_id="producer", external_task_ids=["load"],
+                               start_from_trigger=True)
+    args = sensor.start_trigger_args
+    assert sensor.start_from_trigger and args is not None
+    assert args.trigger_kwargs["logical_date"] == "{{ logical_date }}"
+    assert "logical_date" in ExternalDagTrigger.template_fields

@@ -31,7 +31,7 @@ def test_identity_is_the_query_and_its_values_not_the_interval() -> None:
 
 
 def test_start_from_trigger_carries_the_templated_query() -> None:
-    sensor = SqlConditionSensor(task_id="wait", conn_id="wh", sql="SELECT $1::date <= current_date",
+    sensor = SqlConditionSensor(task_id="wait", conn_id="wh", sql="SELECT CAST($1 AS text)::date <= now()",
                                 parameters=["{{ ds }}"], start_from_trigger=True)
     args = sensor.start_trigger_args
     assert sensor.start_from_trigger and args is not None
