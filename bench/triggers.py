@@ -9,20 +9,8 @@ from typing import Any
 import aiohttp
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from triggers.http import shared_session
 from triggers.identity import DedupableTrigger
-
-_sessions: dict[int, aiohttp.ClientSession] = {}
-
-
-def _session() -> aiohttp.ClientSession:
-    """One client session per event loop: thousands of triggers must not open thousands of pools."""
-    loop_id = id(asyncio.get_running_loop())
-    session = _sessions.get(loop_id)
-    if session is None or session.closed:
-        session = _sessions[loop_id] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=50), timeout=aiohttp.ClientTimeout(total=30)
-        )
-    return session
 
 
 class PollTrigger(DedupableTrigger, BaseTrigger):
@@ -41,7 +29,7 @@ class PollTrigger(DedupableTrigger, BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
             try:
-                async with _session().get(f"{self.url}/poll/{self.key}") as response:
+                async with shared_session().get(f"{self.url}/poll/{self.key}") as response:
                     if (await response.json())["ready"]:
                         yield TriggerEvent({"key": self.key})
                         return

@@ -228,6 +228,15 @@ class AirflowStack:
         self.components.append(component)
         return component
 
+    def start_smart(self, dag_ids: Sequence[str], env: dict[str, str] | None = None) -> Component:
+        """Core + one smart triggerer, then wait for ``dag_ids`` to be parsed and unpause them."""
+        self.start_core()
+        triggerer = self.start_smart_triggerer(env=env)
+        self.wait_for_dags(dag_ids)
+        for dag_id in dag_ids:
+            self.unpause(dag_id)
+        return triggerer
+
     def smart_status(self) -> dict[str, Any]:
         """``smart-triggerer status --json`` of this deployment."""
         result = subprocess.run(

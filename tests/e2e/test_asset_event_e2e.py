@@ -49,11 +49,7 @@ def test_mid_dag_wait_ends_on_the_asset_event(airflow_stack: AirflowStack) -> No
     config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = config.database_dsn
     (config.dags_folder / "publisher.py").write_text(textwrap.dedent(PRODUCER))
     (config.dags_folder / "reporter.py").write_text(textwrap.dedent(CONSUMER))
-    airflow_stack.start_core()
-    airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
-    airflow_stack.wait_for_dags(["publisher", "reporter"])
-    for dag_id in ("publisher", "reporter"):
-        airflow_stack.unpause(dag_id)
+    airflow_stack.start_smart(["publisher", "reporter"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     run_id = airflow_stack.trigger("reporter")
     query = "SELECT state FROM task_instance WHERE dag_id = 'reporter' AND task_id = 'wait_fresh_users'"
     wait_for(lambda: rows(config.database_dsn, query), lambda r: r == [("deferred",)], 120, "deferral")

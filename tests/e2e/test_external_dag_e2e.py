@@ -49,11 +49,7 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     folder = airflow_stack.config.dags_folder
     (folder / "producer.py").write_text(textwrap.dedent(PRODUCER))
     (folder / "consumer.py").write_text(textwrap.dedent(CONSUMER))
-    airflow_stack.start_core()
-    airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
-    airflow_stack.wait_for_dags(["producer", "consumer"])
-    for dag_id in ("producer", "consumer"):
-        airflow_stack.unpause(dag_id)
+    airflow_stack.start_smart(["producer", "consumer"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     consumer_run = airflow_stack.trigger("consumer", logical_date=when)
     dsn = airflow_stack.config.database_dsn

@@ -38,10 +38,7 @@ def test_sql_and_http_sensors_defer_and_resume(airflow_stack: AirflowStack, pg_d
     with ControlledServer().running() as server:
         airflow_stack.config.extra.update({"AIRFLOW_CONN_WAREHOUSE": pg_db, "AIRFLOW_CONN_JOBS": server.url})
         (airflow_stack.config.dags_folder / "sql_and_http.py").write_text(textwrap.dedent(DAG))
-        airflow_stack.start_core()
-        airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
-        airflow_stack.wait_for_dags(["sql_and_http"])
-        airflow_stack.unpause("sql_and_http")
+        airflow_stack.start_smart(["sql_and_http"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
         run_id = airflow_stack.trigger("sql_and_http")
         dsn = airflow_stack.config.database_dsn
         query = "SELECT task_id, state FROM task_instance WHERE dag_id = 'sql_and_http'"

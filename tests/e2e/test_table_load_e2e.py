@@ -44,10 +44,7 @@ def test_notify_resumes_the_waiting_sensor_within_seconds(airflow_stack: Airflow
                                             "(table_name, status) VALUES ('dds.h_user', 'START')"))
     airflow_stack.config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
     (airflow_stack.config.dags_folder / "model_user.py").write_text(textwrap.dedent(DAG))
-    airflow_stack.start_core()
-    airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
-    airflow_stack.wait_for_dags(["model_user"])
-    airflow_stack.unpause("model_user")
+    airflow_stack.start_smart(["model_user"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     run_id = airflow_stack.trigger("model_user")
     airflow_dsn = airflow_stack.config.database_dsn
 
@@ -87,10 +84,7 @@ def test_start_from_trigger_waits_without_a_worker(airflow_stack: AirflowStack, 
                                             "('dds.s_user_profile', 'SUCCESS', now() - interval '1 day')"))
     airflow_stack.config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
     (airflow_stack.config.dags_folder / "model_profile.py").write_text(textwrap.dedent(START_DAG))
-    airflow_stack.start_core()
-    airflow_stack.start_smart_triggerer(env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
-    airflow_stack.wait_for_dags(["model_profile"])
-    airflow_stack.unpause("model_profile")
+    airflow_stack.start_smart(["model_profile"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     run_id = airflow_stack.trigger("model_profile")
     dsn = airflow_stack.config.database_dsn
     query = "SELECT state, hostname FROM task_instance WHERE dag_id = 'model_profile'"
