@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
@@ -11,13 +12,28 @@ from airflow.sdk.exceptions import AirflowException
 
 from deferrables.base import CheckThenDeferSensor
 from triggers.external_dag import ALLOWED, FAILED, SKIPPED, ExternalDagTrigger, ExternalTarget
+from triggers.pg import target_for
 
 ON_SKIPPED = ("skip", "fail", "success")
+LATEST_RUN_SQL = "SELECT run_id FROM dag_run WHERE dag_id = $1 ORDER BY run_after DESC, id DESC LIMIT 1"
+
+
+async def latest_run_id(conn_id: str, dag_id: str) -> str | None:
+    import asyncpg
+
+    target = await target_for(conn_id)
+    conn = await asyncpg.connect(**target.connect_kwargs())
+    try:
+        run_id: str | None = await conn.fetchval(LATEST_RUN_SQL, dag_id)
+        return run_id
+    finally:
+        await conn.close()
 
 
 class ExternalDagSensor(CheckThenDeferSensor):
     """Wait for ``external_dag_id``'s run at ``logical_date`` (templated; default: this run's logical
-    date) or ``run_id``, or for its ``external_task_ids`` in that run.
+    date), or ``run_id``, or its latest run (``latest_run=True``: resolved when the task starts, from the
+    metadata database through ``metadata_conn_id``), or for its ``external_task_ids`` in that run.
 
     All watched tasks (or the run) in ``allowed_states``: success. Any in ``failed_states``: the task fails
     at once (it does not wait for its timeout). Any in ``skipped_states``: ``on_skipped`` decides
@@ -37,6 +53,8 @@ class ExternalDagSensor(CheckThenDeferSensor):
         failed_states: Sequence[str] = FAILED,
         skipped_states: Sequence[str] = SKIPPED,
         on_skipped: str = "skip",
+        latest_run: bool = False,
+        metadata_conn_id: str = "airflow_db",
         start_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -47,14 +65,19 @@ class ExternalDagSensor(CheckThenDeferSensor):
             raise ValueError("external_task_ids must be a list of task ids, not a single string")
         if on_skipped not in ON_SKIPPED:
             raise ValueError(f"on_skipped={on_skipped!r} must be one of {ON_SKIPPED}")
-        if run_id is not None:
+        if latest_run and (run_id is not None or start_from_trigger):
+            raise ValueError("latest_run=True resolves the run when the task starts: it takes no run_id "
+                             "and no start_from_trigger")
+        if run_id is not None or latest_run:
             logical_date = None
-        ExternalTarget(external_dag_id, tuple(external_task_ids or ()), logical_date or None, run_id,
-                       tuple(allowed_states), tuple(failed_states), tuple(skipped_states))  # validates
+        ExternalTarget(external_dag_id, tuple(external_task_ids or ()), logical_date or None,
+                       run_id or ("(latest)" if latest_run else None), tuple(allowed_states),
+                       tuple(failed_states), tuple(skipped_states))  # validates
         self.external_dag_id, self.external_task_ids = external_dag_id, list(external_task_ids or [])
         self.logical_date, self.run_id = logical_date, run_id
         self.allowed_states, self.failed_states = list(allowed_states), list(failed_states)
         self.skipped_states, self.on_skipped = list(skipped_states), on_skipped
+        self.latest_run, self.metadata_conn_id = latest_run, metadata_conn_id
         if start_from_trigger:
             self._start_in_triggerer(self._trigger(self.logical_date))
 
@@ -80,10 +103,21 @@ class ExternalDagSensor(CheckThenDeferSensor):
         super().finish(payload)
 
     def execute(self, context: Context) -> None:
+        if self.latest_run:
+            self.run_id = self._latest_run_id()
+            self.log.info("waiting for the latest run of %s: %s", self.external_dag_id, self.run_id)
         try:
             super().execute(context)
         except ValueError as err:  # a logical date that does not parse
             raise AirflowException(f"{self.task_id}: {err}") from err
+
+    def _latest_run_id(self) -> str:
+        """The task SDK cannot list another DAG's runs: read the metadata database (one parameterised
+        query through the Postgres connection ``metadata_conn_id``)."""
+        run_id = asyncio.run(latest_run_id(self.metadata_conn_id, self.external_dag_id))
+        if run_id is None:
+            raise AirflowException(f"{self.task_id}: {self.external_dag_id} has no run yet (latest_run=True)")
+        return run_id
 
     def trigger(self) -> ExternalDagTrigger:
         return self._trigger(self._target().logical_date)

@@ -33,6 +33,16 @@ with DAG(dag_id="producer", schedule=None, start_date=pendulum.datetime(2024, 1,
     ok(); broken(); skipped()
 '''
 
+LATEST = '''
+import pendulum
+from airflow.sdk import DAG
+from deferrables import ExternalDagSensor
+
+with DAG(dag_id="consumer_latest", schedule=None, start_date=pendulum.datetime(2024, 1, 1), catchup=False):
+    ExternalDagSensor(task_id="wait_latest_ok", external_dag_id="producer", external_task_ids=["ok"],
+                      latest_run=True, poke_interval=2, timeout=300)
+'''
+
 CONSUMER = '''
 import pendulum
 from airflow.sdk import DAG
@@ -49,7 +59,10 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     folder = airflow_stack.config.dags_folder
     (folder / "producer.py").write_text(textwrap.dedent(PRODUCER))
     (folder / "consumer.py").write_text(textwrap.dedent(CONSUMER))
-    airflow_stack.start_smart(["producer", "consumer"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
+    (folder / "consumer_latest.py").write_text(textwrap.dedent(LATEST))
+    airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = airflow_stack.config.database_dsn
+    airflow_stack.start_smart(["producer", "consumer", "consumer_latest"],
+                              env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     consumer_run = airflow_stack.trigger("consumer", logical_date=when)
     dsn = airflow_stack.config.database_dsn
@@ -60,3 +73,6 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     assert airflow_stack.wait_for_run("consumer", consumer_run, timeout=180) == "failed"
     assert airflow_stack.task_states("consumer", consumer_run) == {
         "wait_ok": "success", "wait_broken": "failed", "wait_skipped": "skipped"}
+
+    latest = airflow_stack.trigger("consumer_latest")  # the producer's run above is the latest one
+    assert airflow_stack.wait_for_run("consumer_latest", latest, timeout=120) == "success"

@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from deferrables import AssetEventSensor
 from tests.helpers.airflow_orm import use_airflow_db
+from triggerer.devstack import AirflowConfig
 from triggers import SqlConditionTrigger
 
 
@@ -55,3 +56,22 @@ def test_waits_for_an_event_newer_than_since(airflow_db: str, monkeypatch: pytes
 def test_rejects_a_missing_asset_at_parse_time() -> None:
     with pytest.raises(ValueError, match="asset"):
         AssetEventSensor(task_id="wait", asset="")
+
+
+def test_external_latest_run_is_read_from_the_metadata_db(
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.sdk.exceptions import AirflowException
+
+    from deferrables import ExternalDagSensor
+    from deferrables.external_dag import latest_run_id
+    from tests.helpers.seeding import seed_deferred
+
+    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_config.database_dsn)
+    seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=1,
+                           classpath="x.Y", kwargs_for=lambda i: {})
+    assert asyncio.run(latest_run_id("airflow_db", seeded.dag_id)) == seeded.run_id
+    assert asyncio.run(latest_run_id("airflow_db", "no_such_dag")) is None
+    sensor = ExternalDagSensor(task_id="wait", external_dag_id="no_such_dag", latest_run=True)
+    with pytest.raises(AirflowException, match="no run yet"):
+        sensor.execute({})

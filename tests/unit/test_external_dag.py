@@ -30,7 +30,8 @@ def test_failed_and_skipped_end_the_wait() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
     [({"external_dag_id": ""}, "external_dag_id"), ({"external_task_ids": "a"}, "external_task_ids"),
-     ({"on_skipped": "ignore"}, "on_skipped"), ({"allowed_states": ["success", "failed"]}, "allowed_states")],
+     ({"on_skipped": "ignore"}, "on_skipped"), ({"allowed_states": ["success", "failed"]}, "allowed_states"),
+     ({"latest_run": True, "run_id": "r1"}, "latest_run")],
 )
 def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
