@@ -30,7 +30,7 @@ def get_provider_info() -> dict[str, Any]:
                         "version_added": "0.1.0",
                         "type": "integer",
                         "example": None,
-                        "default": "10",
+                        "default": "8",
                     },
                     "dedup": {
                         "description": "Run one coroutine per identity group instead of one per trigger.",
@@ -45,6 +45,14 @@ def get_provider_info() -> dict[str, Any]:
                         "type": "string",
                         "example": "my.module.MyStateTrigger",
                         "default": "",
+                    },
+                    "resume_hold_seconds": {
+                        "description": "Hold events for tasks deferred more recently than this (seconds); "
+                        "Airflow 3.3.2 can fail a task resumed within ~5 s of its deferral.",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "6",
                     },
                     "health_port": {
                         "description": "Port of the health/metrics endpoint; 0 picks a free port.",
