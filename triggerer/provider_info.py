@@ -55,11 +55,12 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "6",
                     },
                     "health_port": {
-                        "description": "Port of the health/metrics endpoint; 0 picks a free port.",
+                        "description": "Port of the health/metrics endpoint on 127.0.0.1; 0 picks a free "
+                        "port; empty: no endpoint.",
                         "version_added": "0.1.0",
-                        "type": "integer",
-                        "example": None,
-                        "default": "0",
+                        "type": "string",
+                        "example": "8795",
+                        "default": "",
                     },
                 },
             }
