@@ -162,15 +162,11 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _drop_shards(self, shards: set[int]) -> None:
         """Forget every waiter of these shards and cancel their coroutines without on_kill."""
-        for trigger_id, info in list(self.member_info.items()):
-            if info.shard in shards:
-                self._forget_member(trigger_id, user_action=False)
-        for trigger_id in [t for t in self.held if self._held_shard(t) in shards]:
-            self.held.pop(trigger_id)
-
-    def _held_shard(self, trigger_id: int) -> int | None:
-        info = self.member_info.get(trigger_id)
-        return info.shard if info else None
+        dropped = [t for t, info in self.member_info.items() if info.shard in shards]
+        for trigger_id in dropped:
+            # held events first: their shard is known only while the member's info is kept
+            self.held.pop(trigger_id, None)
+            self._forget_member(trigger_id, user_action=False)
 
     def release_all(self) -> None:
         """Graceful stop: release every lease and leave the membership at once."""
@@ -367,11 +363,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         plans = [(runner_id, exc, self.groups.by_runner(runner_id)) for runner_id, exc in entries]
         with create_session() as session:
             for runner_id, exc, group in plans:
-                members = sorted(group.members) if group is not None else []
                 if group is None:
                     log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
                     continue
-                self.failures_total += fanout.fail(session, self._task_members(members), exc)
+                self.failures_total += fanout.fail(session, self._task_members(sorted(group.members)), exc)
         for _ in entries:
             self.failed_triggers.popleft()
         for _runner_id, _exc, group in plans:
