@@ -297,7 +297,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 batches.append((self._task_members(ready), entry.event))
                 for trigger_id in group.members:
                     if not self._is_task(trigger_id):
-                        Trigger.submit_event(trigger_id=trigger_id, event=entry.event, session=session)
+                        fanout.submit_watcher_event(session, trigger_id, entry.event)
             self.resumed_total += fanout.resume(session, batches)
         for _ in entries:
             entry = self.events.popleft()

@@ -150,3 +150,11 @@ SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwar
     trigger_id = NULL, scheduled_dttm = now()
 WHERE state = 'deferred' AND trigger_timeout < now()
   AND trigger_id IN (SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE shard = ANY(:shards));
+
+-- name: claim_asset_event_key
+-- Returns a row only for the first claimant; a concurrent claimant waits on the unique index until the
+-- first transaction ends, then gets nothing (or the key, if the first rolled back).
+INSERT INTO smart_triggerer.asset_event_key (asset_id, idempotency_key, trigger_id)
+VALUES (:asset_id, :key, :trigger_id)
+ON CONFLICT DO NOTHING
+RETURNING asset_id;

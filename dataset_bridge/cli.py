@@ -1,0 +1,115 @@
+"""The ``dataset-bridge`` command line: run the bridge process, show its status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dataset_bridge.service import BridgeSettings
+from dataset_bridge.task_success import MappingError, TaskMapping
+
+
+def _positive(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataset-bridge",
+        description="Producer success -> exactly one asset event -> consumer DAG runs. Uses the usual "
+                    "Airflow configuration (AIRFLOW_HOME, AIRFLOW__... environment).")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in (("run", "run the bridge: mapped task successes and the reconciler"),
+                            ("status", "events emitted, backlog, held-back events, watermarks")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--mapping", help="YAML/JSON file: 'dag_id.task_id' -> [asset URI or name]")
+        sub.add_argument("--grace", type=_positive, default=15.0,
+                         help="seconds an unconsumed event waits before it is queued again (default 15)")
+        sub.add_argument("--lookback", type=_positive, default=86400.0,
+                         help="oldest event age, in seconds, the reconciler looks at (default 86400)")
+    commands.choices["run"].add_argument("--interval", type=_positive, default=2.0,
+                                         help="seconds between passes (default 2)")
+    status = commands.choices["status"]
+    status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
+                        help="also show status-table watermarks kept in this connection's database")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> BridgeSettings:
+    return BridgeSettings(interval=getattr(args, "interval", 2.0), grace_seconds=args.grace,
+                          lookback_seconds=args.lookback)
+
+
+async def _watermarks(conn_id: str) -> list[dict[str, Any]]:
+    import asyncpg
+
+    from triggers.pg import target_for
+
+    conn = await asyncpg.connect(**(await target_for(conn_id)).connect_kwargs())
+    try:
+        if not await conn.fetchval("SELECT to_regclass('dataset_bridge.status_watermark') IS NOT NULL"):
+            return []
+        rows = await conn.fetch("SELECT status_table, table_name, last_id, updated_at "
+                                "FROM dataset_bridge.status_watermark ORDER BY 1, 2")
+    finally:
+        await conn.close()
+    return [{"conn_id": conn_id, "status_table": r["status_table"], "table_name": r["table_name"],
+             "last_id": r["last_id"], "updated_at": r["updated_at"].isoformat()} for r in rows]
+
+
+def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int:
+    from dataset_bridge import service
+
+    result = service.status(mapping, _settings(args))
+    result["watermarks"] = [w for conn_id in args.watermarks for w in asyncio.run(_watermarks(conn_id))]
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    if not result.get("initialized"):
+        console.print("dataset bridge: not initialised in this database yet (run `dataset-bridge run`)")
+    table = Table("measure", "value", title="dataset bridge")
+    for key in ("emitted", "backlog", "held_back", "requeued", "watcher_events"):
+        if key in result:
+            table.add_row(key, str(result[key]))
+    console.print(table)
+    if result["watermarks"]:
+        marks = Table("conn_id", "status_table", "table_name", "last_id", "updated_at", title="watermarks")
+        for w in result["watermarks"]:
+            marks.add_row(*(str(w[k]) for k in ("conn_id", "status_table", "table_name", "last_id",
+                                                "updated_at")))
+        console.print(marks)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        mapping = TaskMapping.load(args.mapping) if args.mapping else None
+    except MappingError as err:
+        print(f"dataset-bridge: {err}", file=sys.stderr)
+        return 2
+    if args.command == "status":
+        return status_command(args, mapping)
+    from dataset_bridge import service
+
+    return service.run(mapping, _settings(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The bridge process: mapped task successes -> asset events, and the held-back-event reconciler.
+
+Runs beside the scheduler with the usual Airflow configuration (it talks to the metadata database, as the
+scheduler does). Several may run at once: the ledger keeps every event single.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from sqlalchemy import text
+
+from dataset_bridge import reconcile, task_success
+from dataset_bridge.task_success import TaskMapping
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    interval: float = 2.0
+    reconcile_every: float = 10.0
+    grace_seconds: float = 15.0
+    lookback_seconds: float = 86400.0
+
+
+@dataclass
+class Counters:
+    emitted: int = 0
+    requeued: int = 0
+    passes: int = 0
+
+
+def _session() -> Any:
+    from airflow.utils.session import create_session
+
+    return create_session()
+
+
+def prepare(mapping: TaskMapping | None) -> None:
+    with _session() as session:
+        task_success.ensure_schema(session)
+    if mapping is not None:
+        with _session() as session:
+            task_success.register_horizons(session, mapping)
+
+
+def emit_pending(mapping: TaskMapping) -> int:
+    """One pass over successes not yet bridged; each try in its own transaction."""
+    with _session() as session:
+        rows = task_success.pending(session, mapping)
+    created = 0
+    for row in rows:
+        with _session() as session:
+            created += task_success.emit_one(session, mapping, row)
+    if created:
+        log.info("asset events emitted for task successes", events=created, tries=len(rows))
+    return created
+
+
+def reconcile_once(settings: BridgeSettings) -> int:
+    with _session() as session:
+        requeued = reconcile.requeue(session, grace_seconds=settings.grace_seconds,
+                                     lookback_seconds=settings.lookback_seconds)
+    if requeued:
+        log.info("held-back asset events queued again for their consumers", pairs=requeued)
+    return requeued
+
+
+def run(mapping: TaskMapping | None, settings: BridgeSettings, stop: threading.Event | None = None) -> int:
+    stop = stop or threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    prepare(mapping)
+    counters = Counters()
+    last_reconcile = 0.0
+    log.info("dataset bridge running", mapped_tasks=len(mapping.entries) if mapping else 0)
+    while not stop.is_set():
+        try:
+            if mapping is not None:
+                counters.emitted += emit_pending(mapping)
+            if time.monotonic() - last_reconcile >= settings.reconcile_every:
+                counters.requeued += reconcile_once(settings)
+                last_reconcile = time.monotonic()
+        except Exception:
+            # the database may be restarting; the ledger makes the retry safe
+            log.exception("bridge pass failed; retrying")
+        counters.passes += 1
+        stop.wait(settings.interval)
+    log.info("dataset bridge stopped", emitted=counters.emitted, requeued=counters.requeued)
+    return 0
+
+
+STATUS_SQL = {
+    "emitted": "SELECT source, count(*) FROM dataset_bridge.emitted GROUP BY source ORDER BY source",
+    "horizons": "SELECT dag_id || '.' || task_id, since FROM dataset_bridge.task_horizon ORDER BY 1",
+    "requeued": "SELECT count(*) FROM dataset_bridge.reconciled",
+    "watcher_keys": "SELECT count(*) FROM smart_triggerer.asset_event_key",
+}
+
+
+def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, Any]:
+    """Emitted events by source, backlog of mapped successes, held-back events, re-queued pairs."""
+    with _session() as session:
+        exists = session.execute(text("SELECT to_regclass('dataset_bridge.emitted') IS NOT NULL")).scalar()
+        if not exists:
+            return {"initialized": False}
+        result: dict[str, Any] = {"initialized": True}
+        result["emitted"] = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["emitted"])).all()}
+        result["horizons"] = {str(k): v.isoformat() for k, v in session.execute(text(STATUS_SQL["horizons"]))}
+        result["requeued"] = int(session.execute(text(STATUS_SQL["requeued"])).scalar() or 0)
+        result["backlog"] = len(task_success.pending(session, mapping, limit=10000)) if mapping else None
+        result["held_back"] = len(reconcile.held_back(session, grace_seconds=settings.grace_seconds,
+                                                      lookback_seconds=settings.lookback_seconds))
+        has_keys = session.execute(text("SELECT to_regclass('smart_triggerer.asset_event_key') IS NOT NULL"))
+        result["watcher_events"] = (int(session.execute(text(STATUS_SQL["watcher_keys"])).scalar() or 0)
+                                    if has_keys.scalar() else None)
+    return result
