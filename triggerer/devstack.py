@@ -228,6 +228,15 @@ class AirflowStack:
         self.components.append(component)
         return component
 
+    def start_bridge(self, name: str = "dataset-bridge", args: Sequence[str] = (),
+                     env: dict[str, str] | None = None) -> Component:
+        """One ``dataset-bridge run`` process (mapped task successes and the reconciler)."""
+        argv = [str(Path(sys.executable).with_name("dataset-bridge")), "run", *args]
+        component = Component(name, argv, self.log_dir / f"{name}.log")
+        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
+        self.components.append(component)
+        return component
+
     def start_smart(self, dag_ids: Sequence[str], env: dict[str, str] | None = None) -> Component:
         """Core + one smart triggerer, then wait for ``dag_ids`` to be parsed and unpause them."""
         self.start_core()
