@@ -260,6 +260,11 @@ class AirflowStack:
     def stop(self) -> None:
         stop_components(self.components)
 
+    def retire(self, component: Component) -> None:
+        """Stop one component on purpose; the stack no longer expects it to be running."""
+        stop_components([component])
+        self.components.remove(component)
+
     def log_tails(self, chars: int = 3000) -> str:
         return "\n".join(
             f"----- {c.name} (pid {c.process.pid if c.process else '-'}) -----\n{c.log_tail(chars)}"

@@ -1,0 +1,61 @@
+"""Bad bridge input fails at parse time with a message naming the argument or the mapping entry."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataset_bridge import TableStatusTrigger
+from dataset_bridge.task_success import MappingError, TaskMapping, success_key
+
+
+def test_status_trigger_round_trips_and_shares_one_stream_per_status_table() -> None:
+    a = TableStatusTrigger(conn_id="warehouse", table_name="dds.h_user")
+    b = TableStatusTrigger(conn_id="warehouse", table_name="dds.s_user")
+    classpath, kwargs = a.serialize()
+    assert classpath == "dataset_bridge.status_table.TableStatusTrigger"
+    assert TableStatusTrigger(**kwargs).serialize() == (classpath, kwargs)
+    assert a.shared_stream_key() == b.shared_stream_key()
+    other = TableStatusTrigger(conn_id="warehouse", table_name="dds.h_user", status_table="meta.other")
+    assert other.shared_stream_key() != a.shared_stream_key()
+
+
+@pytest.mark.parametrize(("kwargs", "argument"), [
+    ({"conn_id": "", "table_name": "t"}, "conn_id"),
+    ({"conn_id": "w", "table_name": ""}, "table_name"),
+    ({"conn_id": "w", "table_name": "t", "status_table": "meta.x; drop table y"}, "status_table"),
+    ({"conn_id": "w", "table_name": "t", "id_column": "id desc"}, "id_column"),
+    ({"conn_id": "w", "table_name": "t", "start_from": "yesterday"}, "start_from"),
+    ({"conn_id": "w", "table_name": "t", "poll_interval": 0}, "poll_interval"),
+    ({"conn_id": "w", "table_name": "t", "notify_channel": "a-b"}, "notify_channel"),
+])
+def test_status_trigger_rejects_bad_arguments_naming_them(kwargs: dict[str, object], argument: str) -> None:
+    with pytest.raises(ValueError, match=argument):
+        TableStatusTrigger(**kwargs)  # type: ignore[arg-type]
+
+
+def test_mapping_parses_names_uris_and_single_strings() -> None:
+    mapping = TaskMapping.parse({"etl.load_users": ["warehouse://dds/h_user", "users"], "etl.load_x": "x"})
+    assert mapping.entries == {("etl", "load_users"): ("warehouse://dds/h_user", "users"),
+                               ("etl", "load_x"): ("x",)}
+    assert mapping.names() == ["etl.load_users", "etl.load_x"]
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({}, "expected a mapping"),
+    (["etl.load"], "expected a mapping"),
+    ({"etl_load": ["a"]}, "'etl_load' is not 'dag_id.task_id'"),
+    ({"etl.load": []}, "'etl.load' must map to a non-empty list"),
+    ({"etl.load": [""]}, "'etl.load' must map to a non-empty list"),
+])
+def test_mapping_errors_name_the_entry(raw: object, message: str) -> None:
+    with pytest.raises(MappingError, match=message):
+        TaskMapping.parse(raw, source="bridge.yaml")
+
+
+def test_mapping_file_errors_name_the_file(tmp_path: object) -> None:
+    with pytest.raises(MappingError, match=r"missing\.yaml"):
+        TaskMapping.load(f"{tmp_path}/missing.yaml")
+
+
+def test_success_key_names_every_part_of_a_try() -> None:
+    assert success_key("etl", "load", "manual__1", -1, 2) == "task/etl/load/manual__1/-1/2"
