@@ -18,8 +18,9 @@ class TableLoadSensor(CheckThenDeferSensor):
     A latest FAILED fails the task (skips it with ``soft_fail``); a latest START (mid-load) or no row keeps
     waiting. ``since`` (templated, e.g. ``"{{ data_interval_end }}"``) ignores loads not newer than it.
     With ``notify_channel``, a ``NOTIFY <channel>`` from the ETL wakes the wait at once; polling every
-    ``poke_interval`` stays the safety net. Deferrable by default: the worker checks once, then hands the
-    wait to the triggerer, where identical waits of other DAGs share one poll.
+    ``poke_interval`` stays the safety net. With ``end_from_trigger`` (and ``start_from_trigger``) a
+    successful wait ends in the triggerer and never uses a worker slot. Deferrable by default: the worker
+    checks once, then hands the wait to the triggerer, where identical waits of other DAGs share one poll.
     """
 
     template_fields: Sequence[str] = ("required_tables", "since")
@@ -37,6 +38,7 @@ class TableLoadSensor(CheckThenDeferSensor):
         since: str | dt.datetime | None = None,
         notify_channel: str | None = None,
         start_from_trigger: bool = False,
+        end_from_trigger: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -60,6 +62,7 @@ class TableLoadSensor(CheckThenDeferSensor):
                 raise ValueError(f"since={since!r} is neither a timestamp nor a template: {err}") from err
         self.since = since
         self.notify_channel = notify_channel
+        self.end_from_trigger = end_from_trigger
         if start_from_trigger:
             self._start_in_triggerer(self._trigger(str(since) if since else None))
 
@@ -85,5 +88,5 @@ class TableLoadSensor(CheckThenDeferSensor):
             self.conn_id, self.required_tables, status_table=self.status.status_table,
             table_column=self.status.table_column, status_column=self.status.status_column,
             time_column=self.status.time_column, since=since, poll_interval=self.poke_interval,
-            notify_channel=self.notify_channel,
+            notify_channel=self.notify_channel, end_from_trigger=self.end_from_trigger,
         )

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(commands.add_parser("run", help="run one smart triggerer instance"))
     status = commands.add_parser("status", help="instances, shards, waiters, groups, dedup ratio")
     add_status_arguments(status)
+    demo = commands.add_parser("demo", help="run the demo: a whole deployment on a private PostgreSQL, the "
+                                            "example DAGs, a warehouse scenario and a summary")
+    demo.add_argument("--quick", action="store_true", help="a smaller scenario (for CI)")
+    demo.add_argument("--json", action="store_true",
+                      help="progress on stderr; the summary as one JSON object, the last line of stdout")
+    demo.add_argument("--keep-running", action="store_true",
+                      help="leave the stack up after the summary and print the UI URL (Ctrl-C stops it)")
     return parser
 
 
@@ -82,6 +89,12 @@ def status_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_command(args: argparse.Namespace) -> int:
+    from triggerer.demo import run_demo
+
+    return run_demo(quick=args.quick, as_json=args.json, keep_running=args.keep_running)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -90,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from triggerer.config import ConfigError
 
-    handlers = {"run": run_command, "status": status_command}
+    handlers = {"run": run_command, "status": status_command, "demo": demo_command}
     try:
         return handlers[args.command](args)
     except ConfigError as err:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 
 from triggers.identity import DedupableTrigger
 from triggers.pg import shared_pool, target_for
@@ -149,8 +149,9 @@ def _normalized_since(since: str | None) -> str | None:
 class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     """Fires once the required tables are loaded (or one failed). Push: optional LISTEN channel."""
 
+    # end_from_trigger is identity: members of one group must agree on whether the wait ends here
     identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
-                       "time_column", "since")
+                       "time_column", "since", "end_from_trigger")
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("required_tables", "since")
 
@@ -166,9 +167,11 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         since: str | None = None,
         poll_interval: float = 60.0,
         notify_channel: str | None = None,
+        end_from_trigger: bool = False,
     ) -> None:
         super().__init__()
         self.conn_id = conn_id
+        self.end_from_trigger = bool(end_from_trigger)
         # sorted and de-duplicated: the same set of tables is the same wait
         self.required_tables = sorted(set(required_tables))
         self.spec = StatusTable(status_table, table_column, status_column, time_column)
@@ -184,7 +187,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
                 "status_table": self.spec.status_table, "table_column": self.spec.table_column,
                 "status_column": self.spec.status_column, "time_column": self.spec.time_column,
                 "since": self.since, "poll_interval": self.poll_interval,
-                "notify_channel": self.notify_channel,
+                "notify_channel": self.notify_channel, "end_from_trigger": self.end_from_trigger,
             },
         )
 
@@ -199,4 +202,9 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
 
         async with listening(target, self.notify_channel) as hint:
             payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)
+        if self.end_from_trigger and payload.get("status") == "success":
+            # the task ends here, successful, without a worker; failures still go to the worker, which
+            # applies soft_fail and the failure callbacks
+            yield TaskSuccessEvent()
+            return
         yield TriggerEvent(payload)
