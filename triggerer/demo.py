@@ -319,22 +319,35 @@ class Demo:
             if status == "SUCCESS":
                 self.loaded_at[table] = time.time()
 
-    def count_unique_waits(self, airflow_dsn: str) -> None:
-        found = _query(
-            airflow_dsn,
-            "SELECT count(DISTINCT i.identity_hash) FROM smart_triggerer.trigger_identity i "
-            "JOIN task_instance t ON t.trigger_id = i.trigger_id "
-            "WHERE t.dag_id LIKE 'model_%%'",
-        )
-        self.unique_waits = int(found[0][0])
+    def watchers_ready(self, warehouse_dsn: str) -> bool:
+        """The consumer's asset watchers keep a watermark per table from the moment they start."""
+        try:
+            found = _query(warehouse_dsn, "SELECT count(*) FROM dataset_bridge.status_watermark "
+                                          "WHERE table_name = ANY(%s)", SIDE_TABLES)
+        except psycopg2.Error:
+            return False
+        return int(found[0][0]) == len(SIDE_TABLES)
+
+    def count_unique_waits(self, airflow_dsn: str) -> bool:
+        """Distinct waits among the sensor tasks, once a smart triggerer has placed every one of them."""
+        try:
+            hashed, unique = _query(
+                airflow_dsn,
+                "SELECT count(*), count(DISTINCT i.identity_hash) FROM smart_triggerer.trigger_identity i "
+                "JOIN task_instance t ON t.trigger_id = i.trigger_id WHERE t.dag_id LIKE 'model_%%'",
+            )[0]
+        except psycopg2.Error:
+            return False  # the triggerers have not created their schema yet
+        self.unique_waits = int(unique)
+        return int(hashed) == self.scenario.tasks
 
     def run(self, live: Live, stack: AirflowStack, airflow_dsn: str, warehouse_dsn: str) -> Summary:
         tasks, dsns = self.scenario.tasks, (airflow_dsn, warehouse_dsn)
         self.trigger_all(stack)
         self._phase(f"scheduling {tasks} sensor tasks straight into the triggerers")
-        self.wait_until(live, dsns, done=lambda: self.progress.waiting == tasks, timeout=300,
-                        what="every sensor task to defer")
-        self.count_unique_waits(airflow_dsn)
+        self.wait_until(live, dsns, timeout=300, what="every sensor task to defer into a smart triggerer",
+                        done=lambda: self.progress.waiting == tasks and self.count_unique_waits(airflow_dsn)
+                        and self.watchers_ready(warehouse_dsn))
         tables = len(self.scenario.tables()) + len(SIDE_TABLES)
         self._phase(f"the ETL loads {tables} tables over {self.scenario.etl_seconds:.0f}s")
         plan, etl_started = self.etl_plan(), time.monotonic()
@@ -361,6 +374,7 @@ class Demo:
         )
 
     def _others_done(self, airflow_dsn: str) -> bool:
+        """Every other example DAG has a finished run (the consumer's appears once its tables load)."""
         runs = dict(
             _query(
                 airflow_dsn,
