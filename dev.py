@@ -82,8 +82,16 @@ def test(pytest_args: list[str]) -> int:
     return code
 
 
+def demo(demo_args: list[str]) -> int:
+    """The demo: a whole Airflow deployment on a private PostgreSQL (see `smart-triggerer demo --help`)."""
+    step("smart-triggerer demo " + " ".join(demo_args))
+    # exec, not a child: Ctrl-C must reach the demo alone, so it can stop every process it started
+    os.chdir(ROOT)
+    os.execv(BIN / "smart-triggerer", [str(BIN / "smart-triggerer"), "demo", *demo_args])
+
+
 def main(argv: list[str]) -> int:
-    jobs = {"test": test}
+    jobs = {"demo": demo, "test": test}
     if not argv or argv[0] not in jobs:
         print(f"usage: python3 dev.py {{{','.join(jobs)}}} [args...]", file=sys.stderr)
         return 2
