@@ -87,7 +87,7 @@ def demo(demo_args: list[str]) -> int:
     step("smart-triggerer demo " + " ".join(demo_args))
     # exec, not a child: Ctrl-C must reach the demo alone, so it can stop every process it started
     os.chdir(ROOT)
-    os.execv(BIN / "smart-triggerer", [str(BIN / "smart-triggerer"), "demo", *demo_args])
+    os.execv(BIN / "smart-triggerer", [str(BIN / "smart-triggerer"), "demo", *demo_args])  # noqa: S606
 
 
 def main(argv: list[str]) -> int:
