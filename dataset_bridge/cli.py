@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="oldest event age, in seconds, the reconciler looks at (default 86400)")
     commands.choices["run"].add_argument("--interval", type=_positive, default=2.0,
                                          help="seconds between passes (default 2)")
+    relay = commands.add_parser("relay", help="relay the outbox to other deployments' inboxes")
+    relay.add_argument("--routes", required=True, help="YAML/JSON routes file (source, targets)")
+    relay.add_argument("--concurrency", type=int, default=4, help="targets delivered at once (default 4)")
+    relay.add_argument("--batch", type=int, default=100, help="events per request (default 100)")
+    relay.add_argument("--backoff-cap", type=_positive, default=60.0,
+                       help="longest wait between retries, seconds (default 60)")
+    relay_status = commands.add_parser("relay-status", help="per target: backlog, delivered, dead-lettered")
+    relay_status.add_argument("--json", action="store_true", help="print one JSON object")
     status = commands.choices["status"]
     status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
                         help="also show status-table watermarks kept in this connection's database")
@@ -93,12 +101,53 @@ def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int
     return 0
 
 
+def relay_command(args: argparse.Namespace) -> int:
+    from dataset_bridge import relay
+    from dataset_bridge.routes import Routes, RoutesError
+
+    if args.command == "relay-status":
+        targets = asyncio.run(relay.relay_status())
+        if args.json:
+            print(json.dumps({"targets": targets}))
+            return 0
+        table = Table("target", "backlog", "delivered", "dead", "next attempt", "last error", title="relay")
+        for t in targets:
+            table.add_row(*(str(t[k]) for k in ("target", "backlog", "delivered", "dead", "next_attempt",
+                                                "last_error")))
+        Console().print(table)
+        return 0
+    try:
+        routes = Routes.load(args.routes)
+        for target in routes.targets:
+            target.secret()
+    except RoutesError as err:
+        print(f"dataset-bridge: {err}", file=sys.stderr)
+        return 2
+    settings = relay.RelaySettings(batch=args.batch, concurrency=args.concurrency,
+                                   backoff_cap=args.backoff_cap)
+    return asyncio.run(_run_relay(routes, settings))
+
+
+async def _run_relay(routes: Any, settings: Any) -> int:
+    import signal
+
+    from dataset_bridge import relay
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return await relay.run_relay(routes, settings, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command in ("relay", "relay-status"):
+        return relay_command(args)
     try:
         mapping = TaskMapping.load(args.mapping) if args.mapping else None
     except MappingError as err:

@@ -1,0 +1,135 @@
+"""Deployment A's outbox: asset events of routed assets, written in the transaction that creates them.
+
+Enable with ``[core] asset_manager_class = dataset_bridge.outbox.OutboxAssetManager`` and
+``[core] asset_manager_kwargs = {"routes": "/path/routes.yaml"}``. Airflow creates task-outlet and REST
+API events through the configured asset manager, so the outbox row commits or rolls back with the event
+(no event without its row, no row without its event), and a ``pg_notify`` wakes the relay on commit.
+
+Airflow 3.3's ``Trigger.submit_event`` calls the base ``AssetManager`` directly, so asset-watcher events
+(under the stock triggerer) bypass any custom manager. The relay's sweeper covers them: every few seconds
+it adds outbox rows for events of routed assets that have none (``sweep``), from the moment a target was
+first seen. Such rows may be ordered after events created later; nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import structlog
+from airflow.assets.manager import AssetManager
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from dataset_bridge.routes import Routes
+
+log = structlog.get_logger(__name__)
+
+CHANNEL = "dataset_bridge_outbox"
+SCHEMA_DDL = """
+CREATE SCHEMA IF NOT EXISTS dataset_bridge;
+CREATE TABLE IF NOT EXISTS dataset_bridge.outbox (
+    id bigserial PRIMARY KEY,
+    target text NOT NULL,
+    asset_event_id integer NOT NULL,
+    asset_uri text NOT NULL,
+    asset_name text NOT NULL,
+    extra jsonb NOT NULL DEFAULT '{}',
+    event_timestamp timestamptz NOT NULL,
+    status text NOT NULL DEFAULT 'pending',
+    attempts integer NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    last_error text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    delivered_at timestamptz,
+    UNIQUE (target, asset_event_id)
+);
+CREATE INDEX IF NOT EXISTS outbox_pending ON dataset_bridge.outbox (target, id) WHERE status = 'pending';
+CREATE TABLE IF NOT EXISTS dataset_bridge.relay_target (
+    target text PRIMARY KEY,
+    since timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+INSERT_ROW = """
+INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp)
+VALUES (:target, :event_id, :uri, :name, CAST(:extra AS jsonb), :at)
+ON CONFLICT DO NOTHING
+"""
+
+SWEEP = """
+INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp)
+SELECT :target, e.id, a.uri, a.name, CAST(CAST(e.extra AS text) AS jsonb), e.timestamp
+FROM asset_event e
+JOIN asset a ON a.id = e.asset_id
+JOIN dataset_bridge.relay_target t ON t.target = :target
+WHERE (a.uri = ANY(:assets) OR a.name = ANY(:assets))
+  AND e.timestamp >= t.since
+  AND e.timestamp < now() - make_interval(secs => :settle)
+  AND NOT EXISTS (SELECT 1 FROM dataset_bridge.outbox o WHERE o.target = :target AND o.asset_event_id = e.id)
+ORDER BY e.id
+ON CONFLICT DO NOTHING
+"""
+
+
+def ensure_schema(session: Session) -> None:
+    session.execute(text("SELECT pg_advisory_xact_lock(7212400103)"))
+    for statement in SCHEMA_DDL.split(";"):
+        if statement.strip():
+            session.execute(text(statement))
+
+
+@cache
+def _routes(path: str) -> Routes:
+    return Routes.load(path)
+
+
+def _outbox_exists(session: Session) -> bool:
+    return bool(session.execute(text("SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL")).scalar())
+
+
+def record(session: Session, routes: Routes, event: Any, uri: str, name: str) -> int:
+    """Outbox rows for one new asset event (in the caller's transaction); how many targets want it."""
+    targets = routes.targets_for(uri, name)
+    if not targets:
+        return 0
+    if not _outbox_exists(session):
+        # never fail the producer's event: the sweeper adds the rows once the relay created the schema
+        log.warning("outbox table missing; the relay's sweeper will add this event", asset=uri)
+        return 0
+    for target in targets:
+        session.execute(text(INSERT_ROW), {
+            "target": target.name, "event_id": event.id, "uri": uri, "name": name,
+            "extra": json.dumps(event.extra or {}, default=str), "at": event.timestamp,
+        })
+    session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
+    return len(targets)
+
+
+def sweep(session: Session, routes: Routes, settle_seconds: float = 5.0) -> int:
+    """Outbox rows for events of routed assets created without one (asset watchers); returns how many."""
+    added = 0
+    for target in routes.targets:
+        session.execute(text("INSERT INTO dataset_bridge.relay_target (target) VALUES (:t) "
+                             "ON CONFLICT DO NOTHING"), {"t": target.name})
+        result = session.execute(text(SWEEP), {"target": target.name, "assets": list(target.assets),
+                                               "settle": settle_seconds})
+        added += int(getattr(result, "rowcount", 0) or 0)
+    return added
+
+
+class OutboxAssetManager(AssetManager):
+    """Airflow's asset manager, plus one outbox row per routed target in the same transaction."""
+
+    def __init__(self, routes: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.routes_path = routes
+
+    def register_asset_change(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        event = super().register_asset_change(**kwargs)
+        if event is None or not self.routes_path:
+            return event
+        asset = kwargs["asset"]
+        record(kwargs["session"], _routes(self.routes_path), event, asset.uri, asset.name)
+        return event

@@ -1,0 +1,262 @@
+"""The relay: deployment A's outbox -> each target's inbox, in order, exactly once on the target's side.
+
+- Wakes on ``LISTEN dataset_bridge_outbox`` (the outbox notifies on commit), polls as the safety net.
+- Per target: pending rows go in outbox order, in batches; a target whose head batch fails waits (retries
+  with exponential backoff and full jitter) so a later event never overtakes an earlier one. Targets are
+  delivered concurrently, at most ``concurrency`` at a time.
+- After ``max_attempts`` failed attempts a row is dead-lettered (``status = 'dead'``) with its last error,
+  and the target moves on. An event the inbox refuses for good (unknown asset) is dead-lettered at once.
+- All state is in the outbox table, so a relay that crashes resumes where it was: a batch delivered but
+  not yet marked is delivered again, and the inbox's (source, event id) key makes that harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import ssl
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import asyncpg
+import structlog
+
+from dataset_bridge import signing
+from dataset_bridge.outbox import CHANNEL
+from dataset_bridge.routes import Routes, Target
+
+log = structlog.get_logger(__name__)
+
+PENDING = """
+SELECT id, asset_event_id, asset_uri, asset_name, extra, event_timestamp, attempts, next_attempt_at
+FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' ORDER BY id LIMIT $2
+"""
+MARK_DELIVERED = """
+UPDATE dataset_bridge.outbox SET status = 'delivered', delivered_at = now(), attempts = attempts + 1,
+last_error = NULL WHERE id = ANY($1::bigint[])
+"""
+MARK_DEAD = """
+UPDATE dataset_bridge.outbox SET status = 'dead', attempts = attempts + 1, last_error = $2
+WHERE id = ANY($1::bigint[])
+"""
+MARK_RETRY = """
+UPDATE dataset_bridge.outbox SET attempts = attempts + 1, last_error = $2,
+next_attempt_at = now() + make_interval(secs => $3) WHERE id = ANY($1::bigint[])
+"""
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    batch: int = 100
+    concurrency: int = 4
+    poll_seconds: float = 2.0
+    backoff_base: float = 1.0
+    backoff_cap: float = 60.0
+    timeout_seconds: float = 30.0
+    sweep_every: float = 10.0
+
+
+class DeliveryError(Exception):
+    """The target did not take the batch; ``permanent`` when retrying the same request cannot help."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def backoff(attempts: int, base: float, cap: float) -> float:
+    """Exponential backoff with full jitter: relays retrying one dead target do not retry in step."""
+    return random.uniform(base / 2, min(cap, base * 2 ** min(attempts, 16)))  # noqa: S311 (not crypto)
+
+
+def body_for(source: str, rows: Sequence[Any]) -> bytes:
+    events = [{
+        "id": row["asset_event_id"], "uri": row["asset_uri"], "name": row["asset_name"],
+        "extra": json.loads(row["extra"]) if isinstance(row["extra"], str) else row["extra"],
+        "timestamp": row["event_timestamp"].isoformat(),
+    } for row in rows]
+    return json.dumps({"source": source, "events": events}).encode()
+
+
+class Relay:
+    def __init__(self, pool: asyncpg.Pool, routes: Routes, settings: RelaySettings) -> None:
+        self.pool, self.routes, self.settings = pool, routes, settings
+        self.wake = asyncio.Event()
+        self.gate = asyncio.Semaphore(settings.concurrency)
+        self.delivered = 0
+
+    async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
+        """Deliver what is due for one target, batch after batch; returns rows delivered."""
+        delivered = 0
+        async with self.gate:
+            while True:
+                rows = await self.pool.fetch(PENDING, target.name, self.settings.batch)
+                if not rows or rows[0]["next_attempt_at"].timestamp() > time.time():
+                    return delivered  # nothing due: the head of this target's queue is backing off
+                delivered += await self._send(session, target, rows)
+                if len(rows) < self.settings.batch:
+                    return delivered
+
+    async def _send(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any]) -> int:
+        ids = [row["id"] for row in rows]
+        try:
+            results = await self._post(session, target, body_for(self.routes.source, rows))
+        except DeliveryError as err:
+            await self._failed(target, rows, str(err), permanent=err.permanent)
+            return 0
+        refused = {int(r["id"]): str(r.get("error", r.get("status"))) for r in results
+                   if r.get("status") not in ("created", "duplicate")}
+        by_event = {row["asset_event_id"]: row["id"] for row in rows}
+        dead = [by_event[event_id] for event_id in refused if event_id in by_event]
+        done = [i for i in ids if i not in dead]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(MARK_DELIVERED, done)
+            for event_id, error in refused.items():
+                if event_id in by_event:
+                    await conn.execute(MARK_DEAD, [by_event[event_id]], f"refused by {target.name}: {error}")
+        if dead:
+            log.warning("events refused by the target, dead-lettered", target=target.name, events=len(dead))
+        self.delivered += len(done)
+        return len(done)
+
+    async def _post(self, session: aiohttp.ClientSession, target: Target,
+                    body: bytes) -> list[dict[str, Any]]:
+        signed = signing.sign(self.routes.source, target.secret(), body)
+        headers = {"Content-Type": "application/json", **signed}
+        tls = ssl.create_default_context(cafile=target.ca_file) if target.ca_file else True
+        try:
+            async with session.post(target.url, data=body, headers=headers, ssl=tls) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    # 4xx other than 408/429 will not change by retrying the same request as is, but the
+                    # target's config might (a rotated secret): retry until max_attempts anyway
+                    raise DeliveryError(f"HTTP {response.status}: {text[:300]}")
+                results = json.loads(text).get("results", [])
+                return list(results)
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
+            raise DeliveryError(f"{type(err).__name__}: {err}") from err
+
+    async def _failed(self, target: Target, rows: Sequence[Any], error: str, *, permanent: bool) -> None:
+        attempts = rows[0]["attempts"] + 1
+        ids = [row["id"] for row in rows]
+        if permanent or attempts >= target.max_attempts:
+            await self.pool.execute(MARK_DEAD, ids, error)
+            log.error("events dead-lettered", target=target.name, events=len(ids), attempts=attempts,
+                      error=error)
+            return
+        delay = backoff(attempts, self.settings.backoff_base, self.settings.backoff_cap)
+        await self.pool.execute(MARK_RETRY, ids, error, delay)
+        log.warning("delivery failed; backing off", target=target.name, attempt=attempts,
+                    retry_in=round(delay, 1), error=error)
+
+    async def sweep(self) -> None:
+        await asyncio.to_thread(_sweep_blocking, self.routes)
+
+    def notified(self, *args: object) -> None:
+        self.wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_seconds)
+        listener = await _listen(self.pool, self.notified)
+        last_sweep = 0.0
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                while not stop.is_set():
+                    self.wake.clear()
+                    if time.monotonic() - last_sweep >= self.settings.sweep_every:
+                        await self.sweep()
+                        last_sweep = time.monotonic()
+                    await asyncio.gather(*(self.deliver_target(session, t) for t in self.routes.targets))
+                    await _wait_any(stop, self.wake, self.settings.poll_seconds)
+        finally:
+            await listener.close()
+
+
+def _sweep_blocking(routes: Routes) -> None:
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+
+    with create_session() as session:
+        added = outbox.sweep(session, routes)
+    if added:
+        log.info("outbox rows added for events made without one", rows=added)
+
+
+async def _listen(pool: asyncpg.Pool, callback: Any) -> Any:
+    conn = await pool.acquire()
+    await conn.add_listener(CHANNEL, callback)
+
+    class Releasing:
+        async def close(self) -> None:
+            await conn.remove_listener(CHANNEL, callback)
+            await pool.release(conn)
+
+    return Releasing()
+
+
+async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waits:
+            waiter.cancel()
+
+
+def metadata_dsn() -> str:
+    """Airflow's metadata database as a libpq DSN (asyncpg does not take SQLAlchemy URLs)."""
+    from airflow.configuration import conf
+    from sqlalchemy.engine import make_url
+
+    url = make_url(conf.get("database", "sql_alchemy_conn"))
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def prepare() -> None:
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+
+    with create_session() as session:
+        outbox.ensure_schema(session)
+
+
+async def run_relay(routes: Routes, settings: RelaySettings, stop: asyncio.Event) -> int:
+    for target in routes.targets:
+        target.secret()  # fail at start, naming the variable, rather than at the first event
+    await asyncio.to_thread(prepare)
+    pool = await asyncpg.create_pool(metadata_dsn(), min_size=1, max_size=settings.concurrency + 2)
+    log.info("relay running", source=routes.source, targets=[t.name for t in routes.targets])
+    try:
+        await Relay(pool, routes, settings).run(stop)
+    finally:
+        await pool.close()
+    return 0
+
+
+STATUS = """
+SELECT target, count(*) FILTER (WHERE status = 'pending') AS backlog,
+       count(*) FILTER (WHERE status = 'delivered') AS delivered,
+       count(*) FILTER (WHERE status = 'dead') AS dead,
+       min(next_attempt_at) FILTER (WHERE status = 'pending') AS next_attempt,
+       (array_agg(last_error ORDER BY id DESC) FILTER (WHERE last_error IS NOT NULL))[1] AS last_error
+FROM dataset_bridge.outbox GROUP BY target ORDER BY target
+"""
+
+
+async def relay_status() -> list[dict[str, Any]]:
+    conn = await asyncpg.connect(metadata_dsn())
+    try:
+        if not await conn.fetchval("SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL"):
+            return []
+        rows = await conn.fetch(STATUS)
+    finally:
+        await conn.close()
+    return [{"target": r["target"], "backlog": r["backlog"], "delivered": r["delivered"], "dead": r["dead"],
+             "next_attempt": r["next_attempt"].isoformat() if r["next_attempt"] else None,
+             "last_error": r["last_error"]} for r in rows]
