@@ -1,6 +1,6 @@
 """Deployment A's outbox: asset events of routed assets, written in the transaction that creates them.
 
-Enable with ``[core] asset_manager_class = dataset_bridge.outbox.OutboxAssetManager`` and
+Enable with ``[core] asset_manager_class = dataset_bridge.asset_manager.OutboxAssetManager`` and
 ``[core] asset_manager_kwargs = {"routes": "/path/routes.yaml"}``. Airflow creates task-outlet and REST
 API events through the configured asset manager, so the outbox row commits or rolls back with the event
 (no event without its row, no row without its event), and a ``pg_notify`` wakes the relay on commit.
@@ -18,7 +18,6 @@ from functools import cache
 from typing import Any
 
 import structlog
-from airflow.assets.manager import AssetManager
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -81,7 +80,7 @@ def ensure_schema(session: Session) -> None:
 
 
 @cache
-def _routes(path: str) -> Routes:
+def routes_from(path: str) -> Routes:
     return Routes.load(path)
 
 
@@ -117,19 +116,3 @@ def sweep(session: Session, routes: Routes, settle_seconds: float = 5.0) -> int:
                                                "settle": settle_seconds})
         added += int(getattr(result, "rowcount", 0) or 0)
     return added
-
-
-class OutboxAssetManager(AssetManager):
-    """Airflow's asset manager, plus one outbox row per routed target in the same transaction."""
-
-    def __init__(self, routes: str | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.routes_path = routes
-
-    def register_asset_change(self, **kwargs: Any) -> Any:  # type: ignore[override]
-        event = super().register_asset_change(**kwargs)
-        if event is None or not self.routes_path:
-            return event
-        asset = kwargs["asset"]
-        record(kwargs["session"], _routes(self.routes_path), event, asset.uri, asset.name)
-        return event

@@ -99,3 +99,23 @@ def airflow_stack(airflow_config: AirflowConfig, request: pytest.FixtureRequest)
         if _failed(request):
             print(stack.log_tails())
         stack.stop()
+
+
+@pytest.fixture
+def second_airflow_stack(pg_server: str, airflow_template: str, tmp_path: Path,
+                         request: pytest.FixtureRequest) -> Iterator[AirflowStack]:
+    """A second deployment (its own metadata database, home, dags folder and ports) for cross-deployment
+    tests; stopped at teardown, its log tails printed when the test failed."""
+    with database(pg_server, "st_airflow_b", template=airflow_template) as dsn:
+        home = tmp_path / "airflow_b"
+        home.mkdir()
+        config = AirflowConfig(home=home, database_dsn=dsn, dags_folder=tmp_path / "dags_b",
+                               fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
+        config.dags_folder.mkdir()
+        stack = AirflowStack(config)
+        try:
+            yield stack
+        finally:
+            if _failed(request):
+                print(stack.log_tails())
+            stack.stop()

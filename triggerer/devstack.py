@@ -207,11 +207,14 @@ class AirflowStack:
     def start_core(self) -> None:
         """Start api-server, dag-processor and scheduler and wait until all are healthy."""
         airflow = self.config.airflow_bin()
-        self.add("api-server", [airflow, "api-server", "--host", "127.0.0.1",
-                                "--port", str(self.config.api_port), "--apps", "all"])
+        self.start_api_server()
         self.add("dag-processor", [airflow, "dag-processor"])
         self.add("scheduler", [airflow, "scheduler", "--skip-serve-logs"])
         self.wait_healthy(["metadatabase", "scheduler", "dag_processor"])
+
+    def start_api_server(self) -> Component:
+        return self.add("api-server", [self.config.airflow_bin(), "api-server", "--host", "127.0.0.1",
+                                       "--port", str(self.config.api_port), "--apps", "all"])
 
     def start_stock_triggerer(self, name: str = "triggerer") -> Component:
         return self.add(name, [self.config.airflow_bin(), "triggerer", "--skip-serve-logs"])
@@ -232,6 +235,15 @@ class AirflowStack:
                      env: dict[str, str] | None = None) -> Component:
         """One ``dataset-bridge run`` process (mapped task successes and the reconciler)."""
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "run", *args]
+        component = Component(name, argv, self.log_dir / f"{name}.log")
+        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
+        self.components.append(component)
+        return component
+
+    def add_relay(self, args: Sequence[str], env: dict[str, str] | None = None,
+                  name: str = "relay") -> Component:
+        """One ``dataset-bridge relay`` process (this deployment's outbox -> other deployments)."""
+        argv = [str(Path(sys.executable).with_name("dataset-bridge")), "relay", *args]
         component = Component(name, argv, self.log_dir / f"{name}.log")
         component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
         self.components.append(component)
