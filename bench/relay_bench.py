@@ -1,0 +1,170 @@
+"""Cross-deployment relay: events per second relayed and latency from A's asset event to B's.
+
+    .venv/bin/python -m bench.relay_bench --rate 50 --seconds 20 --burst 5000 --write
+
+Deployment A is a migrated metadata database whose events are created through ``OutboxAssetManager``
+(the outbox row in the same transaction, as Airflow's own code paths do); deployment B is a real
+api-server with the inbox plugin on its own database. The relay (``dataset-bridge relay``) runs between
+them. Steady phase: ``--rate`` events/s, one transaction each, for ``--seconds``: latency = B's
+``asset_event.timestamp`` - A's (same host clock). Backlog phase: ``--burst`` events made while the relay
+is stopped; throughput = events / (relay start -> last event in B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import secrets
+import sys
+import time
+from typing import Any
+
+from bench.triggerer_bench import _HOME, ROOT, console, wait_until
+from tests.helpers.airflow_orm import use_airflow_db
+from tests.helpers.databases import create_database, drop_database, unique_name
+from tests.helpers.waiting import rows
+from triggerer.devstack import AirflowConfig, AirflowStack, migrate
+from triggerer.pgserver import postgres_dsn
+
+URI = "warehouse://dds/h_user"
+
+
+def add_asset_b(dsn: str) -> None:
+    import psycopg2
+
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("INSERT INTO asset (name, uri, \"group\", extra, created_at, updated_at) "
+                    "VALUES (%s, %s, 'asset', '{}', now(), now())", (URI, URI))
+        cur.execute("INSERT INTO asset_active (name, uri) VALUES (%s, %s)", (URI, URI))
+    conn.close()
+
+
+def add_asset_a() -> Any:
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        asset = AssetModel(name=URI, uri=URI)
+        session.add(asset)
+        session.add(AssetActive(name=URI, uri=URI))
+        session.flush()
+        return asset.to_serialized()
+
+
+def emit(manager: Any, asset: Any, count: int) -> None:
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        for n in range(count):
+            manager.register_asset_change(asset=asset, extra={"n": n}, session=session)
+
+
+def latencies(a_dsn: str, b_dsn: str, first_a_id: int) -> tuple[list[float], float, float]:
+    a_times = {int(r[0]): float(r[1]) for r in rows(
+        a_dsn, "SELECT id, extract(epoch FROM timestamp) FROM asset_event WHERE id >= %s", first_a_id)}
+    b_times = {int(r[0]): float(r[1]) for r in rows(
+        b_dsn, "SELECT CAST(CAST(extra AS jsonb) ->> 'source_event_id' AS bigint), "
+               "extract(epoch FROM timestamp) FROM asset_event")}
+    values = sorted(b_times[i] - a_times[i] for i in a_times if i in b_times)
+    return values, min(a_times.values()), max(b_times[i] for i in a_times)
+
+
+def pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
+    names = [unique_name("st_relay_a"), unique_name("st_relay_b")]
+    a_dsn = create_database(server, names[0])
+    home = _HOME / "relay"
+    secret = secrets.token_urlsafe(32)
+    stack_b: AirflowStack | None = None
+    stack_a: AirflowStack | None = None
+    try:
+        config_a = AirflowConfig(home=home / "a", database_dsn=a_dsn, dags_folder=home / "dags_a",
+                                 extra={"PYTHONPATH": str(ROOT)})
+        migrate(config_a)
+        b_dsn = create_database(server, names[1], template=names[0])
+        config_b = AirflowConfig(home=home / "b", database_dsn=b_dsn, dags_folder=home / "dags_b",
+                                 extra={"AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS":
+                                        json.dumps({"deployment_a": secret})})
+        for folder in (config_a.dags_folder, config_b.dags_folder):
+            folder.mkdir(parents=True, exist_ok=True)
+        add_asset_b(b_dsn)
+        stack_b = AirflowStack(config_b)
+        stack_b.start_api_server()
+        stack_b.wait_healthy(["metadatabase"])
+        routes = home / "routes.yaml"
+        routes.write_text(f"source: deployment_a\ntargets:\n  deployment_b:\n"
+                          f"    url: {config_b.api_url}/dataset-bridge/inbox\n"
+                          f"    secret_env: BRIDGE_SECRET_B\n    assets: [{URI}]\n")
+        use_airflow_db(a_dsn)
+        from dataset_bridge.asset_manager import OutboxAssetManager
+
+        manager = OutboxAssetManager(routes=str(routes))
+        asset = add_asset_a()
+        stack_a = AirflowStack(config_a)
+        relay = stack_a.add_relay(["--routes", str(routes)], {"BRIDGE_SECRET_B": secret})
+        wait_until(lambda: rows(a_dsn, "SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL")[0][0],
+                   60, "the relay to create the outbox")
+
+        console.print(f"steady: {args.rate} events/s for {args.seconds}s")
+        total = int(args.rate * args.seconds)
+        started = time.monotonic()
+        for n in range(total):
+            emit(manager, asset, 1)
+            time.sleep(max(0.0, started + (n + 1) / args.rate - time.monotonic()))
+        wait_until(lambda: rows(b_dsn, "SELECT count(*) FROM asset_event")[0][0] >= total, 120,
+                   "steady events in B", interval=0.2)
+        steady, _, _ = latencies(a_dsn, b_dsn, 1)
+
+        console.print(f"backlog: {args.burst} events made while the relay is stopped, then drained")
+        stack_a.retire(relay)
+        first = int(rows(a_dsn, "SELECT coalesce(max(id), 0) + 1 FROM asset_event")[0][0])
+        for _ in range(args.burst // 100):
+            emit(manager, asset, 100)
+        relay_started = time.time()
+        stack_a.add_relay(["--routes", str(routes)], {"BRIDGE_SECRET_B": secret}, name="relay-2")
+        wait_until(lambda: rows(b_dsn, "SELECT count(*) FROM asset_event")[0][0] >= total + args.burst,
+                   600, "the backlog in B", interval=0.2)
+        burst, _a_first, b_last = latencies(a_dsn, b_dsn, first)
+        duplicates = rows(b_dsn, "SELECT count(*) - count(DISTINCT CAST(extra AS jsonb) "
+                                 "->> 'source_event_id') FROM asset_event")[0][0]
+        return {
+            "steady_events": len(steady), "steady_p50": pct(steady, 0.5), "steady_p99": pct(steady, 0.99),
+            "burst_events": len(burst), "burst_rate": len(burst) / (b_last - relay_started),
+            "duplicates": int(duplicates),
+        }
+    finally:
+        for stack in (stack_a, stack_b):
+            if stack is not None:
+                stack.stop()
+        for name in names:
+            drop_database(server, name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=50.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--burst", type=int, default=5000)
+    parser.add_argument("--write", action="store_true", help="append the result to bench/RESULTS.md")
+    args = parser.parse_args()
+    with postgres_dsn() as server:
+        result = run(args, server)
+    line = (f"steady {args.rate:.0f}/s x {result['steady_events']} events: A->B latency p50 "
+            f"{result['steady_p50']:.3f}s, p99 {result['steady_p99']:.3f}s; a backlog of "
+            f"{result['burst_events']} events relayed at {result['burst_rate']:.0f} events/s (relay start "
+            f"to the last event in B, process start-up included); duplicates in B: {result['duplicates']}")
+    console.print(line)
+    if args.write:
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        with (ROOT / "bench" / "RESULTS.md").open("a") as out:
+            out.write(f"\n## Cross-deployment relay (outbox -> relay -> inbox, one host): {stamp}\n\n"
+                      f"`python -m bench.relay_bench {' '.join(sys.argv[1:])}`\n\n{line}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
