@@ -1,0 +1,65 @@
+"""The outbox against a real (migrated) Airflow metadata database: rows with the event, and the sweeper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import text
+
+from tests.helpers.airflow_orm import use_airflow_db
+
+ROUTES = """
+source: deployment_a
+targets:
+  deployment_b:
+    url: http://127.0.0.1:1/dataset-bridge/inbox
+    secret_env: BRIDGE_SECRET_B
+    assets: [warehouse://dds/h_user]
+"""
+
+
+def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_adds_missed_ones(
+        airflow_db: str, tmp_path: Path) -> None:
+    from airflow.assets.manager import AssetManager
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+    from dataset_bridge.asset_manager import OutboxAssetManager
+    from dataset_bridge.routes import Routes
+
+    use_airflow_db(airflow_db)
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(ROUTES)
+    manager = OutboxAssetManager(routes=str(routes_file))
+    with create_session() as session:
+        outbox.ensure_schema(session)
+        for uri in ("warehouse://dds/h_user", "warehouse://dds/other"):
+            session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    with create_session() as session:
+        routed = session.query(AssetModel).filter_by(uri="warehouse://dds/h_user").one().to_serialized()
+        other = session.query(AssetModel).filter_by(uri="warehouse://dds/other").one().to_serialized()
+        event = manager.register_asset_change(asset=routed, extra={"n": 1}, session=session)
+        manager.register_asset_change(asset=other, extra={}, session=session)
+    with create_session() as session:
+        query = "SELECT target, asset_event_id, asset_uri, extra FROM dataset_bridge.outbox"
+        found = session.execute(text(query)).all()
+        assert found == [("deployment_b", event.id, "warehouse://dds/h_user", {"n": 1})]
+
+    # a rolled-back event leaves no outbox row behind
+    with create_session() as session:
+        manager.register_asset_change(asset=routed, extra={"n": 2}, session=session)
+        session.rollback()
+    # an event made without the manager (an asset watcher under the stock triggerer): the sweeper adds it
+    routes = Routes.load(routes_file)
+    with create_session() as session:
+        outbox.sweep(session, routes)  # registers the target: only events from now on are swept
+    with create_session() as session:
+        missed = AssetManager.register_asset_change(asset=routed, extra={"watcher": True}, session=session)
+    with create_session() as session:
+        assert outbox.sweep(session, routes) == 0  # too young: its transaction may still be settling
+        assert outbox.sweep(session, routes, settle_seconds=0) == 1
+        assert outbox.sweep(session, routes, settle_seconds=0) == 0
+        query = "SELECT asset_event_id FROM dataset_bridge.outbox ORDER BY id"
+        ids = [r[0] for r in session.execute(text(query))]
+    assert ids == [event.id, missed.id]
