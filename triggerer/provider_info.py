@@ -63,6 +63,20 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "",
                     },
                 },
-            }
+            },
+            "dataset_bridge": {
+                "description": "The dataset bridge's inbox (cross-deployment events into this deployment).",
+                "options": {
+                    "inbox_secrets": {
+                        "description": "JSON object: source deployment name -> shared HMAC secret. Empty: "
+                        "the inbox (POST /dataset-bridge/inbox) answers 503.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "sensitive": True,
+                        "example": '{"deployment_a": "<secret>"}',
+                        "default": "",
+                    },
+                },
+            },
         },
     }
