@@ -1,0 +1,88 @@
+"""TableStatusTrigger's producer on a real PostgreSQL: NOTIFY wakes it, malformed rows are skipped, and the
+durable watermark moves only past rows a watcher emitted and Airflow stored."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome
+
+from dataset_bridge import TableStatusTrigger
+from dataset_bridge.status_table import StatusRowProducer, subscribers
+from tests.integration.test_table_load import record, warehouse  # noqa: F401 (the fixture)
+
+TABLE = "dds.h_user"
+
+
+async def _watermark(dsn: str) -> int | None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        if not await conn.fetchval("SELECT to_regclass('dataset_bridge.status_watermark') IS NOT NULL"):
+            return None
+        value = await conn.fetchval(
+            "SELECT last_id FROM dataset_bridge.status_watermark WHERE table_name = $1", TABLE)
+        return int(value) if value is not None else None
+    finally:
+        await conn.close()
+
+
+async def _until(probe: Any, timeout: float = 10) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (value := await probe()) is None:
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+    return value
+
+
+def _stored(payload: tuple[str, int], acked: int = 1) -> AdvanceItem:
+    return AdvanceItem(payload, AdvanceOutcome(acked=acked, failed=0))
+
+
+async def _next(stream: AsyncIterator[Any], timeout: float) -> tuple[dict[str, Any], tuple[str, int]]:
+    row, payload = await asyncio.wait_for(stream.__anext__(), timeout)
+    return row, payload
+
+
+async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(warehouse: str) -> None:  # noqa: F811
+    trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, notify_channel="table_loads")
+    await record(warehouse, TABLE, "SUCCESS")  # row 1: history from before the watcher, never an event
+    producer = StatusRowProducer(trigger.serialize()[1])
+    subscribers.add(producer.key, TABLE)
+    stream = producer.open_stream()
+    try:
+        pending = asyncio.ensure_future(stream.__anext__())
+        assert await _until(lambda: _watermark(warehouse)) == 1  # starts after the newest row
+        conn = await asyncpg.connect(warehouse)
+        await conn.execute("INSERT INTO meta.detail_process_table_status (table_name, status) "
+                           "VALUES (NULL, 'SUCCESS'), ($1, 'WEIRD'), ($1, 'START')", TABLE)  # rows 2-4
+        await conn.close()
+        await record(warehouse, TABLE, "SUCCESS", notify="table_loads")  # row 5; polling is every 300 s
+        row, payload = await asyncio.wait_for(pending, 5)
+        assert (row["id"], row["table_name"], payload) == (5, TABLE, (TABLE, 5))
+
+        subscribers.mark_emitted(producer.key, TABLE, 5)
+        await producer.advance([_stored(payload)])
+        assert await _watermark(warehouse) == 5
+
+        await record(warehouse, TABLE, "SUCCESS", notify="table_loads")  # row 6: never emitted
+        await record(warehouse, TABLE, "SUCCESS", notify="table_loads")  # row 7: emitted
+        (_, six), (_, seven) = await _next(stream, 5), await _next(stream, 5)
+        subscribers.mark_emitted(producer.key, TABLE, 7)
+        await producer.advance([_stored(six), _stored(seven)])
+        assert await _watermark(warehouse) == 5  # stops before the row nobody emitted
+    finally:
+        await stream.aclose()
+        subscribers.remove(producer.key, TABLE)
+
+    # a restarted producer reads again from the watermark: nothing lost
+    again = StatusRowProducer(trigger.serialize()[1])
+    subscribers.add(again.key, TABLE)
+    stream = again.open_stream()
+    try:
+        assert [(await _next(stream, 5))[1] for _ in range(2)] == [(TABLE, 6), (TABLE, 7)]
+    finally:
+        await stream.aclose()
+        subscribers.remove(again.key, TABLE)
