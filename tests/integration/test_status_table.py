@@ -11,6 +11,7 @@ import asyncpg
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome
 
 from dataset_bridge import TableStatusTrigger
+from dataset_bridge.cli import _watermarks as _watermarks_shown
 from dataset_bridge.status_table import StatusRowProducer, subscribers
 from tests.integration.test_table_load import record, warehouse  # noqa: F401 (the fixture)
 
@@ -73,6 +74,8 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
         subscribers.mark_emitted(producer.key, TABLE, 7)
         await producer.advance([_stored(six), _stored(seven)])
         assert await _watermark(warehouse) == 5  # stops before the row nobody emitted
+        shown = await _watermarks_shown("warehouse")  # what `dataset-bridge status --watermarks` prints
+        assert [(w["table_name"], w["last_id"]) for w in shown] == [(TABLE, 5)]
     finally:
         await stream.aclose()
         subscribers.remove(producer.key, TABLE)
