@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from triggerer.devstack import AirflowConfig, AirflowStack, migrate
-from triggerer.pgserver import postgres_dsn, with_database
+from triggerer.devstack import AirflowConfig, AirflowStack, StackError, migrate
+from triggerer.pgserver import PgServerError, postgres_dsn, with_database
 
 EXAMPLE_DAGS = Path(__file__).resolve().parents[1] / "example_dags"
 STATUS_DDL = """
@@ -497,8 +497,9 @@ def run_demo(*, quick: bool, as_json: bool, keep_running: bool, home: Path | Non
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: everything was stopped[/yellow]")
         return 130
-    except DemoError as err:
-        console.print(f"[red]demo failed:[/red] {err}")
+    except (DemoError, StackError, PgServerError, psycopg2.Error) as err:
+        # a step failed (database unreachable, migration, a component that exited): say which, stop
+        console.print(f"[red]demo failed:[/red] {type(err).__name__}: {err}")
         console.print(f"component logs: {demo.home / 'airflow' / 'component-logs'}")
         return 1
     if as_json:
