@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-from psycopg2 import sql
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from triggerer.devstack import AirflowConfig, AirflowStack, StackError, migrate
-from triggerer.pgserver import PgServerError, postgres_dsn, with_database
+from triggerer.pgserver import PgServerError, create_database, drop_database, postgres_dsn
 
 EXAMPLE_DAGS = Path(__file__).resolve().parents[1] / "example_dags"
 STATUS_DDL = """
@@ -132,32 +131,18 @@ def _query(dsn: str, statement: str, *params: object) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-def _admin(server: str, statement: sql.Composable) -> None:
-    conn = psycopg2.connect(with_database(server, "postgres"))
-    try:
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(statement)
-    finally:
-        conn.close()
-
-
 @contextlib.contextmanager
 def _databases(server: str) -> Iterator[tuple[str, str]]:
     """Two fresh databases (Airflow's and the warehouse's), dropped afterwards."""
     suffix = secrets.token_hex(3)
     names = [f"smart_demo_airflow_{suffix}", f"smart_demo_warehouse_{suffix}"]
-    for name in names:
-        _admin(server, sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsns = [create_database(server, name) for name in names]
     try:
-        yield with_database(server, names[0]), with_database(server, names[1])
+        yield dsns[0], dsns[1]
     finally:
         for name in names:
             with contextlib.suppress(psycopg2.Error):
-                _admin(
-                    server,
-                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)),
-                )
+                drop_database(server, name)
 
 
 class Demo:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 DSN_ENV = "SMART_TRIGGERER_DSN"
@@ -55,6 +56,39 @@ def sqlalchemy_url(dsn: str) -> str:
     """Airflow's SQLAlchemy wants ``postgresql+psycopg2://``; asyncpg wants ``postgresql://``."""
     parts = urlsplit(dsn)
     return urlunsplit(("postgresql+psycopg2", parts.netloc, parts.path, parts.query, parts.fragment))
+
+
+def _execute_admin(server_dsn: str, statement: Any) -> None:
+    """Run one statement outside a transaction (CREATE/DROP DATABASE) in the server's ``postgres`` DB."""
+    import psycopg2
+
+    conn = psycopg2.connect(with_database(server_dsn, "postgres"))
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(statement)
+    finally:
+        conn.close()
+
+
+def create_database(server_dsn: str, name: str, template: str | None = None) -> str:
+    """Create database ``name`` (a copy of ``template`` when given); return its DSN."""
+    from psycopg2 import sql
+
+    statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        statement = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)
+        )
+    _execute_admin(server_dsn, statement)
+    return with_database(server_dsn, name)
+
+
+def drop_database(server_dsn: str, name: str) -> None:
+    from psycopg2 import sql
+
+    statement = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+    _execute_admin(server_dsn, statement)
 
 
 def plain_dsn(url: str) -> str:
