@@ -198,9 +198,10 @@ class AirflowStack:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def add(self, name: str, argv: list[str]) -> Component:
+    def add(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Component:
+        """Start one process with the deployment's environment (plus ``env``); stopped with the stack."""
         component = Component(name, argv, self.log_dir / f"{name}.log")
-        component.start(self.config.env(), cwd=self.config.home)
+        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
         self.components.append(component)
         return component
 
@@ -226,28 +227,19 @@ class AirflowStack:
                 "--health-port", str(health_port)]
         if capacity is not None:
             argv += ["--capacity", str(capacity)]
-        component = Component(name, argv, self.log_dir / f"{name}.log")
-        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
-        self.components.append(component)
-        return component
+        return self.add(name, argv, env)
 
     def start_bridge(self, name: str = "dataset-bridge", args: Sequence[str] = (),
                      env: dict[str, str] | None = None) -> Component:
         """One ``dataset-bridge run`` process (mapped task successes and the reconciler)."""
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "run", *args]
-        component = Component(name, argv, self.log_dir / f"{name}.log")
-        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
-        self.components.append(component)
-        return component
+        return self.add(name, argv, env)
 
     def add_relay(self, args: Sequence[str], env: dict[str, str] | None = None,
                   name: str = "relay") -> Component:
         """One ``dataset-bridge relay`` process (this deployment's outbox -> other deployments)."""
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "relay", *args]
-        component = Component(name, argv, self.log_dir / f"{name}.log")
-        component.start({**self.config.env(), **(env or {})}, cwd=self.config.home)
-        self.components.append(component)
-        return component
+        return self.add(name, argv, env)
 
     def start_smart(self, dag_ids: Sequence[str], env: dict[str, str] | None = None) -> Component:
         """Core + one smart triggerer, then wait for ``dag_ids`` to be parsed and unpause them."""
