@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from dataset_bridge import signing
+from dataset_bridge import ddl, signing
 
 log = structlog.get_logger(__name__)
 
@@ -78,12 +78,7 @@ def _ensure_schema(session: Any) -> None:
     global _schema_ready  # noqa: PLW0603 (once per process)
     if _schema_ready:
         return
-    from sqlalchemy import text
-
-    session.execute(text("SELECT pg_advisory_xact_lock(7212400104)"))
-    for statement in SCHEMA_DDL.split(";"):
-        if statement.strip():
-            session.execute(text(statement))
+    ddl.apply(session, SCHEMA_DDL)
     _schema_ready = True
 
 

@@ -21,6 +21,7 @@ import structlog
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from dataset_bridge import ddl
 from dataset_bridge.routes import Routes
 
 log = structlog.get_logger(__name__)
@@ -73,10 +74,7 @@ ON CONFLICT DO NOTHING
 
 
 def ensure_schema(session: Session) -> None:
-    session.execute(text("SELECT pg_advisory_xact_lock(7212400103)"))
-    for statement in SCHEMA_DDL.split(";"):
-        if statement.strip():
-            session.execute(text(statement))
+    ddl.apply(session, SCHEMA_DDL)
 
 
 @cache

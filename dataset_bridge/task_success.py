@@ -34,6 +34,8 @@ import yaml
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from dataset_bridge import ddl
+
 log = structlog.get_logger(__name__)
 
 SCHEMA_DDL = """
@@ -123,11 +125,7 @@ class TaskMapping:
 
 
 def ensure_schema(session: Session) -> None:
-    # several bridges may start at once; CREATE ... IF NOT EXISTS alone can still collide on the catalog
-    session.execute(text("SELECT pg_advisory_xact_lock(7212400102)"))
-    for statement in SCHEMA_DDL.split(";"):
-        if statement.strip():
-            session.execute(text(statement))
+    ddl.apply(session, SCHEMA_DDL)
 
 
 def register_horizons(session: Session, mapping: TaskMapping) -> None:
