@@ -184,12 +184,13 @@ class StatusRowProducer(SharedStreamProducer):
 
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         trigger = self.trigger
-        data = await shared_pool(await target_for(trigger.conn_id))
-        mark_target = await target_for(trigger.watermark_conn_id or trigger.conn_id)
-        self.watermarks = Watermarks(await shared_pool(mark_target), trigger.source)
+        source = await target_for(trigger.conn_id)
+        data = await shared_pool(source)
+        marks = await target_for(trigger.watermark_conn_id) if trigger.watermark_conn_id else source
+        self.watermarks = Watermarks(await shared_pool(marks), trigger.source)
         await self.watermarks.ensure_schema()
         wake = subscribers.wake[self.key]
-        async with listening(await target_for(trigger.conn_id), trigger.notify_channel) as hint:
+        async with listening(source, trigger.notify_channel) as hint:
             failures = 0
             while True:
                 await hint.arm()

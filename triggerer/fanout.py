@@ -102,12 +102,12 @@ def timeout(session: Session, shards: Sequence[int]) -> None:
     session.execute(text(queries()["timeout_members"]), {"shards": list(shards), "next_kwargs": next_kwargs})
 
 
-def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent) -> int:
+def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent) -> None:
     """As ``Trigger.submit_event`` for an asset watcher (or callback), with idempotency keys honoured.
 
     An event whose payload carries ``idempotency_key`` makes at most one asset event per asset and key:
-    the key is claimed in ``smart_triggerer.asset_event_key`` in this same transaction. Returns the number
-    of asset events created. Events without a key behave exactly as in stock Airflow.
+    the key is claimed in ``smart_triggerer.asset_event_key`` in this same transaction. Events without a
+    key behave exactly as in stock Airflow.
     """
     from airflow.assets.manager import asset_manager
     from airflow.models.asset import AssetWatcherModel
@@ -118,14 +118,13 @@ def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent)
     key = payload.get("idempotency_key") if isinstance(payload, dict) else None
     if not isinstance(key, str) or not key:
         Trigger.submit_event(trigger_id=trigger_id, event=event, session=session)
-        return -1
+        return
     trigger = session.scalars(
         select(Trigger).where(Trigger.id == trigger_id)
         .options(selectinload(Trigger.asset_watchers).selectinload(AssetWatcherModel.asset))
     ).one_or_none()
     if trigger is None:
-        return 0
-    created = 0
+        return
     for asset in trigger.assets:
         claimed = session.execute(text(queries()["claim_asset_event_key"]),
                                   {"asset_id": asset.id, "key": key, "trigger_id": trigger_id}).first()
@@ -133,7 +132,5 @@ def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent)
             continue  # this asset already has the event for this key
         asset_manager.register_asset_change(
             asset=asset.to_serialized(), extra={"from_trigger": True, "payload": payload}, session=session)
-        created += 1
     if trigger.callback:
         trigger.callback.handle_event(event, session)
-    return created
