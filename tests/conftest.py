@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,12 @@ def airflow_stack(airflow_config: AirflowConfig, request: pytest.FixtureRequest)
     Every process it started is stopped at teardown; a failed test prints the components' log tails.
     """
     airflow_config.dags_folder.mkdir(parents=True, exist_ok=True)
-    stack = AirflowStack(airflow_config)
+    with _stopped_at_teardown(AirflowStack(airflow_config), request) as stack:
+        yield stack
+
+
+@contextmanager
+def _stopped_at_teardown(stack: AirflowStack, request: pytest.FixtureRequest) -> Iterator[AirflowStack]:
     try:
         yield stack
     finally:
@@ -112,10 +118,5 @@ def second_airflow_stack(pg_server: str, airflow_template: str, tmp_path: Path,
         config = AirflowConfig(home=home, database_dsn=dsn, dags_folder=tmp_path / "dags_b",
                                fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
         config.dags_folder.mkdir()
-        stack = AirflowStack(config)
-        try:
+        with _stopped_at_teardown(AirflowStack(config), request) as stack:
             yield stack
-        finally:
-            if _failed(request):
-                print(stack.log_tails())
-            stack.stop()

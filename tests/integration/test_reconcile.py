@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from dataset_bridge import reconcile, task_success
@@ -41,14 +42,21 @@ def _seed(session: Any) -> dict[str, Any]:
     return {"asset_id": asset.id, "events": {name: e.id for name, e in events.items()}}
 
 
-def test_requeues_only_unconsumed_events_of_ours_for_active_consumers(airflow_db: str) -> None:
+@pytest.fixture
+def seeded(airflow_db: str) -> dict[str, Any]:
+    """The bridge's schema and ``_seed``'s consumers and events in a fresh metadata database."""
     from airflow.utils.session import create_session
 
     use_airflow_db(airflow_db)
     with create_session() as session:
         task_success.ensure_schema(session)
     with create_session() as session:
-        seeded = _seed(session)
+        return _seed(session)
+
+
+def test_requeues_only_unconsumed_events_of_ours_for_active_consumers(seeded: dict[str, Any]) -> None:
+    from airflow.utils.session import create_session
+
     with create_session() as session:
         held = reconcile.held_back(session, grace_seconds=15, lookback_seconds=86400)
     events = seeded["events"]
@@ -66,14 +74,10 @@ def test_requeues_only_unconsumed_events_of_ours_for_active_consumers(airflow_db
         assert reconcile.requeue(session, grace_seconds=15) == 0
 
 
-def test_events_emitted_while_a_consumer_was_paused_are_delivered_after_unpause(airflow_db: str) -> None:
+def test_events_emitted_while_a_consumer_was_paused_are_delivered_after_unpause(
+        seeded: dict[str, Any]) -> None:
     from airflow.utils.session import create_session
 
-    use_airflow_db(airflow_db)
-    with create_session() as session:
-        task_success.ensure_schema(session)
-    with create_session() as session:
-        seeded = _seed(session)
     with create_session() as session:
         assert reconcile.requeue(session, grace_seconds=15) == 2  # the active consumer's
         session.execute(text("UPDATE dag SET is_paused = false WHERE dag_id = 'paused_consumer'"))
