@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import os
 import sys
 import time
 
 import asyncpg
 
-from bench.triggerer_bench import _HOME, ROOT, console, wait_until
+from bench.triggerer_bench import _HOME, ROOT, append_result, console, wait_until
 from tests.helpers.databases import create_database, drop_database, unique_name
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
@@ -106,10 +105,8 @@ def main() -> int:
             f"(target p99 <= 1 s)")
     console.print(line)
     if args.write:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        with (ROOT / "bench" / "RESULTS.md").open("a") as out:
-            out.write(f"\n## Push latency (TableLoadTrigger, LISTEN/NOTIFY, poll interval 300 s): {stamp}\n\n"
-                      f"`python -m bench.push_bench {' '.join(sys.argv[1:])}`\n\n{line}\n")
+        title = "Push latency (TableLoadTrigger, LISTEN/NOTIFY, poll interval 300 s)"
+        append_result(title, "bench.push_bench", line)
     return 0
 
 

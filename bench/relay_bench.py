@@ -13,14 +13,13 @@ is stopped; throughput = events / (relay start -> last event in B).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import secrets
 import sys
 import time
 from typing import Any
 
-from bench.triggerer_bench import _HOME, ROOT, console, wait_until
+from bench.triggerer_bench import _HOME, ROOT, append_result, console, wait_until
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.databases import create_database, drop_database, unique_name
 from tests.helpers.waiting import rows
@@ -159,10 +158,8 @@ def main() -> int:
             f"to the last event in B, process start-up included); duplicates in B: {result['duplicates']}")
     console.print(line)
     if args.write:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        with (ROOT / "bench" / "RESULTS.md").open("a") as out:
-            out.write(f"\n## Cross-deployment relay (outbox -> relay -> inbox, one host): {stamp}\n\n"
-                      f"`python -m bench.relay_bench {' '.join(sys.argv[1:])}`\n\n{line}\n")
+        title = "Cross-deployment relay (outbox -> relay -> inbox, one host)"
+        append_result(title, "bench.relay_bench", line)
     return 0
 
 

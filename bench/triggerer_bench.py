@@ -303,11 +303,16 @@ def main() -> int:
             drop_database(server_dsn, template)
     markdown = report(results, args)
     if args.write:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = "python -m bench.triggerer_bench " + " ".join(sys.argv[1:])
-        with (ROOT / "bench" / "RESULTS.md").open("a") as out:
-            out.write(f"\n## Triggerer: {stamp}\n\n`{command}`\n\n{markdown}\n")
+        append_result("Triggerer", "bench.triggerer_bench", markdown)
     return 0
+
+
+def append_result(title: str, module: str, body: str) -> None:
+    """Append a dated section with the exact command and its result to bench/RESULTS.md."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = f"python -m {module} " + " ".join(sys.argv[1:])
+    with (ROOT / "bench" / "RESULTS.md").open("a") as out:
+        out.write(f"\n## {title}: {stamp}\n\n`{command}`\n\n{body}\n")
 
 
 if __name__ == "__main__":
