@@ -87,7 +87,6 @@ class Relay:
         self.pool, self.routes, self.settings = pool, routes, settings
         self.wake = asyncio.Event()
         self.gate = asyncio.Semaphore(settings.concurrency)
-        self.delivered = 0
 
     async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
         """Deliver what is due for one target, batch after batch; returns rows delivered."""
@@ -120,7 +119,6 @@ class Relay:
                     await conn.execute(MARK_DEAD, [by_event[event_id]], f"refused by {target.name}: {error}")
         if dead:
             log.warning("events refused by the target, dead-lettered", target=target.name, events=len(dead))
-        self.delivered += len(done)
         return len(done)
 
     async def _post(self, session: aiohttp.ClientSession, target: Target,

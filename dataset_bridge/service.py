@@ -33,7 +33,6 @@ class BridgeSettings:
 class Counters:
     emitted: int = 0
     requeued: int = 0
-    passes: int = 0
 
 
 def _session() -> Any:
@@ -90,7 +89,6 @@ def run(mapping: TaskMapping | None, settings: BridgeSettings, stop: threading.E
         except Exception:
             # the database may be restarting; the ledger makes the retry safe
             log.exception("bridge pass failed; retrying")
-        counters.passes += 1
         stop.wait(settings.interval)
     log.info("dataset bridge stopped", emitted=counters.emitted, requeued=counters.requeued)
     return 0
