@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import ssl
@@ -125,7 +126,7 @@ class Relay:
                     body: bytes) -> list[dict[str, Any]]:
         signed = signing.sign(self.routes.source, target.secret(), body)
         headers = {"Content-Type": "application/json", **signed}
-        tls = ssl.create_default_context(cafile=target.ca_file) if target.ca_file else True
+        tls = _tls_context(target.ca_file) if target.ca_file else True
         try:
             async with session.post(target.url, data=body, headers=headers, ssl=tls) as response:
                 text = await response.text()
@@ -172,6 +173,12 @@ class Relay:
                     await _wait_any(stop, self.wake, self.settings.poll_seconds)
         finally:
             await listener.close()
+
+
+@functools.cache
+def _tls_context(ca_file: str) -> ssl.SSLContext:
+    """One context per CA file for the relay's life (loading a CA for every batch is wasted work)."""
+    return ssl.create_default_context(cafile=ca_file)
 
 
 def _sweep_blocking(routes: Routes) -> None:
