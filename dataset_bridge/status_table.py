@@ -35,6 +35,7 @@ import structlog
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import AdvanceItem, SharedStreamProducer
 
+from triggers.identity import DeclaresIdentity
 from triggers.pg import backoff_seconds, is_permanent, shared_pool, target_for
 from triggers.polling import listening
 from triggers.table_load import FAILED, START, SUCCESS, quote_identifier
@@ -257,7 +258,7 @@ async def _wait_any(hint: asyncio.Event | None, wake: asyncio.Event, seconds: fl
             waiter.cancel()
 
 
-class TableStatusTrigger(BaseEventTrigger):
+class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
     """Fires one asset event per SUCCESS row of ``table_name`` in an ETL load-status table.
 
     Use in an asset watcher::
@@ -271,6 +272,10 @@ class TableStatusTrigger(BaseEventTrigger):
     ``loaded_at`` and ``idempotency_key``. Column arguments match ``TableLoadSensor``; ``id_column`` is the
     row id that orders the table.
     """
+
+    # what shared_stream_key() is made of: the triggerer places watchers of one stream on one shard
+    shared_stream_kwargs = ("conn_id", "status_table", "table_column", "status_column", "time_column",
+                            "id_column", "watermark_conn_id", "notify_channel")
 
     def __init__(
         self,

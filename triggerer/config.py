@@ -24,6 +24,8 @@ class Settings:
     reconcile_every: int = 5
     # coroutines started per loop (Airflow builds each workload with a few queries)
     max_new_per_loop: int = 250
+    # task instances resumed in one transaction (bounds lock time and the cost of one refused batch)
+    max_resumes_per_transaction: int = 2000
 
     def __post_init__(self) -> None:
         if self.shards < 1:

@@ -66,6 +66,7 @@ def resume(session: Session, batches: Sequence[Batch]) -> int:
         tis = session.scalars(
             select(TaskInstance)
             .where(TaskInstance.trigger_id.in_(list(trigger_ids)), TaskInstance.state == "deferred")
+            .order_by(TaskInstance.id)  # every writer of ours locks in id order: no deadlocks
             .with_for_update(of=TaskInstance)
         ).all()
         resumed += _resume_through_airflow(session, [(ti.id, event) for ti in tis])
@@ -94,12 +95,15 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     return len(locked)
 
 
-def timeout(session: Session, shards: Sequence[int]) -> None:
-    """Time out deferred members of these shards whose own ``trigger_timeout`` passed."""
+def timeout(session: Session, shards: Sequence[int], queues: Sequence[str] | None) -> int:
+    """Time out deferred members of these (fenced) shards whose own ``trigger_timeout`` passed."""
     if not shards:
-        return
+        return 0
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_TIMEOUT.value})
-    session.execute(text(queries()["timeout_members"]), {"shards": list(shards), "next_kwargs": next_kwargs})
+    result = session.execute(text(queries()["timeout_members"]),
+                             {"shards": list(shards), "queues": list(queues) if queues else None,
+                              "next_kwargs": next_kwargs})
+    return len(result.all())
 
 
 def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent) -> None:

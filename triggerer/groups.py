@@ -8,9 +8,11 @@ next coroutine.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from triggers.identity import merge_values
 
 
 @dataclass
@@ -18,28 +20,36 @@ class Group:
     identity_hash: int
     members: set[int] = field(default_factory=set)
     runner_id: int | None = None  # trigger id of the running coroutine, None before it starts
-    # numeric execution settings (poll intervals...): the most demanding (smallest) of all members,
-    # and those the running coroutine was started with
-    settings: dict[str, float] = field(default_factory=dict)
-    running_settings: dict[str, float] = field(default_factory=dict)
+    # execution settings merged over all members by their rules (the shortest poll interval, every
+    # NOTIFY channel...), and those the running coroutine was started with
+    settings: dict[str, Any] = field(default_factory=dict)
+    rules: dict[str, str] = field(default_factory=dict)
+    running_settings: dict[str, Any] = field(default_factory=dict)
+    # members whose row cannot start a coroutine (task gone, workload not buildable): never the leader
+    unstartable: set[int] = field(default_factory=set)
 
     @property
     def leader(self) -> int | None:
-        """The oldest member (lowest trigger id): deterministic, and usually the longest waiter."""
-        return min(self.members) if self.members else None
+        """The oldest startable member (lowest trigger id): deterministic, usually the longest waiter."""
+        candidates = self.members - self.unstartable
+        return min(candidates) if candidates else None
 
     @property
     def empty(self) -> bool:
         return not self.members
 
-    def merge_settings(self, execution: Mapping[str, float]) -> None:
-        for key, value in execution.items():
-            self.settings[key] = min(value, self.settings.get(key, value))
+    def merge_settings(self, execution: Mapping[str, Sequence[Any]]) -> None:
+        """Add one member's execution kwargs (``key -> (rule, value)``)."""
+        for key, (member_rule, value) in execution.items():
+            rule = self.rules.setdefault(key, member_rule)
+            current = [self.settings[key]] if key in self.settings else []
+            self.settings[key] = merge_values(rule, [*current, value])
 
     def stricter_than_running(self) -> bool:
-        """A member joined that needs a more demanding setting than the coroutine runs with."""
+        """A member joined that needs more than the coroutine runs with (merges only ever grow)."""
         return self.runner_id is not None and any(
-            value < self.running_settings.get(key, math.inf) for key, value in self.settings.items()
+            key not in self.running_settings or self.running_settings[key] != value
+            for key, value in self.settings.items()
         )
 
 
@@ -52,7 +62,7 @@ class Groups:
     hash_of_runner: dict[int, int] = field(default_factory=dict)
 
     def join(self, trigger_id: int, identity_hash: int,
-             execution: Mapping[str, float] | None = None) -> Group:
+             execution: Mapping[str, Sequence[Any]] | None = None) -> Group:
         group = self.by_hash.get(identity_hash)
         if group is None:
             group = self.by_hash[identity_hash] = Group(identity_hash)
@@ -68,13 +78,15 @@ class Groups:
             return None
         group = self.by_hash[identity_hash]
         group.members.discard(trigger_id)
+        group.unstartable.discard(trigger_id)
         return group
 
-    def start(self, group: Group, runner: int | None = None) -> int:
-        """Record that a member's row (the leader's by default) now runs the group's coroutine."""
+    def start(self, group: Group, runner: int | None = None) -> int | None:
+        """Record that a member's row (the leader's by default) now runs the group's coroutine; None
+        when no member can start it."""
         runner = group.leader if runner is None else runner
         if runner is None:
-            raise ValueError("cannot start an empty group")
+            return None
         if runner not in group.members:
             raise ValueError(f"trigger {runner} is not a member of the group")
         group.runner_id = runner
@@ -82,7 +94,7 @@ class Groups:
         self.hash_of_runner[runner] = group.identity_hash
         return runner
 
-    def restart(self, group: Group, runner: int) -> int:
+    def restart(self, group: Group, runner: int) -> int | None:
         """Run the group from another member's row (its old coroutine is cancelled by the caller)."""
         self.stop_runner(group)
         return self.start(group, runner)

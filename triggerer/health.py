@@ -27,6 +27,7 @@ METRICS = (
     ("smart_triggerer_resumed_total", "counter", "Task instances resumed by an event", "resumed_total"),
     ("smart_triggerer_failures_total", "counter", "Task instances failed by a trigger failure",
      "failures_total"),
+    ("smart_triggerer_events_pending", "gauge", "Events received but not yet stored", "events_pending"),
 )
 
 
@@ -40,7 +41,10 @@ def render_metrics(snapshot: dict[str, Any]) -> str:
 
 
 def is_healthy(snapshot: dict[str, Any], lease_seconds: float) -> bool:
-    return bool(snapshot.get("runner_alive")) and snapshot.get("lease_age", float("inf")) < lease_seconds
+    """The runner lives, the leases are renewed, and no event waits longer than a lease to be stored."""
+    return (bool(snapshot.get("runner_alive"))
+            and snapshot.get("lease_age", float("inf")) < lease_seconds
+            and snapshot.get("events_stuck_seconds", 0.0) < lease_seconds)
 
 
 class HealthServer:

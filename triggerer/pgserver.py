@@ -196,6 +196,15 @@ class EmbeddedPostgres:
                 os.killpg(pgid, signal.SIGKILL)
             self.process.wait(5)
 
+    def restart(self, down_seconds: float = 0.0, timeout: float = 30.0) -> None:
+        """Stop, stay down ``down_seconds``, start again on the same data directory and port.
+
+        For chaos runs: every client sees its connections drop and must reconnect to the same DSN.
+        """
+        self.stop()
+        time.sleep(down_seconds)
+        self.start(timeout)
+
 
 @contextlib.contextmanager
 def postgres_dsn(data_dir: Path | None = None) -> Iterator[str]:

@@ -51,15 +51,19 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+# what a group merges: kwarg -> [rule, value] (see triggers.identity.MERGE_RULES)
+Execution = dict[str, list[Any]]
+
+
 @dataclass(frozen=True)
 class WaitingTrigger:
     trigger_id: int
     identity_hash: int
     shard: int
     dedupable: bool
-    created_date: dt.datetime
     has_task: bool
-    execution: dict[str, float]
+    execution: Execution
+    hold_left: float = 0.0  # seconds until an event may resume it (see resume_hold_seconds)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class NewIdentity:
     identity_hash: int
     shard: int
     dedupable: bool
-    execution: dict[str, float]
+    execution: Execution
     error: str | None = None
 
 
@@ -111,7 +115,7 @@ class Store:
                 "The shard count is fixed per deployment (identical waits must hash to one shard); "
                 f"set AIRFLOW__SMART_TRIGGERER__SHARDS={stored}."
             )
-        self._run("create_shards", shards=shards)
+        self._run("create_shards", shards=shards, queues="")
 
     def schema_exists(self) -> bool:
         """False until the first instance has migrated this database."""
@@ -119,10 +123,16 @@ class Store:
 
     # --- membership and leases ---
 
-    def register(self, job_id: int, hostname: str, capacity: int, queues: str | None,
-                 health_url: str | None) -> None:
+    def register(self, job_id: int, hostname: str, capacity: int, queues: str | None, *,
+                 health_url: str | None, shards: int) -> None:
+        self._run("create_shards", shards=shards, queues=queues or "")
         self._run("register_instance", job_id=job_id, hostname=hostname, capacity=capacity,
                   queues=queues, health_url=health_url)
+
+    def live_queue_sets(self, lease_seconds: float) -> list[str]:
+        """The ``--queues`` sets of live instances ('' for none)."""
+        rows = self._run("live_queue_sets", lease_seconds=lease_seconds)
+        return [r[0] for r in rows]
 
     def heartbeat(self, job_id: int, **counters: Any) -> dt.datetime:
         db_now: dt.datetime = self._run("heartbeat_instance", job_id=job_id, **counters).scalar_one()
@@ -132,12 +142,19 @@ class Store:
         rows = self._run("live_instances", lease_seconds=lease_seconds, queues=queues)
         return [Member(job_id=r.job_id, capacity=r.capacity) for r in rows]
 
-    def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float) -> set[int]:
-        rows = self._run("claim_shards", job_id=job_id, shards=sorted(shards), lease_seconds=lease_seconds)
+    def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float,
+                     queues: str | None) -> set[int]:
+        rows = self._run("claim_shards", job_id=job_id, shards=sorted(shards), lease_seconds=lease_seconds,
+                         queues=queues or "")
         return {r.shard for r in rows}
 
-    def release_shards(self, job_id: int, shards: Iterable[int]) -> None:
-        self._run("release_shards", job_id=job_id, shards=sorted(shards))
+    def fence(self, job_id: int, shards: Iterable[int], queues: str | None) -> set[int]:
+        """Shards whose lease this instance still holds, share-locked until the transaction ends."""
+        rows = self._run("fence_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
+        return {r.shard for r in rows}
+
+    def release_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> None:
+        self._run("release_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
 
     def stop_instance(self, job_id: int) -> None:
         self._run("stop_instance", job_id=job_id)
@@ -163,13 +180,22 @@ class Store:
             ],
         )
 
-    def waiting_triggers(self, shards: Iterable[int], after_id: int = 0) -> list[WaitingTrigger]:
-        rows = self._run("waiting_triggers", shards=sorted(shards), after_id=after_id)
-        return [WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.created_date,
-                               r.has_task, dict(r.execution or {})) for r in rows]
+    def snapshot_xmin(self) -> str:
+        """Where the next incremental read of waiters starts (a transaction id, as text)."""
+        xmin: str = self._run("snapshot_xmin").scalar_one()
+        return xmin
 
-    def failed_identities(self, shards: Iterable[int]) -> list[tuple[int, str]]:
-        return [(r.trigger_id, r.error) for r in self._run("failed_identities", shards=sorted(shards))]
+    def waiting_triggers(self, shards: Iterable[int], queues: Sequence[str] | None, *, after_xid: str = "0",
+                         hold_seconds: float = 0.0) -> list[WaitingTrigger]:
+        rows = self._run("waiting_triggers", shards=sorted(shards), after_xid=after_xid,
+                         queues=list(queues) if queues else None, hold_seconds=hold_seconds)
+        return [WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.has_task,
+                               dict(r.execution or {}), float(r.hold_left)) for r in rows]
+
+    def failed_identities(self, shards: Iterable[int],
+                          queues: Sequence[str] | None) -> list[tuple[int, int, str]]:
+        rows = self._run("failed_identities", shards=sorted(shards), queues=list(queues) if queues else None)
+        return [(r.trigger_id, r.shard, r.error) for r in rows]
 
     def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))

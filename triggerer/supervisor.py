@@ -6,6 +6,11 @@ groups and asks Airflow's runner subprocess for one coroutine per group, (4) fan
 members of the group in one transaction, holding it back for members that deferred too recently, and
 (5) fails every member when the group's trigger fails. Everything else (the runner, trigger logs,
 connections, the task-SDK comms) is Airflow's.
+
+Every write for a member runs in a transaction that first share-locks the member's shard lease and
+checks it by the database clock (``Store.fence``): a process paused past its lease writes nothing for
+shards another instance took over. An event is acknowledged to the runner (``persisted_event_seqs``)
+only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ import math
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import attrs
 import structlog
-from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor, messages
+from airflow.jobs.triggerer_job_runner import TriggerEventEntry, TriggerRunnerSupervisor, messages
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.session import create_session
@@ -28,7 +33,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from triggerer import fanout
-from triggerer.config import Settings
+from triggerer.config import ConfigError, Settings
 from triggerer.groups import Group, Groups
 from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
@@ -43,7 +48,25 @@ class Held:
     """An event kept back for a member whose deferral is too recent to resume safely."""
 
     event: TriggerEvent
-    release_at: float  # time.time()
+    release_at: float  # time.monotonic()
+
+
+def is_connectivity_error(err: SQLAlchemyError) -> bool:
+    """The database is unreachable or the transaction hit a transient conflict (a deadlock, a cancelled
+    statement): retry everything later. Anything else is a statement the database refused."""
+    import psycopg2
+
+    if not isinstance(err, DBAPIError):
+        return False
+    return bool(err.connection_invalidated) or isinstance(
+        err.orig, psycopg2.OperationalError | psycopg2.InterfaceError)
+
+
+def _cause(err: BaseException) -> str:
+    """The database's own first line (never the statement's parameters: they may carry payloads)."""
+    orig = getattr(err, "orig", None) or err
+    text = str(orig).strip().splitlines()
+    return f"{type(orig).__name__}: {text[0] if text else ''}"
 
 
 @attrs.define(kw_only=True)
@@ -54,17 +77,20 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     groups: Groups = attrs.field(factory=Groups, init=False)
     owned: set[int] = attrs.field(factory=set, init=False)
     member_info: dict[int, WaitingTrigger] = attrs.field(factory=dict, init=False)
+    young_until: dict[int, float] = attrs.field(factory=dict, init=False)
     held: dict[int, Held] = attrs.field(factory=dict, init=False)
     user_cancels: set[int] = attrs.field(factory=set, init=False)
     gained: set[int] = attrs.field(factory=set, init=False)
-    max_seen_id: int = attrs.field(default=0, init=False)
+    last_xmin: str = attrs.field(default="0", init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
     last_load: float = attrs.field(default=-math.inf, init=False)
+    pending_since: float | None = attrs.field(default=None, init=False)
     db_ok: bool = attrs.field(default=True, init=False)
     events_total: int = attrs.field(default=0, init=False)
     resumed_total: int = attrs.field(default=0, init=False)
     failures_total: int = attrs.field(default=0, init=False)
+    published: dict[str, Any] = attrs.field(factory=dict, init=False)
 
     @classmethod
     def run_in_process(cls) -> None:
@@ -79,16 +105,35 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def queues_key(self) -> str | None:
         return ",".join(sorted(self.queues)) if self.queues else None
 
+    @property
+    def queue_list(self) -> list[str] | None:
+        return sorted(self.queues) if self.queues else None
+
     # --- the loop ---
 
     def register(self) -> None:
         with create_session() as session:
             store = Store(session)
             store.migrate(self.settings.shards)
-            store.register(self.job_id, socket.getfqdn(), self.capacity, self.queues_key, self.health_url)
+            self._refuse_overlapping_queues(store)
+            store.register(self.job_id, socket.getfqdn(), self.capacity, self.queues_key,
+                           health_url=self.health_url, shards=self.settings.shards)
+        self.publish_snapshot()
+
+    def _refuse_overlapping_queues(self, store: Store) -> None:
+        """Queue sets own separate shard spaces: two sets that share a queue would both run its triggers."""
+        mine = set(self.queues or ())
+        for other in store.live_queue_sets(self.settings.lease_seconds):
+            theirs = {q for q in other.split(",") if q}
+            if theirs != mine and theirs & mine:
+                raise ConfigError(
+                    f"--queues {','.join(sorted(mine))} overlaps a live instance's --queues {other}: "
+                    "instances must serve either the same queue set or disjoint ones"
+                )
 
     def run_once(self) -> None:
         """Load once per ``loop_seconds``; in between, handle runner messages (events) as they come."""
+        self._guard_leases()
         since_load = time.monotonic() - self.last_load
         if since_load >= self.settings.loop_seconds:
             self.loops += 1
@@ -97,20 +142,23 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self._db_step("cleanup", self.clean_unused)
             since_load = 0.0
         self._service_subprocess(self.settings.loop_seconds - since_load)
+        # lease checks run before writes: shards that may have lapsed while we waited stop first
+        self._guard_leases()
         self._db_step("events", self.handle_events)
         self._db_step("failures", self.handle_failed_triggers)
         self._db_step("held events", self.release_held)
         self._db_step("heartbeat", self.heartbeat)
+        self.pending_since = (self.pending_since or time.monotonic()) if self.events else None
         self.emit_metrics()
-        self._guard_leases()
+        self.publish_snapshot()
 
     def _db_step(self, name: str, step: Callable[[], None]) -> None:
         """A database outage must not stop the service: log once, keep looping, recover by itself."""
         try:
             step()
-        except (DBAPIError, SQLAlchemyError) as err:
+        except SQLAlchemyError as err:
             if self.db_ok:
-                log.warning("database unavailable; retrying every loop", step=name, error=type(err).__name__)
+                log.warning("database unavailable; retrying every loop", step=name, error=_cause(err))
             self.db_ok = False
         else:
             if not self.db_ok and name == "load":
@@ -127,6 +175,16 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self._drop_shards(set(self.owned))
             self.owned = set()
 
+    def _fence(self, session: Session) -> set[int]:
+        """The owned shards whose lease still holds, share-locked until this transaction ends."""
+        if not self.owned:
+            return set()
+        return Store(session).fence(self.job_id, self.owned, self.queues_key)
+
+    def _shard_of(self, trigger_id: int) -> int | None:
+        info = self.member_info.get(trigger_id)
+        return None if info is None else info.shard
+
     # --- leases ---
 
     def load_triggers(self) -> None:
@@ -136,6 +194,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self._timeout_members()
         self._fail_unreadable()
         self._start_groups()
+        # publish this loop's counters, so `status` agrees with /metrics once the groups run
+        with create_session() as session:
+            Store(session).heartbeat(self.job_id, **self._counters())
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
@@ -148,8 +209,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             desired = shards_of(self.job_id, assign(self.settings.shards, members))
             released = self.owned - desired
             if released:
-                store.release_shards(self.job_id, released)
-            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds)
+                store.release_shards(self.job_id, released, self.queues_key)
+            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key)
         self.last_renewal = started
         lost, gained = self.owned - claimed, claimed - self.owned
         if lost:
@@ -179,42 +240,49 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _hash_new_triggers(self) -> None:
         with create_session() as session:
             store = Store(session)
-            rows = store.unhashed_triggers(sorted(self.queues) if self.queues else None,
-                                           limit=self.settings.max_new_per_loop * 4)
+            rows = store.unhashed_triggers(self.queue_list, limit=self.settings.max_new_per_loop * 4)
             if rows:
                 store.insert_identities(compute_identities(rows, self.settings))
 
     def _load_waiters(self) -> None:
+        """New waiters by transaction id since the last read (a late commit is never skipped); gained
+        shards and, every ``reconcile_every`` loops, all owned shards in full (departures)."""
         gained = self.gained
         full = self.loops % self.settings.reconcile_every == 0
+        hold = self.settings.resume_hold_seconds
         with create_session() as session:
             store = Store(session)
+            xmin = store.snapshot_xmin()
             if full:
-                rows = store.waiting_triggers(self.owned)
+                rows = store.waiting_triggers(self.owned, self.queue_list, hold_seconds=hold)
             else:
-                rows = store.waiting_triggers(self.owned - gained, after_id=self.max_seen_id)
-                rows += store.waiting_triggers(gained & self.owned)
-            new = [r.trigger_id for r in rows if r.trigger_id not in self.member_info]
+                rows = store.waiting_triggers(self.owned - gained, self.queue_list, after_xid=self.last_xmin,
+                                              hold_seconds=hold)
+                rows += store.waiting_triggers(gained & self.owned, self.queue_list, hold_seconds=hold)
+            fenced = self._fence(session)
+            new = [r.trigger_id for r in rows if r.trigger_id not in self.member_info and r.shard in fenced]
             if new:
                 store.claim_triggers(self.job_id, new)
+        self.last_xmin = xmin
         if full:
             self._reconcile({r.trigger_id for r in rows})
         for row in rows:
             self._join(row)
 
     def _join(self, row: WaitingTrigger) -> None:
-        self.max_seen_id = max(self.max_seen_id, row.trigger_id)
         if row.trigger_id in self.member_info or row.trigger_id in self.held:
             return
         if row.shard not in self.owned:
             return
         self.member_info[row.trigger_id] = row
+        if row.hold_left > 0:
+            self.young_until[row.trigger_id] = time.monotonic() + row.hold_left
         dedup = row.dedupable and self.settings.dedup
         key = group_key(row.trigger_id, row.identity_hash, dedup)
         group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
         if group.stricter_than_running():
-            # The newcomer needs a more demanding setting (e.g. a shorter poll interval): run the group
-            # from its row with the merged settings; the old coroutine is cancelled without on_kill.
+            # The newcomer needs more (a shorter poll interval, another NOTIFY channel): run the group from
+            # its row with the merged settings; the old coroutine is cancelled without on_kill.
             log.info("restarting a group with more demanding settings", members=len(group.members))
             self.groups.restart(group, runner=row.trigger_id)
 
@@ -226,6 +294,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _forget_member(self, trigger_id: int, *, user_action: bool) -> None:
         info = self.member_info.pop(trigger_id, None)
+        self.young_until.pop(trigger_id, None)
         group = self.groups.leave(trigger_id)
         if group is None or not group.empty:
             return
@@ -239,12 +308,15 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _timeout_members(self) -> None:
         """Time out deferred members one by one (as the scheduler does), precisely, each loop."""
         with create_session() as session:
-            fanout.timeout(session, sorted(self.owned))
+            fenced = self._fence(session)
+            if fenced:
+                fanout.timeout(session, sorted(fenced), self.queue_list)
 
     def _fail_unreadable(self) -> None:
         """Tasks whose trigger kwargs could not be read fail at once with the cause, alone."""
         with create_session() as session:
-            for trigger_id, error in Store(session).failed_identities(self.owned):
+            fenced = self._fence(session)
+            for trigger_id, _shard, error in Store(session).failed_identities(fenced, self.queue_list):
                 log.error("failing the tasks of an unreadable trigger", trigger_id=trigger_id, error=error)
                 fanout.fail(session, [trigger_id], [f"smart-triggerer: {error}\n"])
 
@@ -254,7 +326,42 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         pending = [g for g in self.groups.waiting() if g.runner_id is None]
         for group in pending[: self.settings.max_new_per_loop]:
             self.groups.start(group)
-        self.update_triggers(self.groups.runner_ids())
+        # a leader that cannot start hands over to the next member at once (bounded passes)
+        for _ in range(3):
+            if not self._request_runners():
+                break
+
+    def _request_runners(self) -> bool:
+        """Ask the runner for the groups' coroutines; True when some leader could not start."""
+        requested = self.groups.runner_ids()
+        known = self.running_triggers.union(
+            (entry.trigger_id for entry in self.events), self.cancelling_triggers,
+            (failure[0] for failure in self.failed_triggers), (w.id for w in self.creating_triggers),
+        )
+        new_ids = requested - known
+        cancel_ids = self.running_triggers - requested
+        if cancel_ids:
+            self.cancelling_triggers.update(cancel_ids)
+        if not new_ids:
+            return False
+        workloads = self.build_trigger_workloads(new_ids)
+        self.creating_triggers.extend(workloads)
+        not_started = new_ids - {w.id for w in workloads}
+        for trigger_id in not_started:
+            self._next_leader(trigger_id)
+        return bool(not_started)
+
+    def _next_leader(self, trigger_id: int) -> None:
+        """A group's leader row could not start (its task was cleared or timed out between load and start,
+        its workload cannot be built): let another member lead, or the group would never run."""
+        group = self.groups.by_runner(trigger_id)
+        if group is None:
+            return
+        group.unstartable.add(trigger_id)
+        self.groups.stop_runner(group)
+        leader = self.groups.start(group)
+        log.warning("a group's leader could not start", trigger_id=trigger_id, next_leader=leader,
+                    members=len(group.members))
 
     # --- workloads ---
 
@@ -272,67 +379,134 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         return workload
 
     def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group) -> Any:
-        """Run the group with its members' most demanding numeric settings."""
+        """Run the group with its members' merged settings (shortest interval, every channel...)."""
         kwargs = trigger.kwargs
-        changed = {k: v for k, v in group.settings.items() if k in kwargs and kwargs[k] != v}
+        changed = {k: v for k, v in group.settings.items()
+                   if k in kwargs and kwargs[k] != v and [kwargs[k]] != v}
         if not changed:
             return workload
         kwargs.update(changed)
         return workload.model_copy(update={"encrypted_kwargs": Trigger.encrypt_kwargs(kwargs)})
 
-    # --- events and failures ---
+    # --- events ---
 
     def handle_events(self) -> None:
-        if not self.events:
-            return
-        entries = list(self.events)
-        plans = [(entry, self.groups.by_runner(entry.trigger_id)) for entry in entries]
-        now = time.time()
+        """Store the runner's events, front first, in bounded transactions; acknowledge what was stored.
+
+        A transaction the database refuses is retried event by event, and an event that still cannot be
+        stored fails its own members with the cause. A database outage leaves the events queued.
+        """
+        while self.events:
+            chunk = self._front_chunk()
+            try:
+                self._store_events(chunk)
+            except SQLAlchemyError as err:
+                if is_connectivity_error(err):
+                    raise
+                self._store_one_by_one(len(chunk))
+                continue
+            for _ in chunk:
+                self.events.popleft()
+
+    def _front_chunk(self) -> list[TriggerEventEntry]:
+        """Events from the front of the queue, up to ``max_resumes_per_transaction`` task members."""
+        chunk: list[TriggerEventEntry] = []
+        size = 0
+        for entry in self.events:
+            group = self.groups.by_runner(entry.trigger_id)
+            members = len(group.members) if group is not None else 1
+            if chunk and size + members > self.settings.max_resumes_per_transaction:
+                break
+            chunk.append(entry)
+            size += members
+        return chunk
+
+    def _store_one_by_one(self, count: int) -> None:
+        for _ in range(count):
+            entry = self.events[0]
+            try:
+                self._store_events([entry])
+            except SQLAlchemyError as err:
+                if is_connectivity_error(err):
+                    raise
+                self._poisoned(entry, err)
+            self.events.popleft()
+
+    def _store_events(self, entries: Sequence[TriggerEventEntry]) -> None:
+        now = time.monotonic()
         batches: list[fanout.Batch] = []
+        outcomes: list[tuple[TriggerEventEntry, Group | None, set[int]]] = []
         with create_session() as session:
-            for entry, group in plans:
+            fenced = self._fence(session)
+            for entry in entries:
+                group = self.groups.by_runner(entry.trigger_id)
                 if group is None:
+                    # not ours any more (handed over): neither stored nor acknowledged
+                    outcomes.append((entry, None, set()))
                     continue
-                ready, _young = self._split_by_age(group.members, now)
+                mine = {m for m in group.members if self._shard_of(m) in fenced}
+                ready, _young = self._split_by_age(mine, now)
                 batches.append((self._task_members(ready), entry.event))
-                for trigger_id in group.members:
+                for trigger_id in sorted(mine):
                     if not self._is_task(trigger_id):
                         fanout.submit_watcher_event(session, trigger_id, entry.event)
-            self.resumed_total += fanout.resume(session, batches)
-        for _ in entries:
-            entry = self.events.popleft()
-            if entry.persist_seq is not None:
-                self.persisted_event_seqs.append(entry.persist_seq)
+                outcomes.append((entry, group, mine))
+            resumed = fanout.resume(session, batches)
+        self.resumed_total += resumed
         self.events_total += len(entries)
-        for entry, group in plans:
+        for entry, group, mine in outcomes:
             if group is None:
                 log.debug("event for a group this instance no longer runs", runner_id=entry.trigger_id)
                 continue
-            self._after_event(group, entry.event, now)
+            stored_all = mine >= {m for m in group.members if not self._is_task(m)}
+            if entry.persist_seq is not None and stored_all:
+                self.persisted_event_seqs.append(entry.persist_seq)
+            self._after_event(group, entry.event, mine, now)
 
-    def _after_event(self, group: Group, event: TriggerEvent, now: float) -> None:
-        if not all(self._is_task(m) for m in group.members):
-            return  # asset watchers and callbacks keep running after an event
-        _ready, young = self._split_by_age(group.members, now)
+    def _poisoned(self, entry: TriggerEventEntry, err: SQLAlchemyError) -> None:
+        """An event the database refuses on its own: its members fail with the cause; others go on."""
+        cause = _cause(err)
+        group = self.groups.by_runner(entry.trigger_id)
+        log.error("an event could not be stored; failing its members", runner_id=entry.trigger_id,
+                  members=len(group.members) if group else 0, error=cause)
+        self.events_total += 1
+        if group is None:
+            return
+        message = [f"smart-triggerer: the trigger's event could not be stored: {cause}\n"]
+        with create_session() as session:
+            fenced = self._fence(session)
+            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
+            self.failures_total += fanout.fail(session, tasks, message)
+        self._end_group(group)
+
+    def _after_event(self, group: Group, event: TriggerEvent, mine: set[int], now: float) -> None:
+        """Task members are done once the event is stored (young ones held); watchers keep running."""
+        tasks = [m for m in group.members if self._is_task(m)]
+        _ready, young = self._split_by_age(set(tasks) & mine, now)
         for trigger_id in young:
-            self.held[trigger_id] = Held(event, self._release_time(trigger_id))
-        for trigger_id in group.members:
+            self.held[trigger_id] = Held(event, self.young_until.get(trigger_id, now))
+        if len(tasks) < len(group.members):
+            # mixed task/watcher group: the coroutine keeps running for the watchers
+            for trigger_id in tasks:
+                self.groups.leave(trigger_id)
+                if trigger_id not in self.held:
+                    self.member_info.pop(trigger_id, None)
+            return
+        self._end_group(group)
+
+    def _end_group(self, group: Group) -> None:
+        for trigger_id in list(group.members):
             if trigger_id not in self.held:
                 self.member_info.pop(trigger_id, None)
+                self.young_until.pop(trigger_id, None)
         self.groups.finish(group)
 
     def _split_by_age(self, members: Iterable[int], now: float) -> tuple[list[int], list[int]]:
         ready: list[int] = []
         young: list[int] = []
         for trigger_id in members:
-            (young if self._release_time(trigger_id) > now else ready).append(trigger_id)
+            (young if self.young_until.get(trigger_id, 0.0) > now else ready).append(trigger_id)
         return ready, young
-
-    def _release_time(self, trigger_id: int) -> float:
-        info = self.member_info.get(trigger_id)
-        if info is None:
-            return 0.0
-        return info.created_date.timestamp() + self.settings.resume_hold_seconds
 
     def _is_task(self, trigger_id: int) -> bool:
         info = self.member_info.get(trigger_id)
@@ -342,7 +516,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         return [m for m in members if self._is_task(m)]
 
     def release_held(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         due = [t for t, h in self.held.items() if h.release_at <= now]
         if not due:
             return
@@ -350,11 +524,16 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         for trigger_id in due:
             by_event[id(self.held[trigger_id].event)].append(trigger_id)
         with create_session() as session:
-            batches = [(ids, self.held[ids[0]].event) for ids in by_event.values()]
+            fenced = self._fence(session)
+            batches = [([t for t in ids if self._shard_of(t) in fenced], self.held[ids[0]].event)
+                       for ids in by_event.values()]
             self.resumed_total += fanout.resume(session, batches)
         for trigger_id in due:
             self.held.pop(trigger_id, None)
             self.member_info.pop(trigger_id, None)
+            self.young_until.pop(trigger_id, None)
+
+    # --- failures ---
 
     def handle_failed_triggers(self) -> None:
         if not self.failed_triggers:
@@ -362,18 +541,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         entries = list(self.failed_triggers)
         plans = [(runner_id, exc, self.groups.by_runner(runner_id)) for runner_id, exc in entries]
         with create_session() as session:
+            fenced = self._fence(session)
             for runner_id, exc, group in plans:
                 if group is None:
                     log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
                     continue
-                self.failures_total += fanout.fail(session, self._task_members(sorted(group.members)), exc)
+                tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
+                self.failures_total += fanout.fail(session, tasks, exc)
         for _ in entries:
             self.failed_triggers.popleft()
         for _runner_id, _exc, group in plans:
             if group is not None:
-                for trigger_id in list(group.members):
-                    self.member_info.pop(trigger_id, None)
-                self.groups.finish(group)
+                self._end_group(group)
 
     # --- cancellation without on_kill ---
 
@@ -403,9 +582,16 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             "health_url": self.health_url,
         }
 
-    def snapshot(self) -> dict[str, Any]:
-        """What /metrics and /health report (read from the HTTP thread: plain values only)."""
+    def publish_snapshot(self) -> None:
+        """Copy the counters for the HTTP thread (it must never iterate what this loop mutates)."""
         counters = self._counters()
         counters.update(shards_owned=len(self.owned), job_id=self.job_id,
-                        coroutines=len(self.running_triggers), lease_age=time.monotonic() - self.last_renewal)
-        return counters
+                        coroutines=len(self.running_triggers), events_pending=len(self.events))
+        self.published = counters
+
+    def snapshot(self) -> dict[str, Any]:
+        """What /metrics and /health report (called from the HTTP thread: reads only published values)."""
+        now = time.monotonic()
+        pending_since = self.pending_since
+        return {**self.published, "lease_age": now - self.last_renewal,
+                "events_stuck_seconds": 0.0 if pending_since is None else now - pending_since}

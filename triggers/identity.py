@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import functools
 import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 # Airflow's own state-based triggers: each observes a state (a time, a file, a DAG run's state) that every
@@ -45,17 +46,6 @@ BUILTIN_DEDUP_CLASSPATHS: frozenset[str] = frozenset(
 _DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
 
 
-def _serialized(trigger: Any) -> Mapping[str, Any]:
-    kwargs: Mapping[str, Any] = trigger.serialize()[1]
-    return kwargs
-
-
-# A DateTimeTrigger started from the triggerer keeps its (rendered) ``target_time`` string; one deferred
-# from a worker carries ``moment``. Both wait for the same instant.
-_NORMALIZERS: dict[str, Callable[[Any], Mapping[str, Any]]] = {
-    _DATETIME_TRIGGER: lambda t: {"moment": t.moment, "end_from_trigger": t.end_from_trigger},
-}
-
 _TIME_TYPES = (dt.datetime, dt.date, dt.time)
 
 
@@ -65,41 +55,118 @@ class IdentityError(ValueError):
 
 @dataclass(frozen=True)
 class Identity:
-    """What one trigger row waits on, as the triggerer stores it."""
+    """What one trigger row waits on, as the triggerer stores it.
+
+    ``execution``: the kwargs a group merges, each as ``(rule, value)`` (see :data:`MERGE_RULES`).
+    """
 
     hash: int
     dedupable: bool
+    execution: Mapping[str, tuple[str, Any]] = field(default_factory=dict, compare=False)
 
     def shard(self, shards: int) -> int:
         return shard_of(self.hash, shards)
 
 
-class DedupableTrigger:
+# The reserved kwarg our triggers add to what they serialize: which kwargs are identity and how each
+# execution kwarg merges. The triggerer reads it as data, so it never imports trigger code (DAG authors'
+# code) in the process that holds the metadata database.
+IDENTITY_KWARG = "__smart_identity__"
+IDENTITY_VERSION = 1
+# how a group combines one execution kwarg of its members
+MERGE_RULES = ("min", "max", "union", "any")
+
+
+class DeclaresIdentity:
+    """Base of the identity mixins: adds :data:`IDENTITY_KWARG` to ``serialize()`` and drops it in
+    ``__init__``. Subclasses set ``identity_kwargs`` (see :class:`DedupableTrigger`) or
+    ``shared_stream_kwargs`` (asset watchers that share one poll loop: the kwargs that make up their
+    ``shared_stream_key``, so the triggerer places them on one shard without importing them)."""
+
+    identity_kwargs: ClassVar[tuple[str, ...]] = ()
+    execution_merge: ClassVar[Mapping[str, str]] = {}
+    shared_stream_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for rule in cls.execution_merge.values():
+            if rule not in MERGE_RULES:
+                raise TypeError(f"{cls.__name__}.execution_merge: unknown rule {rule!r} ({MERGE_RULES})")
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _dropping_marker(cls.__dict__["__init__"])  # type: ignore[method-assign]
+        if "serialize" in cls.__dict__:
+            cls.serialize = _adding_marker(cls.__dict__["serialize"])  # type: ignore[attr-defined]
+
+
+class DedupableTrigger(DeclaresIdentity):
     """Mixin for our triggers: name the kwargs that say what is waited on.
 
     ``identity_kwargs`` must be a subset of the kwargs ``serialize()`` returns; all other kwargs are
-    execution settings. ``merge_execution_kwargs`` picks the settings a group runs with: by default the
-    smallest value of each numeric setting (the shortest poll interval is the most demanding) and the
-    first member's value otherwise. Override it when "most demanding" means something else.
+    execution settings. A group of identical waits runs with its members' most demanding settings:
+    ``execution_merge`` names how each execution kwarg merges (``min``: the smallest number, e.g. a poll
+    interval; ``max``; ``union``: every distinct value, e.g. the NOTIFY channels to listen on, so a value
+    may become a list; ``any``: a boolean that is true when any member's is). An undeclared numeric kwarg
+    merges by ``min``; any other undeclared kwarg splits the group (members must agree on it).
+
+    Subclasses write ``__init__`` and ``serialize`` as usual: the mixin adds :data:`IDENTITY_KWARG` to the
+    serialized kwargs and drops it again when Airflow rebuilds the trigger from them. Values of merged
+    kwargs are stored in plain text by the triggerer: never declare a merge for a kwarg that may hold a
+    secret.
     """
 
-    identity_kwargs: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def merge_execution_kwargs(cls, members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return merge_most_demanding(members)
 
 
-def merge_most_demanding(members: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per key: the minimum of numeric values (bools excepted), else the first member's value."""
-    merged: dict[str, Any] = {}
-    for member in members:
-        for key, value in member.items():
-            if key not in merged:
-                merged[key] = value
-            elif _is_number(value) and _is_number(merged[key]):
-                merged[key] = min(merged[key], value)
-    return merged
+def identity_marker(trigger_class: type, kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What :data:`IDENTITY_KWARG` holds for these serialized kwargs (None: not deduplicated)."""
+    keys = tuple(getattr(trigger_class, "identity_kwargs", ()) or ())
+    stream = tuple(getattr(trigger_class, "shared_stream_kwargs", ()) or ())
+    if stream:
+        return {"v": IDENTITY_VERSION, "shared_stream": sorted(stream)}
+    if not keys:
+        return None
+    merge = dict(getattr(trigger_class, "execution_merge", {}) or {})
+    return {"v": IDENTITY_VERSION, "identity": sorted(keys),
+            "merge": {k: merge[k] for k in sorted(merge) if k in kwargs and k not in keys}}
+
+
+def _dropping_marker(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop(IDENTITY_KWARG, None)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _adding_marker(serialize: Callable[[Any], tuple[str, dict[str, Any]]]) -> Callable[[Any], Any]:
+    @functools.wraps(serialize)
+    def wrapped(self: Any) -> tuple[str, dict[str, Any]]:
+        classpath, kwargs = serialize(self)
+        kwargs = {k: v for k, v in kwargs.items() if k != IDENTITY_KWARG}
+        marker = identity_marker(type(self), kwargs)
+        if marker is not None:
+            kwargs[IDENTITY_KWARG] = marker
+        return classpath, kwargs
+
+    return wrapped
+
+
+def merge_values(rule: str, values: Sequence[Any]) -> Any:
+    """One execution kwarg of a group, from its members' values, by ``rule`` (see MERGE_RULES)."""
+    present = [v for v in values if v is not None]
+    if rule == "union":
+        items: set[str] = set()
+        for value in present:
+            items.update([value] if isinstance(value, str) else list(value))
+        return sorted(items) or None
+    if not present:
+        return None
+    if rule == "any":
+        return any(bool(v) for v in present)
+    numbers = [v for v in present if _is_number(v)]
+    if len(numbers) != len(present):
+        return present[0]
+    return min(numbers) if rule == "min" else max(numbers)
 
 
 def _is_number(value: object) -> bool:
@@ -185,52 +252,88 @@ def singleton_hash(classpath: str, trigger_id: int) -> int:
     return identity_hash(classpath, {"$trigger_id": trigger_id})
 
 
+def _datetime_trigger(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """DateTimeTrigger started from the triggerer keeps its (rendered) ``target_time`` string; deferred
+    from a worker it carries ``moment``. Both wait for the same instant."""
+    target = kwargs.get("target_time")
+    if kwargs.get("moment") is not None or target is None:
+        return kwargs
+    moment = target if isinstance(target, dt.datetime) else dt.datetime.fromisoformat(str(target))
+    rest = {k: v for k, v in kwargs.items() if k != "target_time"}
+    return {**rest, "moment": moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)}
+
+
+_NORMALIZERS: dict[str, Callable[[Mapping[str, Any]], Mapping[str, Any]]] = {
+    _DATETIME_TRIGGER: _datetime_trigger,
+}
+
+
+def _mergeable(value: Any) -> bool:
+    """Values a group may merge and the triggerer may store: plain numbers, strings, lists of strings."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+
+
 @dataclass(frozen=True)
 class IdentityPolicy:
-    """Decides which kwargs of a classpath are identity; ``None`` means "never deduplicate"."""
+    """Decides from a trigger's kwargs alone (never importing its class) what it waits on.
+
+    Allow-listed classpaths hash all their kwargs. Any other trigger is deduplicated only when its kwargs
+    carry :data:`IDENTITY_KWARG` (our :class:`DedupableTrigger` adds it); everything else runs alone.
+    """
 
     allowed_classpaths: frozenset[str]
-    resolve_class: Callable[[str], type]
 
     @classmethod
-    def with_extra(cls, extra: Iterable[str], resolve_class: Callable[[str], type]) -> IdentityPolicy:
+    def with_extra(cls, extra: Iterable[str]) -> IdentityPolicy:
         allowed = BUILTIN_DEDUP_CLASSPATHS | {c.strip() for c in extra if c.strip()}
-        return cls(frozenset(allowed), resolve_class)
-
-    def identity_keys(self, classpath: str, kwargs: Mapping[str, Any]) -> tuple[str, ...] | None:
-        if classpath in self.allowed_classpaths:
-            return tuple(sorted(kwargs))
-        try:
-            trigger_class = self.resolve_class(classpath)
-        except Exception:  # an unimportable class runs alone; the runner fails it with the cause
-            return None
-        declared = getattr(trigger_class, "identity_kwargs", None)
-        if not declared:
-            return None
-        return tuple(declared)
-
-    def _normalized(self, classpath: str, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-        """What the trigger itself makes of its kwargs: constructor variants of one wait (e.g.
-        DateTimeTrigger's ``target_time`` string and ``moment`` datetime) become one identity."""
-        try:
-            trigger = self.resolve_class(classpath)(**kwargs)
-            return _NORMALIZERS.get(classpath, _serialized)(trigger)
-        except Exception:
-            return kwargs
+        return cls(frozenset(allowed))
 
     def identity(self, classpath: str, kwargs: Mapping[str, Any], trigger_id: int) -> Identity:
-        keys = self.identity_keys(classpath, kwargs)
-        if keys is not None and has_template(kwargs):
+        kwargs = dict(kwargs)
+        marker = kwargs.pop(IDENTITY_KWARG, None)
+        alone = Identity(singleton_hash(classpath, trigger_id), dedupable=False)
+        if has_template(kwargs):
             # start_from_trigger tasks are rendered in the runner: "{{ data_interval_end }}" is the same
             # text for runs that wait for different times, so unrendered kwargs say nothing of the wait.
-            keys = None
-        if keys is None:
-            return Identity(singleton_hash(classpath, trigger_id), dedupable=False)
-        if keys is not None:
-            kwargs = self._normalized(classpath, kwargs)
+            return alone
         if classpath in self.allowed_classpaths:
-            keys = tuple(sorted(kwargs))
+            normalized = _NORMALIZERS.get(classpath, lambda k: k)(kwargs)
+            return Identity(identity_hash(classpath, normalized), dedupable=True)
+        if not isinstance(marker, Mapping):
+            return alone
+        if marker.get("shared_stream"):
+            stream = _names(marker["shared_stream"], classpath)
+            key = [classpath, {k: kwargs.get(k) for k in stream}]
+            return Identity(identity_hash("$shared_stream", {"key": key}), dedupable=False)
+        return self._declared(classpath, kwargs, marker)
+
+    def _declared(self, classpath: str, kwargs: dict[str, Any], marker: Mapping[str, Any]) -> Identity:
+        keys = _names(marker.get("identity"), classpath)
         missing = [k for k in keys if k not in kwargs]
         if missing:
             raise IdentityError(f"{classpath} declares identity kwargs {missing} that it did not serialize")
-        return Identity(identity_hash(classpath, {k: kwargs[k] for k in keys}), dedupable=True)
+        rules = marker.get("merge") or {}
+        what = {k: kwargs[k] for k in keys}
+        execution: dict[str, tuple[str, Any]] = {}
+        split: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in what:
+                continue
+            rule = rules.get(key) if isinstance(rules, Mapping) else None
+            if rule is None and _is_number(value):
+                rule = "min"
+            if rule in MERGE_RULES and _mergeable(value):
+                execution[key] = (rule, list(value) if isinstance(value, tuple) else value)
+            else:
+                split[key] = value  # members must agree on it: part of the group's identity
+        if split:
+            what["$split"] = split
+        return Identity(identity_hash(classpath, what), dedupable=True, execution=execution)
+
+
+def _names(value: Any, classpath: str) -> list[str]:
+    if not isinstance(value, list | tuple) or not value or not all(isinstance(v, str) for v in value):
+        raise IdentityError(f"{classpath} has a malformed {IDENTITY_KWARG}")
+    return list(value)

@@ -133,8 +133,8 @@ class ChannelListener:
             return True
 
     @contextmanager
-    def subscription(self) -> Iterator[asyncio.Event]:
-        event = asyncio.Event()
+    def subscription(self, event: asyncio.Event | None = None) -> Iterator[asyncio.Event]:
+        event = event or asyncio.Event()
         self.waiters.add(event)
         try:
             yield event

@@ -9,8 +9,8 @@ with the cause instead of waiting until its timeout.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 from triggers.pg import (
@@ -25,33 +25,60 @@ from triggers.pg import (
 Check = Callable[[], Awaitable[dict[str, Any] | None]]
 
 
-class Hint:
-    """An optional LISTEN subscription: a NOTIFY wakes the wait early."""
+Channels = str | Sequence[str] | None
 
-    def __init__(self, listener: ChannelListener | None, event: asyncio.Event | None) -> None:
-        self.listener, self.event = listener, event
+
+def channel_names(channels: Channels) -> list[str]:
+    """``notify_channel`` as a sorted list of distinct names (a group listens on all its members')."""
+    if channels is None or channels == "":
+        return []
+    names = [channels] if isinstance(channels, str) else list(channels)
+    for name in names:
+        if not isinstance(name, str) or not name.replace("_", "").isalnum():
+            raise ValueError(f"notify_channel={name!r} is not a plain channel name (letters, digits, _)")
+    return sorted(set(names))
+
+
+def one_or_many(names: Sequence[str]) -> str | list[str] | None:
+    """How a trigger keeps its channels: None, one name (as its author wrote it), or a group's list."""
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else list(names)
+
+
+class Hint:
+    """Optional LISTEN subscriptions: a NOTIFY on any of the channels wakes the wait early."""
+
+    def __init__(self, listeners: Sequence[ChannelListener], event: asyncio.Event | None) -> None:
+        self.listeners, self.event = list(listeners), event
 
     async def arm(self) -> None:
-        """Before each check: reconnect a dropped listener, forget notifications already acted on."""
-        if self.listener is not None and self.event is not None:
-            await self.listener.ensure()
-            self.event.clear()
+        """Before each check: reconnect dropped listeners, forget notifications already acted on."""
+        if self.event is None:
+            return
+        for listener in self.listeners:
+            await listener.ensure()
+        self.event.clear()
 
 
 @asynccontextmanager
-async def listening(target: PgTarget | None, channel: str | None) -> AsyncIterator[Hint]:
-    if target is None or not channel:
-        yield Hint(None, None)
+async def listening(target: PgTarget | None, channels: Channels) -> AsyncIterator[Hint]:
+    names = channel_names(channels)
+    if target is None or not names:
+        yield Hint([], None)
         return
-    listener = shared_listener(target, channel)
-    with listener.subscription() as event:
-        yield Hint(listener, event)
+    event = asyncio.Event()
+    listeners = [shared_listener(target, name) for name in names]
+    with ExitStack() as stack:
+        for listener in listeners:
+            stack.enter_context(listener.subscription(event))
+        yield Hint(listeners, event)
 
 
 async def poll_until(
     check: Check, *, poll_interval: float, log: Any, hint: Hint | None = None
 ) -> dict[str, Any]:
-    hint = hint or Hint(None, None)
+    hint = hint or Hint([], None)
     failures = 0
     while True:
         await hint.arm()

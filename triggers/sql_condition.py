@@ -16,7 +16,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from triggers.identity import DedupableTrigger
 from triggers.pg import shared_pool, target_for
-from triggers.polling import listening, poll_until
+from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 STATEMENT_TIMEOUT = 60.0
 
@@ -32,6 +32,8 @@ async def sql_condition(conn: asyncpg.Connection | asyncpg.Pool, sql: str, param
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
+    # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
+    execution_merge = {"notify_channel": "union"}
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("sql", "parameters", "failure_sql", "failure_parameters")
 
@@ -44,13 +46,13 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
         failure_sql: str | None = None,
         failure_parameters: Sequence[Any] = (),
         poll_interval: float = 60.0,
-        notify_channel: str | None = None,
+        notify_channel: str | Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.conn_id, self.sql, self.failure_sql = conn_id, sql, failure_sql
         self.parameters, self.failure_parameters = list(parameters), list(failure_parameters)
         self.poll_interval = float(poll_interval)
-        self.notify_channel = notify_channel
+        self.notify_channel = one_or_many(channel_names(notify_channel))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return ("triggers.sql_condition.SqlConditionTrigger", {

@@ -1,8 +1,9 @@
 """Waiting for ETL loads recorded in a load-status table (``table_name``, ``status``, timestamp).
 
-One parameterised query per check covers all required tables: the latest row of each. The tables are
-loaded when every latest status is SUCCESS (newer than ``since`` when given); a latest FAILED fails the
-wait; a latest START (mid-load) or a missing row keeps waiting. The same check serves the trigger (on a
+One parameterised query per check covers all required tables: the latest row of each. With ``since``,
+a latest row at or before ``since`` counts as no row at all, whatever its status. Then: the tables are
+loaded when every latest status is SUCCESS; a latest FAILED fails the wait; a latest START (mid-load) or
+a missing row keeps waiting. The same check serves the trigger (on a
 shared pool) and the sensor's worker-side check (on a short-lived connection).
 
 Identifiers (status table, columns) cannot be query parameters: they are validated against a strict
@@ -22,7 +23,7 @@ from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 
 from triggers.identity import DedupableTrigger
 from triggers.pg import shared_pool, target_for
-from triggers.polling import listening, poll_until
+from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 SUCCESS, START, FAILED = "SUCCESS", "START", "FAILED"
@@ -93,7 +94,9 @@ def evaluate(rows: Sequence[Any], required: Sequence[str], since: dt.datetime | 
     state = LoadState(status="waiting")
     for table in required:
         row = latest.get(table)
-        if row is None or (row["status"] == SUCCESS and since is not None and _aware(row["at"]) <= since):
+        if row is None or (since is not None and _aware(row["at"]) <= since):
+            # only loads newer than ``since`` count, whatever their status: yesterday's unfixed FAILED
+            # load must not fail today's wait
             state.missing.append(table)
         elif row["status"] == FAILED:
             state.failed.append(table)
@@ -152,6 +155,8 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     # end_from_trigger is identity: members of one group must agree on whether the wait ends here
     identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
                        "time_column", "since", "end_from_trigger")
+    # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
+    execution_merge = {"notify_channel": "union"}
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("required_tables", "since")
 
@@ -166,7 +171,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         time_column: str = "created_dttm",
         since: str | None = None,
         poll_interval: float = 60.0,
-        notify_channel: str | None = None,
+        notify_channel: str | Sequence[str] | None = None,
         end_from_trigger: bool = False,
     ) -> None:
         super().__init__()
@@ -177,7 +182,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         self.spec = StatusTable(status_table, table_column, status_column, time_column)
         self.since = _normalized_since(since)
         self.poll_interval = float(poll_interval)
-        self.notify_channel = notify_channel
+        self.notify_channel = one_or_many(channel_names(notify_channel))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (

@@ -98,6 +98,18 @@ def _create_run(dag_id: str, session: Any) -> tuple[str, list[str]]:
     return run.run_id, [str(i) for i in ti_ids]
 
 
+def _as_serialized(classpath: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What a worker stores: ``trigger.serialize()`` of the trigger built from the kwargs (our triggers add
+    their identity there); kwargs as given when the class cannot be imported (tests of broken triggers)."""
+    from airflow._shared.module_loading import import_string
+
+    try:
+        trigger_class = import_string(classpath)
+    except ImportError:
+        return lambda kwargs: kwargs
+    return lambda kwargs: trigger_class(**kwargs).serialize()[1]
+
+
 def _defer(
     ti_ids: Sequence[str], classpath: str, kwargs_for: KwargsFor, timeout: dt.timedelta | None, session: Any
 ) -> list[int]:
@@ -108,10 +120,11 @@ def _defer(
     from airflow.utils.state import TaskInstanceState
     from sqlalchemy import update
 
+    serialized = _as_serialized(classpath)
     rows = []
     for index in range(len(ti_ids)):
         row = Trigger(classpath=classpath, kwargs={})
-        row.encrypted_kwargs = json.dumps(serialize(kwargs_for(index)))
+        row.encrypted_kwargs = json.dumps(serialize(serialized(kwargs_for(index))))
         rows.append(row)
     session.add_all(rows)
     session.flush()

@@ -39,4 +39,4 @@ def ti_states(dsn: str, dag_id: str) -> dict[int, str]:
 def lease_owners(dsn: str) -> dict[int, int | None]:
     return {r[0]: r[1] for r in rows(
         dsn, "SELECT shard, CASE WHEN expires_at > now() THEN owner_job_id END "
-             "FROM smart_triggerer.shard_lease ORDER BY shard")}
+             "FROM smart_triggerer.shard_lease WHERE queues = '' ORDER BY shard")}

@@ -44,12 +44,24 @@ def test_leave_unknown_member_is_a_no_op() -> None:
     assert Groups().leave(99) is None
 
 
-def test_starting_an_empty_group_is_refused() -> None:
+def test_an_empty_group_does_not_start() -> None:
     groups = Groups()
     group = groups.join(1, 42)
     groups.leave(1)
-    with pytest.raises(ValueError, match="empty"):
-        groups.start(group)
+    assert groups.start(group) is None and group.runner_id is None
+
+
+def test_a_leader_that_cannot_start_passes_leadership_on() -> None:
+    groups = Groups()
+    for trigger_id in (3, 5):
+        group = groups.join(trigger_id, 42)
+    assert groups.start(group) == 3
+    group.unstartable.add(3)  # its task was cleared between load and start
+    groups.stop_runner(group)
+    assert groups.start(group) == 5
+    group.unstartable.add(5)
+    groups.stop_runner(group)
+    assert groups.start(group) is None
 
 
 def test_stop_runner_keeps_members_waiting() -> None:
@@ -64,15 +76,33 @@ def test_stop_runner_keeps_members_waiting() -> None:
 
 def test_group_settings_are_the_most_demanding_of_its_members() -> None:
     groups = Groups()
-    group = groups.join(1, 42, {"poll_interval": 30.0})
-    groups.join(2, 42, {"poll_interval": 60.0})
+    group = groups.join(1, 42, {"poll_interval": ("min", 30.0)})
+    groups.join(2, 42, {"poll_interval": ("min", 60.0)})
     assert group.settings == {"poll_interval": 30.0}
     groups.start(group)
     assert not group.stricter_than_running()
-    groups.join(3, 42, {"poll_interval": 5.0})
+    groups.join(3, 42, {"poll_interval": ("min", 5.0)})
     assert group.stricter_than_running()
     assert groups.restart(group, runner=3) == 3
     assert group.running_settings == {"poll_interval": 5.0} and groups.runner_ids() == {3}
+    assert not group.stricter_than_running()
+
+
+def test_a_push_member_joining_a_poll_only_group_restarts_it_listening() -> None:
+    """Issue 11.1: a NOTIFY channel of one member must never be dropped because another member polls."""
+    groups = Groups()
+    group = groups.join(1, 42, {"poll_interval": ("min", 300.0), "notify_channel": ("union", None)})
+    groups.start(group)
+    assert group.settings["notify_channel"] is None
+    groups.join(2, 42, {"poll_interval": ("min", 300.0), "notify_channel": ("union", "loads")})
+    assert group.settings == {"poll_interval": 300.0, "notify_channel": ["loads"]}
+    assert group.stricter_than_running()
+    groups.restart(group, runner=2)
+    groups.join(3, 42, {"poll_interval": ("min", 300.0), "notify_channel": ("union", "other")})
+    assert group.settings["notify_channel"] == ["loads", "other"]
+    assert group.stricter_than_running()
+    groups.join(4, 42, {"poll_interval": ("min", 300.0), "notify_channel": ("union", None)})
+    groups.restart(group, runner=3)
     assert not group.stricter_than_running()
 
 

@@ -15,7 +15,8 @@ from triggers.identity import (
     IdentityPolicy,
     canonical_json,
     identity_hash,
-    merge_most_demanding,
+    IDENTITY_KWARG,
+    merge_values,
     shard_of,
 )
 
@@ -102,49 +103,88 @@ def test_hash_is_signed_64_bit_and_shards_are_non_negative() -> None:
 
 class Declared(DedupableTrigger):
     identity_kwargs = ("table",)
+    execution_merge = {"channel": "union"}
+
+    def __init__(self, table: str, poll_interval: float = 5, channel: str | list[str] | None = None,
+                 mode: str = "a") -> None:
+        self.table, self.poll_interval, self.channel, self.mode = table, poll_interval, channel, mode
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return "x.Declared", {"table": self.table, "poll_interval": self.poll_interval,
+                              "channel": self.channel, "mode": self.mode}
+
+
+POLICY = IdentityPolicy.with_extra([])
+
+
+def declared(**kwargs: Any) -> dict[str, Any]:
+    return Declared(**kwargs).serialize()[1]
+
+
+def test_serialized_kwargs_carry_the_identity_and_the_class_drops_it_again() -> None:
+    kwargs = declared(table="t1", channel="loads")
+    assert kwargs[IDENTITY_KWARG] == {"v": 1, "identity": ["table"], "merge": {"channel": "union"}}
+    rebuilt = Declared(**kwargs)  # as Airflow's runner does: cls(**kwargs)
+    assert rebuilt.table == "t1" and rebuilt.serialize()[1] == kwargs
 
 
 def test_policy_uses_declared_identity_only() -> None:
-    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: Declared)
-    a = policy.identity("x.Declared", {"table": "t1", "poll_interval": 5}, trigger_id=1)
-    b = policy.identity("x.Declared", {"table": "t1", "poll_interval": 60}, trigger_id=2)
-    c = policy.identity("x.Declared", {"table": "t2", "poll_interval": 5}, trigger_id=3)
+    a = POLICY.identity("x.Declared", declared(table="t1", poll_interval=5), trigger_id=1)
+    b = POLICY.identity("x.Declared", declared(table="t1", poll_interval=60, channel="c"), trigger_id=2)
+    c = POLICY.identity("x.Declared", declared(table="t2", poll_interval=5), trigger_id=3)
     assert a == b and a.dedupable
     assert a != c
+    assert dict(b.execution) == {"poll_interval": ("min", 60), "channel": ("union", "c")}
+
+
+def test_undeclared_non_numeric_execution_kwargs_split_the_group() -> None:
+    a = POLICY.identity("x.Declared", declared(table="t1", mode="a"), 1)
+    b = POLICY.identity("x.Declared", declared(table="t1", mode="b"), 2)
+    assert a.dedupable and b.dedupable and a != b
+
+
+def test_identity_is_computed_without_importing_the_trigger_class() -> None:
+    """The supervisor holds the metadata DB: it must never import DAG authors' trigger code."""
+    kwargs = {"table": "t", "poll_interval": 3,
+              IDENTITY_KWARG: {"v": 1, "identity": ["table"], "merge": {}}}
+    identity = POLICY.identity("no_such_module.NeverImported", kwargs, 1)
+    assert identity.dedupable
+    assert "no_such_module" not in sys.modules
 
 
 def test_policy_allow_list_makes_all_kwargs_identity() -> None:
-    policy = IdentityPolicy.with_extra(["my.State"], resolve_class=lambda cp: object)
+    policy = IdentityPolicy.with_extra(["my.State"])
     assert policy.identity("my.State", {"a": 1}, 1) == policy.identity("my.State", {"a": 1}, 2)
     assert policy.identity("my.State", {"a": 1}, 1) != policy.identity("my.State", {"a": 2}, 2)
     assert "airflow.providers.standard.triggers.temporal.DateTimeTrigger" in BUILTIN_DEDUP_CLASSPATHS
 
 
-def test_undeclared_or_unimportable_triggers_run_alone() -> None:
-    def fail(cp: str) -> type:
-        raise ImportError(cp)
-
-    policy = IdentityPolicy.with_extra([], resolve_class=fail)
-    a = policy.identity("gone.Trigger", {"a": 1}, 1)
-    b = policy.identity("gone.Trigger", {"a": 1}, 2)
+def test_triggers_without_a_marker_run_alone() -> None:
+    a = POLICY.identity("gone.Trigger", {"a": 1}, 1)
+    b = POLICY.identity("gone.Trigger", {"a": 1}, 2)
     assert not a.dedupable and a != b
-    undeclared = IdentityPolicy.with_extra([], resolve_class=lambda cp: object)
-    assert not undeclared.identity("x.Queue", {"a": 1}, 1).dedupable
 
 
 def test_declared_kwarg_missing_from_serialize_is_an_error() -> None:
-    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: Declared)
+    kwargs = {"poll_interval": 5, IDENTITY_KWARG: {"v": 1, "identity": ["table"], "merge": {}}}
     with pytest.raises(IdentityError, match="table"):
-        policy.identity("x.Declared", {"poll_interval": 5}, 1)
+        POLICY.identity("x.Declared", kwargs, 1)
+    with pytest.raises(IdentityError, match="malformed"):
+        POLICY.identity("x.Declared", {IDENTITY_KWARG: {"identity": "table"}}, 1)
 
 
-def test_merge_picks_most_demanding_settings() -> None:
-    merged = merge_most_demanding([{"poll_interval": 30, "mode": "a"}, {"poll_interval": 5.0, "mode": "b"}])
-    assert merged == {"poll_interval": 5.0, "mode": "a"}
+def test_merge_rules() -> None:
+    assert merge_values("min", [30, 5.0, None]) == 5.0
+    assert merge_values("max", [30, 5.0]) == 30
+    assert merge_values("union", [None, "b", ["a", "b"]]) == ["a", "b"]
+    assert merge_values("union", [None, None]) is None
+    assert merge_values("any", [False, True]) is True
+    with pytest.raises(TypeError, match="unknown rule"):
+        type("Bad", (DedupableTrigger,), {"identity_kwargs": ("a",), "execution_merge": {"b": "first"}})
 
 
 def test_unrendered_templates_are_never_deduplicated() -> None:
-    policy = IdentityPolicy.with_extra(["my.State"], resolve_class=lambda cp: object)
+    policy = IdentityPolicy.with_extra(["my.State"])
     kwargs = {"target_time": "{{ data_interval_end }}", "end_from_trigger": False}
     a, b = policy.identity("my.State", kwargs, 1), policy.identity("my.State", kwargs, 2)
     assert not a.dedupable and a != b
@@ -152,47 +192,27 @@ def test_unrendered_templates_are_never_deduplicated() -> None:
 
 
 def test_allow_listed_constructor_variants_share_one_identity() -> None:
-    from airflow.providers.standard.triggers.temporal import DateTimeTrigger
     from airflow.sdk import timezone
 
     classpath = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
-    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: DateTimeTrigger)
     moment = timezone.parse("2026-11-22T10:00:00+00:00")
-    by_moment = policy.identity(classpath, {"moment": moment, "end_from_trigger": False}, 1)
-    by_string = policy.identity(classpath, {"target_time": "2026-11-22T10:00:00+00:00",
+    by_moment = POLICY.identity(classpath, {"moment": moment, "end_from_trigger": False}, 1)
+    by_string = POLICY.identity(classpath, {"target_time": "2026-11-22T10:00:00+00:00",
                                             "end_from_trigger": False}, 2)
     assert by_moment == by_string and by_moment.dedupable
 
 
-def test_shared_stream_triggers_are_placed_together_but_not_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from collections.abc import AsyncIterator, Hashable
-
-    from airflow.triggers.base import BaseEventTrigger, TriggerEvent
-
+def test_shared_stream_triggers_are_placed_together_but_not_grouped() -> None:
+    from dataset_bridge.status_table import TableStatusTrigger
     from triggerer.config import Settings
-    from triggerer.identities import _shared_stream_identity
 
-    class Watcher(BaseEventTrigger):
-        def __init__(self, table: str, asset: str) -> None:
-            super().__init__()
-            self.table, self.asset = table, asset
+    def watcher(table_name: str, status_table: str = "meta.status") -> dict[str, Any]:
+        return TableStatusTrigger("wh", table_name, status_table=status_table).serialize()[1]
 
-        def serialize(self) -> tuple[str, dict[str, Any]]:
-            return ("x.Watcher", {"table": self.table, "asset": self.asset})
-
-        def shared_stream_key(self) -> Hashable:
-            return ("status-table", self.table)
-
-        async def run(self) -> AsyncIterator[TriggerEvent]:
-            yield TriggerEvent({})
-
-    from triggerer import identities
-
-    monkeypatch.setattr(identities, "_resolve_class", lambda cp: Watcher)
-    a = _shared_stream_identity("x.Watcher", {"table": "meta.status", "asset": "a"}, 1)
-    b = _shared_stream_identity("x.Watcher", {"table": "meta.status", "asset": "b"}, 2)
-    c = _shared_stream_identity("x.Watcher", {"table": "meta.other", "asset": "a"}, 3)
-    assert a is not None and b is not None and c is not None
+    classpath = "dataset_bridge.status_table.TableStatusTrigger"
+    a = POLICY.identity(classpath, watcher("dds.a"), 1)
+    b = POLICY.identity(classpath, watcher("dds.b"), 2)
+    c = POLICY.identity(classpath, watcher("dds.a", "meta.other"), 3)
     assert a == b and not a.dedupable  # same shard, separate coroutines sharing one stream
     assert a.shard(Settings().shards) == b.shard(Settings().shards)
     assert a != c

@@ -22,7 +22,7 @@ def test_bad_arguments_fail_at_parse_time_naming_them(kwargs: dict[str, Any], ar
 
 
 def test_identity_is_the_query_and_its_values_not_the_interval() -> None:
-    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: SqlConditionTrigger)
+    policy = IdentityPolicy.with_extra([])
     classpath, a = SqlConditionTrigger("wh", "SELECT $1", parameters=[1], poll_interval=5).serialize()
     b = SqlConditionTrigger("wh", "SELECT $1", parameters=[1], poll_interval=500).serialize()[1]
     c = SqlConditionTrigger("wh", "SELECT $1", parameters=[2]).serialize()[1]

@@ -41,6 +41,25 @@ def test_success_older_than_since_does_not_count() -> None:
     assert evaluate([row("a", "SUCCESS", 6)], ["a"], since).status == "success"
 
 
+def test_only_loads_newer_than_since_count_whatever_their_status() -> None:
+    """Issue 11.2: yesterday's unfixed FAILED load must not fail today's wait."""
+    since = T0 + dt.timedelta(minutes=5)
+    old_failure = evaluate([row("a", "FAILED", 1)], ["a"], since)
+    assert old_failure.status == "waiting" and old_failure.missing == ["a"]
+    assert evaluate([row("a", "START", 1)], ["a"], since).missing == ["a"]
+    assert evaluate([row("a", "FAILED", 6)], ["a"], since).status == "failed"
+    assert evaluate([row("a", "FAILED", 6)], ["a"], None).status == "failed"
+
+
+def test_a_group_listens_on_every_channel_of_its_members() -> None:
+    single = TableLoadTrigger("wh", ["a"], notify_channel="loads")
+    merged = TableLoadTrigger("wh", ["a"], notify_channel=["loads", "etl", "loads"])
+    assert single.serialize()[1]["notify_channel"] == "loads"
+    assert merged.serialize()[1]["notify_channel"] == ["etl", "loads"]
+    with pytest.raises(ValueError, match="notify_channel"):
+        TableLoadTrigger("wh", ["a"], notify_channel=["ok", "bad; NOTIFY"])
+
+
 @pytest.mark.parametrize(
     ("argument", "value"),
     [("status_table", "meta.t; DROP TABLE x"), ("status_table", "a.b.c"), ("table_column", "name)"),
@@ -76,7 +95,7 @@ def test_trigger_serializes_and_identity_ignores_order_and_poll_interval() -> No
     assert classpath == "triggers.table_load.TableLoadTrigger"
     assert kwargs["required_tables"] == ["a", "b"]
     assert TableLoadTrigger(**kwargs).serialize() == (classpath, kwargs)
-    policy = IdentityPolicy.with_extra([], resolve_class=lambda cp: TableLoadTrigger)
+    policy = IdentityPolicy.with_extra([])
     assert policy.identity(classpath, kwargs, 1) == policy.identity(classpath, b.serialize()[1], 2)
     other = TableLoadTrigger("wh", ["a", "c"]).serialize()[1]
     assert policy.identity(classpath, kwargs, 1) != policy.identity(classpath, other, 3)

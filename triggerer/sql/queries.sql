@@ -19,10 +19,10 @@ SELECT value FROM smart_triggerer.setting WHERE key = :key;
 INSERT INTO smart_triggerer.setting (key, value) VALUES (:key, :value) ON CONFLICT (key) DO NOTHING;
 
 -- name: create_shards
--- One lease row per virtual shard.
-INSERT INTO smart_triggerer.shard_lease (shard)
-SELECT generate_series(0, :shards - 1)
-ON CONFLICT (shard) DO NOTHING;
+-- One lease row per virtual shard of a queue set's shard space.
+INSERT INTO smart_triggerer.shard_lease (queues, shard)
+SELECT :queues, generate_series(0, :shards - 1)
+ON CONFLICT (queues, shard) DO NOTHING;
 
 -- name: register_instance
 -- Joins the membership (a restarted job id starts afresh).
@@ -46,20 +46,44 @@ SELECT job_id, capacity FROM smart_triggerer.instance
 WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds)
   AND coalesce(queues, '') = coalesce(:queues, '');
 
+-- name: live_queue_sets
+-- The --queues sets of live instances ('' for none).
+SELECT DISTINCT coalesce(queues, '') FROM smart_triggerer.instance
+WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
+
 -- name: claim_shards
--- Renews the leases this instance holds among :shards and takes those that are free or expired.
-UPDATE smart_triggerer.shard_lease
-SET owner_job_id = :job_id, expires_at = now() + make_interval(secs => :lease_seconds),
-    acquired_at = CASE WHEN owner_job_id = :job_id THEN acquired_at ELSE now() END
-WHERE shard = ANY(:shards)
-  AND (owner_job_id = :job_id OR owner_job_id IS NULL OR expires_at < now())
-RETURNING shard;
+-- Renews the leases this instance holds among :shards and takes those that are free or expired, locking
+-- them in shard order (as fence_shards does) so two instances never deadlock. Database clock only.
+WITH candidates AS (
+    SELECT shard FROM smart_triggerer.shard_lease
+    WHERE queues = :queues AND shard = ANY(:shards)
+      AND (owner_job_id = :job_id OR owner_job_id IS NULL OR expires_at < clock_timestamp())
+    ORDER BY shard
+    FOR UPDATE
+)
+UPDATE smart_triggerer.shard_lease AS l
+SET owner_job_id = :job_id, expires_at = clock_timestamp() + make_interval(secs => :lease_seconds),
+    acquired_at = CASE WHEN l.owner_job_id = :job_id THEN l.acquired_at ELSE clock_timestamp() END
+FROM candidates c
+WHERE l.queues = :queues AND l.shard = c.shard
+RETURNING l.shard;
+
+-- name: fence_shards
+-- The shards among :shards whose lease this instance still holds by the database clock, share-locked
+-- until the transaction ends: every write for a member runs after this in the same transaction, so a
+-- process paused past its lease can never write for a shard another instance took over (the taker's
+-- claim waits for this transaction, then finds the lease expired).
+SELECT shard FROM smart_triggerer.shard_lease
+WHERE queues = :queues AND shard = ANY(:shards) AND owner_job_id = :job_id
+  AND expires_at > clock_timestamp()
+ORDER BY shard
+FOR SHARE;
 
 -- name: release_shards
 -- Gives up leases at once (handover, graceful stop) so the next owner need not wait for expiry.
 UPDATE smart_triggerer.shard_lease
 SET owner_job_id = NULL, expires_at = NULL
-WHERE owner_job_id = :job_id AND shard = ANY(:shards);
+WHERE owner_job_id = :job_id AND queues = :queues AND shard = ANY(:shards);
 
 -- name: stop_instance
 -- Leaves the membership and releases every lease (graceful stop).
@@ -86,23 +110,34 @@ INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, shard, 
 VALUES (:trigger_id, :identity_hash, :shard, :dedupable, CAST(:execution AS jsonb), :error)
 ON CONFLICT (trigger_id) DO NOTHING;
 
+-- name: snapshot_xmin
+-- Every transaction with a lower id had ended when this ran: the next incremental read starts here.
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
+
 -- name: waiting_triggers
--- Triggers of the given shards that something still waits on (a deferred task, an asset, a callback).
-SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, t.created_date,
+-- Triggers of the given shards and queues that something still waits on (a deferred task, an asset, a
+-- callback); with :after_xid only those whose identity was stored by a transaction at or after it.
+-- hold_left: seconds until a member is old enough to resume (database clock; identities are stored
+-- after the deferral committed, so this never releases early).
+SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution,
+       greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
        EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task
 FROM smart_triggerer.trigger_identity i
 JOIN trigger t ON t.id = i.trigger_id
-WHERE i.shard = ANY(:shards) AND i.error IS NULL AND i.trigger_id > :after_id
+WHERE i.shard = ANY(:shards) AND i.error IS NULL AND i.xid >= CAST(:after_xid AS xid8)
+  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
   AND (EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
        OR EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
        OR EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
 
 -- name: failed_identities
 -- Triggers whose identity could not be computed (undecryptable kwargs) and whose tasks still wait.
-SELECT i.trigger_id, i.error
+SELECT i.trigger_id, i.shard, i.error
 FROM smart_triggerer.trigger_identity i
+JOIN trigger t ON t.id = i.trigger_id
 JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
-WHERE i.error IS NOT NULL AND i.shard = ANY(:shards);
+WHERE i.error IS NOT NULL AND i.shard = ANY(:shards)
+  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]));
 
 -- name: claim_triggers
 -- Marks the triggers this instance runs as its own (the UI and trigger-log paths read triggerer_id).
@@ -144,12 +179,23 @@ SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwar
 WHERE id = ANY(CAST(:ids AS uuid[]));
 
 -- name: timeout_members
--- Times out deferred members of this instance's shards one by one, exactly as the scheduler does.
-UPDATE task_instance
+-- Times out deferred members of these (fenced) shards one by one, exactly as the scheduler does; rows
+-- locked in id order like every other writer of ours, rows someone else holds are left to the next loop.
+WITH due AS (
+    SELECT ti.id FROM task_instance ti
+    JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id
+    JOIN trigger t ON t.id = ti.trigger_id
+    WHERE ti.state = 'deferred' AND ti.trigger_timeout < clock_timestamp() AND i.shard = ANY(:shards)
+      AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+    ORDER BY ti.id
+    FOR UPDATE OF ti SKIP LOCKED
+)
+UPDATE task_instance AS ti
 SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwargs AS jsonb),
     trigger_id = NULL, scheduled_dttm = now()
-WHERE state = 'deferred' AND trigger_timeout < now()
-  AND trigger_id IN (SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE shard = ANY(:shards));
+FROM due
+WHERE ti.id = due.id
+RETURNING ti.id;
 
 -- name: claim_asset_event_key
 -- Returns a row only for the first claimant; a concurrent claimant waits on the unique index until the
