@@ -148,9 +148,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self._db_step("failures", self.handle_failed_triggers)
         self._db_step("held events", self.release_held)
         self._db_step("heartbeat", self.heartbeat)
-        self.pending_since = (self.pending_since or time.monotonic()) if self.events else None
+        self._track_pending()
         self.emit_metrics()
         self.publish_snapshot()
+
+    def _track_pending(self) -> None:
+        """Since when events have waited to be stored (/health fails once that exceeds a lease)."""
+        self.pending_since = (self.pending_since or time.monotonic()) if self.events else None
 
     def _db_step(self, name: str, step: Callable[[], None]) -> None:
         """A database outage must not stop the service: log once, keep looping, recover by itself."""

@@ -100,14 +100,22 @@ def _create_run(dag_id: str, session: Any) -> tuple[str, list[str]]:
 
 def _as_serialized(classpath: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """What a worker stores: ``trigger.serialize()`` of the trigger built from the kwargs (our triggers add
-    their identity there); kwargs as given when the class cannot be imported (tests of broken triggers)."""
+    their identity there); kwargs as given when the class cannot be imported or refuses them."""
     from airflow._shared.module_loading import import_string
 
     try:
         trigger_class = import_string(classpath)
     except ImportError:
         return lambda kwargs: kwargs
-    return lambda kwargs: trigger_class(**kwargs).serialize()[1]
+
+    def serialized(kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            result: dict[str, Any] = trigger_class(**kwargs).serialize()[1]
+        except Exception:  # kwargs the class would refuse: stored as given (tests of bad input)
+            return kwargs
+        return result
+
+    return serialized
 
 
 def _defer(

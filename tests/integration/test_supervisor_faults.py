@@ -1,0 +1,312 @@
+"""The supervisor's fault paths, driven step by step in this process against a real PostgreSQL.
+
+No runner subprocess: the test plays the runner's part (events, failures) and calls the supervisor's
+loop steps itself, so each fault happens at an exact point. What is asserted is what the database holds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg2
+import pytest
+import structlog
+
+from tests.helpers.airflow_orm import use_airflow_db
+from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.waiting import rows, ti_states
+from triggerer.config import Settings
+from triggerer.devstack import AirflowConfig
+from triggerer.health import is_healthy
+
+AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
+LATER = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)).isoformat()
+
+
+def _job_id() -> int:
+    from airflow.jobs.job import Job
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        job = Job(job_type="TriggererJob")
+        session.add(job)
+        session.flush()
+        return int(job.id)
+
+
+def make_supervisor(**settings: Any) -> Any:
+    from airflow.jobs.job import Job
+    from airflow.utils.session import create_session
+
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    class InProcess(SmartTriggerRunnerSupervisor):
+        def is_alive(self) -> bool:
+            return True  # the test plays the runner
+
+    job_id = _job_id()
+    with create_session() as session:
+        job = session.get(Job, job_id)
+        session.expunge(job)
+    left, _right = socket.socketpair()
+    supervisor = InProcess(
+        id=job_id, pid=0, stdin=left, process=None, process_log=structlog.get_logger(), job=job,
+        capacity=100, settings=Settings(**{"shards": 4, "lease_seconds": 6.0, "resume_hold_seconds": 0,
+                                           **settings}),
+    )
+    supervisor.register()
+    return supervisor
+
+
+def load(supervisor: Any) -> None:
+    """One load step without starting coroutines (the test plays the runner)."""
+    supervisor.loops += 1
+    supervisor._renew_leases()
+    supervisor._hash_new_triggers()
+    supervisor._load_waiters()
+
+
+def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None) -> Any:
+    from airflow.jobs.triggerer_job_runner import TriggerEventEntry
+    from airflow.triggers.base import TriggerEvent
+
+    return TriggerEventEntry(trigger_id=trigger_id, event=TriggerEvent(payload), persist_seq=seq)
+
+
+def next_kwargs(dsn: str, dag_id: str) -> dict[int, Any]:
+    return {r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
+            for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)}
+
+
+@pytest.fixture
+def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
+    use_airflow_db(airflow_config.database_dsn)
+    yield airflow_config
+
+
+def seed(config: AirflowConfig, count: int, moment: str = LATER, **kw: Any) -> Seeded:
+    return seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
+                         kwargs_for=lambda i: {"moment": moment}, **kw)
+
+
+def runner_of(supervisor: Any, seeded: Seeded) -> int:
+    group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[seeded.trigger_ids[0]]]
+    supervisor.groups.start(group)
+    assert group.runner_id is not None
+    return int(group.runner_id)
+
+
+def test_an_event_of_a_group_no_longer_run_is_neither_stored_nor_acknowledged(env: AirflowConfig) -> None:
+    """Issue 11.3: acknowledging it would let a status-table watermark pass a row with no asset event."""
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor._drop_shards(set(supervisor.owned))  # handed over in the same loop as the event
+    supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=7))
+    supervisor.handle_events()
+    assert list(supervisor.persisted_event_seqs) == []
+    assert not supervisor.events
+    assert set(ti_states(env.database_dsn, seeded.dag_id).values()) == {"deferred"}
+
+
+def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
+    """Issue 11.7: another instance took the shard while this one was paused; its event must not land."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 3)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    # the pause: the lease expired and another instance (job 999) owns the shard now
+    rows(dsn, "UPDATE smart_triggerer.shard_lease SET owner_job_id = 999, "
+              "expires_at = now() + interval '1 minute' RETURNING 1")
+    supervisor.events.append(event_entry(runner, {"moment": LATER}))
+    supervisor.handle_events()
+    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() - interval '1 second' WHERE dag_id = %s "
+              "RETURNING 1", seeded.dag_id)
+    supervisor._timeout_members()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
+    assert supervisor.resumed_total == 0
+
+
+def test_an_expired_lease_of_its_own_is_no_licence_either(env: AirflowConfig) -> None:
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    rows(dsn, "UPDATE smart_triggerer.shard_lease SET expires_at = now() - interval '1 second' RETURNING 1")
+    supervisor.events.append(event_entry(runner, {"moment": LATER}))
+    supervisor.handle_events()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
+
+
+def test_a_poison_event_fails_its_own_members_and_the_others_resume(env: AirflowConfig) -> None:
+    """Issue 11.5: a payload PostgreSQL refuses (\\u0000 in jsonb) must not stall the instance."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor(max_resumes_per_transaction=3)
+    other = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=3)).isoformat()
+    poisoned = seed(env, 2)
+    healthy = seed(env, 7, moment=other)
+    load(supervisor)
+    bad_runner, good_runner = runner_of(supervisor, poisoned), runner_of(supervisor, healthy)
+    supervisor.events.append(event_entry(bad_runner, {"moment": "\u0000"}))
+    supervisor.events.append(event_entry(good_runner, {"moment": other}))
+    supervisor.handle_events()
+    assert not supervisor.events
+    assert set(ti_states(dsn, healthy.dag_id).values()) == {"scheduled"}
+    assert all(v["event"]["moment"] == other for v in next_kwargs(dsn, healthy.dag_id).values())
+    assert set(ti_states(dsn, poisoned.dag_id).values()) == {"scheduled"}
+    for value in next_kwargs(dsn, poisoned.dag_id).values():
+        assert value["error"] == "Trigger failure"
+        assert "could not be stored" in "".join(value["traceback"])
+    assert supervisor.failures_total == 2 and supervisor.resumed_total == 7
+
+
+def test_events_stuck_behind_an_outage_make_health_fail(env: AirflowConfig) -> None:
+    dsn = env.database_dsn
+    supervisor = make_supervisor(lease_seconds=3.0)
+    seeded = seed(env, 1)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor.events.append(event_entry(runner, {"moment": LATER}))
+    dbname = dsn.rsplit("/", 1)[1]
+    admin = dsn.rsplit("/", 1)[0] + "/postgres"
+    rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false; SELECT 1')
+    rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", dbname)
+    try:
+        supervisor._db_step("events", supervisor.handle_events)
+        supervisor._track_pending()
+        assert len(supervisor.events) == 1
+        time.sleep(3.2)
+        supervisor.last_renewal = time.monotonic()  # leases aside: the stuck event alone must fail health
+        assert not is_healthy(supervisor.snapshot(), 3.0)
+    finally:
+        rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
+    load(supervisor)
+    supervisor._db_step("events", supervisor.handle_events)
+    supervisor._track_pending()
+    assert is_healthy(supervisor.snapshot(), 3.0)
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+
+
+def test_a_leader_that_cannot_start_hands_the_group_to_another_member(env: AirflowConfig) -> None:
+    """Issue 11.4: the leader's task was cleared between load and start."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 3)
+    load(supervisor)
+    leader = min(seeded.trigger_ids)
+    rows(dsn, "UPDATE task_instance SET state = NULL, trigger_id = NULL WHERE trigger_id = %s RETURNING 1",
+         leader)
+    supervisor._start_groups()
+    group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[seeded.trigger_ids[1]]]
+    assert group.runner_id == sorted(seeded.trigger_ids)[1]
+    assert [w.id for w in supervisor.creating_triggers] == [group.runner_id]
+
+
+def test_a_late_commit_with_a_lower_id_is_not_skipped(env: AirflowConfig) -> None:
+    """Issue 11.10: incremental loads read by transaction id, not by ``trigger_id > max_seen``."""
+    from triggerer.identities import compute_identities
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor(reconcile_every=1000)
+    early = seed(env, 2)
+    late = seed(env, 2, moment=(dt.datetime.now(dt.UTC) + dt.timedelta(hours=4)).isoformat())
+    assert max(early.trigger_ids) < min(late.trigger_ids)
+    other = psycopg2.connect(dsn)  # another instance hashing the early rows, committing late
+    try:
+        cur = other.cursor()
+        cur.execute("SELECT id, classpath, kwargs FROM trigger WHERE id = ANY(%s) FOR UPDATE",
+                    (early.trigger_ids,))
+        for identity in compute_identities(cur.fetchall(), supervisor.settings):
+            cur.execute("INSERT INTO smart_triggerer.trigger_identity "
+                        "(trigger_id, identity_hash, shard, dedupable, execution) VALUES (%s, %s, %s, %s, %s)",
+                        (identity.trigger_id, identity.identity_hash, identity.shard, identity.dedupable,
+                         json.dumps(identity.execution)))
+        load(supervisor)
+        assert set(supervisor.member_info) == set(late.trigger_ids)
+        other.commit()
+    finally:
+        other.close()
+    load(supervisor)
+    assert set(supervisor.member_info) == set(early.trigger_ids) | set(late.trigger_ids)
+
+
+def test_the_resume_hold_uses_the_database_clock(env: AirflowConfig) -> None:
+    """Issue 11.10: an API server whose clock runs an hour ahead must not hold events for an hour."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor(resume_hold_seconds=5.0)
+    seeded = seed(env, 2)
+    rows(dsn, "UPDATE trigger SET created_date = now() + interval '1 hour' WHERE id = ANY(%s) RETURNING 1",
+         seeded.trigger_ids)
+    load(supervisor)
+    holds = [supervisor.young_until[t] - time.monotonic() for t in seeded.trigger_ids]
+    assert all(0 < h <= 5.0 for h in holds), holds
+
+
+def test_young_task_members_of_a_mixed_group_are_held_then_resumed(env: AirflowConfig) -> None:
+    """Issue 11.10: task members of a group that also serves an asset watcher."""
+    from airflow.models.asset import AssetModel, AssetWatcherModel
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor(resume_hold_seconds=30.0)
+    seeded = seed(env, 2)
+    from tests.helpers.triggers import AtTimeTrigger
+
+    with create_session() as session:
+        asset = AssetModel(name="mixed", uri="test://mixed", group="asset")
+        session.add(asset)
+        row = Trigger.from_object(AtTimeTrigger(moment=LATER))
+        session.add(row)
+        session.flush()
+        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=row.id))
+        watcher = int(row.id)
+    load(supervisor)
+    group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[watcher]]
+    assert group.members == {watcher, *seeded.trigger_ids}
+    runner = runner_of(supervisor, seeded)
+    supervisor.events.append(event_entry(runner, {"moment": LATER}))
+    supervisor.handle_events()
+    assert group.members == {watcher}  # the watcher keeps the coroutine
+    assert set(supervisor.held) == set(seeded.trigger_ids)
+    for trigger_id in seeded.trigger_ids:
+        supervisor.held[trigger_id].release_at = 0.0
+    supervisor.release_held()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+
+
+def test_health_snapshot_never_reads_what_the_loop_mutates(env: AirflowConfig) -> None:
+    """Issue 11.10: /health used to iterate the group dicts while the loop changed them (500s)."""
+    supervisor = make_supervisor()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                supervisor.snapshot()
+            except BaseException as err:
+                errors.append(err)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        for i in range(20_000):
+            supervisor.groups.join(i, i % 50)
+            if i % 3 == 0:
+                supervisor.groups.leave(i - 1)
+            if i % 100 == 0:
+                supervisor.publish_snapshot()
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
