@@ -226,8 +226,8 @@ def test_a_late_commit_with_a_lower_id_is_not_skipped(env: AirflowConfig) -> Non
         cur.execute("SELECT id, classpath, kwargs FROM trigger WHERE id = ANY(%s) FOR UPDATE",
                     (early.trigger_ids,))
         for identity in compute_identities(cur.fetchall(), supervisor.settings):
-            cur.execute("INSERT INTO smart_triggerer.trigger_identity "
-                        "(trigger_id, identity_hash, shard, dedupable, execution) VALUES (%s, %s, %s, %s, %s)",
+            cur.execute("INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, "
+                        "shard, dedupable, execution) VALUES (%s, %s, %s, %s, %s)",
                         (identity.trigger_id, identity.identity_hash, identity.shard, identity.dedupable,
                          json.dumps(identity.execution)))
         load(supervisor)

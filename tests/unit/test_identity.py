@@ -10,12 +10,12 @@ import pytest
 
 from triggers.identity import (
     BUILTIN_DEDUP_CLASSPATHS,
+    IDENTITY_KWARG,
     DedupableTrigger,
     IdentityError,
     IdentityPolicy,
     canonical_json,
     identity_hash,
-    IDENTITY_KWARG,
     merge_values,
     shard_of,
 )

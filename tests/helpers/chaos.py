@@ -1,0 +1,1204 @@
+"""A Jepsen-style chaos run of the smart triggerer: workload, faults and checker in one place.
+
+``bench/chaos.py`` (10 minutes, thousands of waiters) and ``tests/e2e/test_chaos.py`` (a short seeded run)
+share this module, so the suite exercises the very checker the long run relies on.
+
+What runs: a private PostgreSQL (it must be restarted, so never the one ``SMART_TRIGGERER_DSN`` names), an
+Airflow metadata database with an audit trigger of ours on ``task_instance`` and ``asset_event``, a
+"warehouse" database (an ETL status table, a flags table), an HTTP condition source, and N ``smart-triggerer
+run`` instances. Seeded deferred waiters (``TableLoadTrigger`` push and pull, ``SqlConditionTrigger``,
+``PollTrigger``; 40% duplicates; some with a ``trigger_timeout`` due during the run) and status-table asset
+watchers wait while conditions flip, new status rows arrive and a seeded schedule of faults runs (SIGKILL,
+SIGSTOP past the lease, SIGTERM, a fourth instance joining and leaving, PostgreSQL restarts).
+
+What is checked, from the database alone: every waiter left DEFERRED exactly once (the audit trigger logs
+every transition with ``clock_timestamp()``), with its own event, or timed out no earlier than due; nothing
+failed; every SUCCESS status row made exactly one asset event; and no wait stalled longer than
+``lease + poll interval + 2 s`` after its condition held (condition times are written by the same
+PostgreSQL server, so one clock measures both ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+from aiohttp import web
+
+from triggerer.devstack import AirflowConfig, AirflowStack, Component, migrate
+from triggerer.pgserver import EmbeddedPostgres, create_database
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE, FLAG, HTTP = "table", "flag", "http"
+CLASSPATHS = {
+    TABLE: "triggers.table_load.TableLoadTrigger",
+    FLAG: "triggers.sql_condition.SqlConditionTrigger",
+    HTTP: "bench.triggers.PollTrigger",
+}
+STATUS_TABLE = "meta.detail_process_table_status"
+LOAD_CHANNEL, FLAG_CHANNEL, ASSET_CHANNEL = "table_loads", "flags", "status_rows"
+FLAG_SQL = "SELECT value FROM chaos.flags WHERE name = $1"
+FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "join", "leave", "pg_restart")
+ASSET_DAG = "chaos_assets"
+Log = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Profile and plan: everything random is drawn here, from random.Random(seed), before anything runs.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How big and how long; the seed makes the workload and the fault schedule reproducible."""
+
+    seed: int
+    minutes: float = 10.0
+    waiters: int = 2000
+    instances: int = 3
+    duplicates: float = 0.4
+    assets: int = 8
+    timeout_share: float = 0.06
+    wave_share: float = 0.25  # waiters seeded mid-run, while faults happen
+    shards: int = 16
+    lease_seconds: float = 6.0
+    polls: tuple[float, ...] = (2.0, 3.0, 5.0)
+    push_poll: float = 10.0  # push waiters poll rarely: NOTIFY wakes them
+    asset_poll: float = 3.0
+    gap: tuple[float, float] = (3.0, 8.0)  # quiet time between two faults
+    row_every: tuple[float, float] = (0.5, 2.0)  # new status rows for the asset watchers
+
+    @classmethod
+    def quick(cls, seed: int) -> Profile:
+        """The short profile: about two minutes end to end, at least one fault of each kind."""
+        return cls(seed=seed, minutes=1.0, waiters=300, assets=4, gap=(1.0, 2.5))
+
+    @property
+    def seconds(self) -> float:
+        return self.minutes * 60.0
+
+    def bound(self, poll_interval: float) -> float:
+        """The longest a wait may stall after its condition held (the issue's acceptance bound)."""
+        return self.lease_seconds + poll_interval + 2.0
+
+    @property
+    def margin(self) -> float:
+        """Planned distance between a condition and a deadline, so the expected outcome is unambiguous."""
+        return self.bound(max(*self.polls, self.push_poll)) + 3.0
+
+
+@dataclass
+class Identity:
+    """One distinct wait; ``flip_at`` is its planned condition time (seconds into the chaos phase)."""
+
+    kind: str
+    name: str  # the table (primary), flag or HTTP key whose flip makes the condition hold
+    tables: tuple[str, ...] = ()
+    flip_at: float = 0.0
+    earliest: float = 0.0  # constraints from members' deadlines (see _plan_timeouts)
+    latest: float = float("inf")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{'+'.join(self.tables) if self.tables else self.name}"
+
+
+@dataclass
+class Waiter:
+    """One seeded deferred task instance."""
+
+    index: int
+    identity: Identity
+    wave: int
+    poll_interval: float
+    push: bool
+    timeout_at: float | None = None  # seconds into the chaos phase
+    ti_id: str = ""
+    dag_id: str = ""
+    map_index: int = -1
+
+    def kwargs(self, http_url: str) -> dict[str, Any]:
+        ident = self.identity
+        if ident.kind == TABLE:
+            return {"conn_id": "warehouse", "required_tables": list(ident.tables), "status_table": STATUS_TABLE,
+                    "poll_interval": self.poll_interval, "notify_channel": LOAD_CHANNEL if self.push else None}
+        if ident.kind == FLAG:
+            return {"conn_id": "warehouse", "sql": FLAG_SQL, "parameters": [ident.name],
+                    "poll_interval": self.poll_interval, "notify_channel": FLAG_CHANNEL if self.push else None}
+        return {"url": http_url, "key": ident.name, "poll_interval": self.poll_interval}
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    kind: str
+    at: float
+    hold: float  # how long the fault lasts before its recovery
+    slot: str
+
+
+@dataclass
+class Plan:
+    profile: Profile
+    identities: list[Identity]
+    waiters: list[Waiter]
+    rows: list[tuple[float, str, str]]  # (at, table_name, status) for the asset watchers
+    faults: list[FaultPlan]
+    wave_at: float
+
+    def describe(self) -> str:
+        kinds = Counter(w.identity.kind for w in self.waiters)
+        timeouts = sum(1 for w in self.waiters if w.timeout_at is not None)
+        lines = [f"seed {self.profile.seed}: {len(self.waiters)} waiters on {len(self.identities)} identities "
+                 f"({dict(kinds)}), {timeouts} with a timeout, {len(self.rows)} status rows, "
+                 f"{len(self.faults)} faults, wave 2 at {self.wave_at:.0f}s",
+                 "fault schedule: " + ", ".join(f"{f.at:.0f}s {f.kind} {f.slot} ({f.hold:.1f}s)"
+                                                for f in self.faults)]
+        return "\n".join(lines)
+
+
+def make_plan(profile: Profile) -> Plan:
+    rng = random.Random(profile.seed)
+    total = profile.seconds
+    unique = max(3, round(profile.waiters * (1 - profile.duplicates)))
+    identities = _plan_identities(rng, unique, total)
+    waiters = _plan_waiters(rng, profile, identities)
+    _plan_timeouts(rng, profile, waiters)
+    for ident in identities:
+        ident.flip_at = min(max(ident.flip_at, ident.earliest), ident.latest, total)
+    return Plan(profile, identities, waiters, _plan_rows(rng, profile), _plan_faults(rng, profile),
+                wave_at=0.3 * total)
+
+
+def _plan_identities(rng: random.Random, unique: int, total: float) -> list[Identity]:
+    kinds = (TABLE, FLAG, HTTP)
+    identities = []
+    for i in range(unique):
+        kind = kinds[i % 3]
+        name = {TABLE: f"load.t{i:05d}", FLAG: f"f{i:05d}", HTTP: f"h{i:05d}"}[kind]
+        identities.append(Identity(kind, name, flip_at=rng.uniform(0.05, 0.9) * total))
+    primaries = [ident.name for ident in identities if ident.kind == TABLE]
+    for ident in identities:
+        if ident.kind == TABLE:
+            # a quarter wait for two tables: the condition is the later of two flips
+            other = rng.choice(primaries) if rng.random() < 0.25 else ident.name
+            ident.tables = tuple(sorted({ident.name, other}))
+    return identities
+
+
+def _plan_waiters(rng: random.Random, profile: Profile, identities: list[Identity]) -> list[Waiter]:
+    hot = identities[: max(1, len(identities) // 10)]
+    chosen = list(identities)  # every identity has at least one waiter
+    while len(chosen) < profile.waiters:
+        chosen.append(rng.choice(hot if rng.random() < 0.5 else identities))  # a few big groups
+    rng.shuffle(chosen)
+    waiters = []
+    for index, ident in enumerate(chosen):
+        push = ident.kind != HTTP and rng.random() < 0.5
+        poll = profile.push_poll if push else rng.choice(profile.polls)
+        wave = 1 if rng.random() < profile.wave_share else 0
+        waiters.append(Waiter(index, ident, wave, poll, push))
+    return waiters
+
+
+def _plan_timeouts(rng: random.Random, profile: Profile, waiters: list[Waiter]) -> None:
+    """Some first-wave waiters get a deadline: most expire (their condition flips well after it), some
+    beat it (their condition flips well before). Groups then mix members that time out and members that
+    resume."""
+    total, margin = profile.seconds, profile.margin
+    wanted = round(len(waiters) * profile.timeout_share)
+    candidates = [w for w in waiters if w.wave == 0 and len(w.identity.tables) <= 1]
+    for waiter in rng.sample(candidates, min(wanted, len(candidates))):
+        ident = waiter.identity
+        if rng.random() < 0.7:
+            deadline = rng.uniform(0.1 * total, total - margin)
+            earliest, latest = max(ident.earliest, deadline + margin), ident.latest
+        else:
+            deadline = rng.uniform(margin + 0.05 * total, 0.9 * total)
+            earliest, latest = ident.earliest, min(ident.latest, deadline - margin)
+        if earliest <= latest and latest > 0.03 * total:
+            ident.earliest, ident.latest = earliest, latest
+            waiter.timeout_at = deadline
+
+
+def _plan_rows(rng: random.Random, profile: Profile) -> list[tuple[float, str, str]]:
+    rows = []
+    at = 1.0
+    while at < profile.seconds - 3:
+        status = rng.choices(("SUCCESS", "START", "FAILED"), weights=(65, 25, 10))[0]
+        rows.append((at, f"asset.a{rng.randrange(profile.assets)}", status))
+        at += rng.uniform(*profile.row_every)
+    return rows
+
+
+_HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
+    "sigkill": lambda rng, p: rng.uniform(1.0, 5.0),  # down until restarted
+    "sigstop": lambda rng, p: p.lease_seconds + rng.uniform(1.0, 4.0),  # frozen past its lease
+    "sigterm": lambda rng, p: rng.uniform(0.5, 3.0),
+    "pg_restart": lambda rng, p: rng.uniform(0.5, 3.0),  # PostgreSQL down
+    "join": lambda rng, p: 0.0,
+    "leave": lambda rng, p: 0.0,
+}
+
+
+def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
+    """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
+    first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart"], 4)
+    join_at = rng.randrange(len(first) + 1)
+    first.insert(join_at, "join")
+    first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
+    slots = [f"smart-{n + 1}" for n in range(profile.instances)]
+    extra = f"smart-{profile.instances + 1}"
+    faults: list[FaultPlan] = []
+    at, joined = 4.0, False
+    while True:
+        kind = first[len(faults)] if len(faults) < len(first) else _random_kind(rng, joined)
+        hold = _HOLDS[kind](rng, profile)
+        if at + hold > profile.seconds - 8:
+            break
+        slot = extra if kind in ("join", "leave") else rng.choice(slots)
+        faults.append(FaultPlan(kind, at, hold, slot))
+        joined = {"join": True, "leave": False}.get(kind, joined)
+        at += hold + rng.uniform(*profile.gap)
+    return faults
+
+
+def _random_kind(rng: random.Random, joined: bool) -> str:
+    kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join"]
+    return rng.choices(kinds, weights=(3, 2, 2, 1, 1))[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Databases: the warehouse the triggers watch, and our audit in the metadata database.
+# --------------------------------------------------------------------------------------------------
+
+WAREHOUSE_DDL = f"""
+CREATE SCHEMA meta;
+CREATE TABLE {STATUS_TABLE} (
+    id bigserial PRIMARY KEY, table_name text, status text,
+    created_dttm timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE SCHEMA chaos;
+CREATE TABLE chaos.flags (name text PRIMARY KEY, value boolean NOT NULL DEFAULT false, flipped_at timestamptz);
+CREATE TABLE chaos.http_flip (key text PRIMARY KEY, at timestamptz NOT NULL);
+"""
+
+# Every transition of a task instance into or out of DEFERRED, every rewrite of a resolved one's
+# next_method/next_kwargs and every deletion, with the database clock and the writing transaction.
+AUDIT_DDL = """
+CREATE SCHEMA chaos;
+CREATE TABLE chaos.ti_audit (
+    seq bigserial PRIMARY KEY,
+    ti_id uuid NOT NULL,
+    at timestamptz NOT NULL,
+    op text NOT NULL,
+    old_state text, new_state text,
+    old_trigger_id integer, new_trigger_id integer,
+    next_method text, next_kwargs jsonb, trigger_timeout timestamptz,
+    txid bigint NOT NULL
+);
+CREATE INDEX ti_audit_ti ON chaos.ti_audit (ti_id);
+CREATE FUNCTION chaos.audit_ti() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    op text;
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, old_trigger_id, txid)
+        VALUES (OLD.id, clock_timestamp(), 'deleted', OLD.state, OLD.trigger_id, txid_current());
+        RETURN OLD;
+    END IF;
+    IF NEW.state = 'deferred' AND OLD.state IS DISTINCT FROM 'deferred' THEN
+        op := 'deferred';
+    ELSIF OLD.state = 'deferred' AND NEW.state IS DISTINCT FROM 'deferred' THEN
+        op := 'resolved';
+    ELSIF NEW.state IS DISTINCT FROM 'deferred' AND (OLD.next_method IS DISTINCT FROM NEW.next_method
+            OR OLD.next_kwargs::text IS DISTINCT FROM NEW.next_kwargs::text) THEN
+        op := 'rewritten';
+    ELSE
+        RETURN NEW;
+    END IF;
+    INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, new_state, old_trigger_id, new_trigger_id,
+                                next_method, next_kwargs, trigger_timeout, txid)
+    VALUES (NEW.id, clock_timestamp(), op, OLD.state, NEW.state, OLD.trigger_id, NEW.trigger_id,
+            NEW.next_method, to_jsonb(NEW.next_kwargs), NEW.trigger_timeout, txid_current());
+    RETURN NEW;
+END $$;
+CREATE TRIGGER chaos_ti_audit AFTER UPDATE OR DELETE ON task_instance
+    FOR EACH ROW EXECUTE FUNCTION chaos.audit_ti();
+CREATE TABLE chaos.asset_event_audit (event_id integer PRIMARY KEY, at timestamptz NOT NULL, txid bigint);
+CREATE FUNCTION chaos.audit_asset_event() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO chaos.asset_event_audit (event_id, at, txid) VALUES (NEW.id, clock_timestamp(), txid_current());
+    RETURN NEW;
+END $$;
+CREATE TRIGGER chaos_asset_event_audit AFTER INSERT ON asset_event
+    FOR EACH ROW EXECUTE FUNCTION chaos.audit_asset_event();
+"""
+
+ASSET_DAG_FILE = '''
+"""Chaos run: assets fed by status-table watchers; the consumer only makes them active (no scheduler)."""
+import functools
+import operator
+
+import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import DAG, Asset, AssetWatcher
+from dataset_bridge import TableStatusTrigger
+
+
+def watched(k):
+    trigger = TableStatusTrigger(conn_id="warehouse", table_name=f"asset.a{{k}}", status_table={status!r},
+                                 start_from="earliest", poll_interval={poll!r},
+                                 notify_channel={channel!r} if k % 2 == 0 else None)
+    return Asset(f"chaos://status/a{{k}}", watchers=[AssetWatcher(name=f"a{{k}}_loaded", trigger=trigger)])
+
+
+with DAG(dag_id={dag_id!r}, schedule=functools.reduce(operator.or_, [watched(k) for k in range({count})]),
+         start_date=pendulum.datetime(2024, 1, 1), catchup=False, is_paused_upon_creation=False):
+    EmptyOperator(task_id="consume")
+'''
+
+
+def execute(dsn: str, sql: str, params: Any = None, *, fetch: bool = False, retry_for: float = 30.0) -> Any:
+    """One statement in its own transaction, retried while PostgreSQL is unreachable (bounded)."""
+    deadline = time.monotonic() + retry_for
+    while True:
+        try:
+            conn = psycopg2.connect(dsn, connect_timeout=5)
+        except psycopg2.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        try:
+            with conn, conn.cursor() as cur:
+                cur.execute(sql, params)
+                return cur.fetchall() if fetch else None
+        finally:
+            conn.close()
+
+
+def db_now(dsn: str) -> dt.datetime:
+    value: dt.datetime = execute(dsn, "SELECT clock_timestamp()", fetch=True)[0][0]
+    return value
+
+
+class Warehouse:
+    """The harness's writes to the watched database: each flip records its time with the DB clock.
+
+    One writer, one statement at a time: status-row ids follow commit order, as TableStatusTrigger needs.
+    Flips are idempotent, so a retry after a dropped connection never writes a second condition.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    def create(self, flags: Sequence[str]) -> None:
+        execute(self.dsn, WAREHOUSE_DDL)
+        if flags:
+            execute(self.dsn, "INSERT INTO chaos.flags (name) SELECT unnest(%s::text[])", (list(flags),))
+
+    def flip(self, ident: Identity, source: KeySource) -> None:
+        if ident.kind == TABLE:
+            execute(self.dsn, f"INSERT INTO {STATUS_TABLE} (table_name, status) SELECT %(t)s, 'SUCCESS' "
+                              f"WHERE NOT EXISTS (SELECT 1 FROM {STATUS_TABLE} WHERE table_name = %(t)s "
+                              f"AND status = 'SUCCESS'); NOTIFY {LOAD_CHANNEL}", {"t": ident.name})
+        elif ident.kind == FLAG:
+            execute(self.dsn, "UPDATE chaos.flags SET value = true, flipped_at = clock_timestamp() "
+                              f"WHERE name = %s AND NOT value; NOTIFY {FLAG_CHANNEL}", (ident.name,))
+        else:
+            # recorded first, then served: the recorded time is never later than the real flip
+            execute(self.dsn, "INSERT INTO chaos.http_flip (key, at) VALUES (%s, clock_timestamp()) "
+                              "ON CONFLICT DO NOTHING", (ident.name,))
+            source.ready.add(ident.name)
+
+    def status_row(self, table_name: str, status: str) -> None:
+        execute(self.dsn, f"INSERT INTO {STATUS_TABLE} (table_name, status) VALUES (%s, %s); "
+                          f"NOTIFY {ASSET_CHANNEL}", (table_name, status))
+
+    def condition_times(self) -> dict[str, dt.datetime]:
+        """When each table, flag and HTTP key flipped, by name."""
+        found: dict[str, dt.datetime] = {}
+        queries = (f"SELECT table_name, min(created_dttm) FROM {STATUS_TABLE} "
+                   "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%%' GROUP BY table_name",
+                   "SELECT name, flipped_at FROM chaos.flags WHERE value",
+                   "SELECT key, at FROM chaos.http_flip")
+        for query in queries:
+            found.update({r[0]: r[1] for r in execute(self.dsn, query, fetch=True)})
+        return found
+
+    def asset_rows(self) -> list[tuple[int, str, str, dt.datetime]]:
+        return [(int(r[0]), r[1], r[2], r[3]) for r in execute(
+            self.dsn, f"SELECT id, table_name, status, created_dttm FROM {STATUS_TABLE} "
+                      "WHERE table_name LIKE 'asset.%%' ORDER BY id", fetch=True)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The HTTP condition source PollTrigger polls.
+# --------------------------------------------------------------------------------------------------
+
+
+class KeySource:
+    """``GET /poll/{key}`` answers ``{"ready": bool}``; a key is ready once the harness flipped it."""
+
+    def __init__(self) -> None:
+        self.ready: set[str] = set()
+        self.polls = 0
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _poll(self, request: web.Request) -> web.Response:
+        self.polls += 1
+        return web.json_response({"ready": request.match_info["key"] in self.ready})
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[KeySource]:
+        loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_get("/poll/{key}", self._poll)
+        runner = web.AppRunner(app, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+        loop.run_until_complete(site.start())
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        thread = threading.Thread(target=loop.run_forever, name="chaos-key-source", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# The cluster: instances and PostgreSQL, and the faults done to them.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    slot: str
+    started: dt.datetime
+    ended: dt.datetime | None = None
+    note: str = ""
+
+
+def _wall() -> dt.datetime:
+    """The host clock, which the local PostgreSQL's clock_timestamp() also reads."""
+    return dt.datetime.now(dt.UTC)
+
+
+class Cluster:
+    """The smart triggerer instances (by slot) and the PostgreSQL server under them.
+
+    Signals go to one instance's process group (Component.signal), never by name. A slot that is not
+    deliberately down and whose process exited is an unexpected exit: recorded and restarted.
+    """
+
+    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log) -> None:
+        self.stack, self.server, self.log = stack, server, log
+        self.slots: dict[str, Component] = {}
+        self.down: set[str] = set()
+        self.paused: set[str] = set()
+        self.generation: Counter[str] = Counter()
+        self.unexpected_exits: list[str] = []
+        self.unclean_stops: list[str] = []
+
+    def start(self, slot: str) -> Component:
+        self.generation[slot] += 1
+        name = slot if self.generation[slot] == 1 else f"{slot}.{self.generation[slot]}"
+        component = self.stack.start_smart_triggerer(name)
+        self.slots[slot] = component
+        self.down.discard(slot)
+        return component
+
+    def stop_slot(self, slot: str, signum: signal.Signals, timeout: float = 30.0) -> int | None:
+        """Signal the instance's group and wait for it to exit; SIGKILL if it will not."""
+        component = self.slots[slot]
+        self.down.add(slot)
+        component.signal(signum)
+        assert component.process is not None
+        try:
+            return component.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.unclean_stops.append(f"{component.name} ignored {signum.name} for {timeout:.0f}s")
+            component.signal(signal.SIGKILL)
+            component.process.wait(10)
+            return None
+
+    def pause(self, slot: str) -> None:
+        self.paused.add(slot)
+        self.slots[slot].signal(signal.SIGSTOP)
+
+    def unpause(self, slot: str) -> None:
+        self.slots[slot].signal(signal.SIGCONT)
+        self.paused.discard(slot)
+
+    def watch(self) -> None:
+        """Restart any instance that exited on its own (a product failure the report lists)."""
+        for slot, component in list(self.slots.items()):
+            if slot in self.down or component.running():
+                continue
+            code = component.process.returncode if component.process else None
+            tail = component.log_tail(1500).strip().splitlines()[-8:]
+            self.unexpected_exits.append(f"{component.name} exited with {code}: " + " | ".join(tail))
+            self.log(f"[red]{component.name} exited on its own ({code}); restarting it[/]")
+            self.start(slot)
+
+    def release(self) -> None:
+        """Wake every paused instance (a stopped process cannot act on SIGTERM)."""
+        for slot in list(self.paused):
+            self.unpause(slot)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(order=True)
+class Action:
+    at: float
+    seq: int
+    label: str = field(compare=False)
+    run: Callable[[], None] = field(compare=False)
+
+
+@dataclass
+class Observed:
+    """Everything the checker needs, read from the databases after the run."""
+
+    audit: dict[str, list[dict[str, Any]]]
+    final: dict[str, tuple[str | None, int | None]]  # ti id -> (state, trigger id)
+    stuck: dict[str, str]  # ti id -> where its trigger stands (shard, owner), for lost waiters
+    conditions: dict[str, dt.datetime]
+    asset_rows: list[tuple[int, str, str, dt.datetime]]
+    asset_events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]
+    t0: dt.datetime
+
+
+class ChaosRun:
+    """Sets everything up, runs the timeline of flips, rows and faults, waits for quiescence, checks."""
+
+    def __init__(self, profile: Profile, log: Log = print, keep_logs: Path | None = None) -> None:
+        self.profile = profile
+        self.plan = make_plan(profile)
+        self.log = log
+        self.keep_logs = keep_logs
+        self.faults: list[FaultRecord] = []
+        self.notes: list[str] = []
+        self.t0_db = _wall()
+        self.started = time.monotonic()
+        self.chaos_seconds = 0.0
+
+    # --- the whole run ---
+
+    def run(self) -> Report:
+        self.log(self.plan.describe())
+        root = Path(tempfile.mkdtemp(prefix="smart-triggerer-chaos-"))
+        try:
+            with contextlib.ExitStack() as resources:
+                server = EmbeddedPostgres(root / "pgdata")
+                server.start()
+                resources.callback(server.stop)
+                source = resources.enter_context(KeySource().running())
+                return self._run_on(server, source, root, resources)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _run_on(self, server: EmbeddedPostgres, source: KeySource, root: Path,
+                resources: contextlib.ExitStack) -> Report:
+        self.source = source
+        airflow_dsn, warehouse_dsn = self._databases(server, root)
+        self.airflow_dsn = airflow_dsn
+        self.warehouse = Warehouse(warehouse_dsn)
+        self.warehouse.create([i.name for i in self.plan.identities if i.kind == FLAG])
+        stack = AirflowStack(self._config(root, airflow_dsn, warehouse_dsn))
+        stack.config.dags_folder.mkdir(parents=True, exist_ok=True)
+        self.stack = stack
+        cluster = Cluster(stack, server, self.log)
+        self.cluster = cluster
+        resources.callback(self._stop_everything)
+        self._sync_assets()
+        self._seed_wave(0)
+        for n in range(self.profile.instances):
+            cluster.start(f"smart-{n + 1}")
+        self._wait_loaded()
+        self._chaos()
+        self._finish()
+        self._stop_everything()
+        observed = self._observe()
+        report = check(self.plan, observed, self.faults, self._figures_in())
+        if not report.ok:
+            report.evidence = self._evidence(report.trigger_ids)
+        return report
+
+    def _databases(self, server: EmbeddedPostgres, root: Path) -> tuple[str, str]:
+        self.log("migrating a fresh Airflow metadata database")
+        airflow_dsn = create_database(server.dsn, "chaos_airflow")
+        migrate(AirflowConfig(home=root / "migrate", database_dsn=airflow_dsn, dags_folder=root / "dags",
+                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+        execute(airflow_dsn, AUDIT_DDL)
+        return airflow_dsn, create_database(server.dsn, "chaos_warehouse")
+
+    def _config(self, root: Path, airflow_dsn: str, warehouse_dsn: str) -> AirflowConfig:
+        home = root / "airflow"
+        home.mkdir()
+        extra = {
+            "PYTHONPATH": str(ROOT),
+            "AIRFLOW_CONN_WAREHOUSE": warehouse_dsn,
+            "AIRFLOW__SMART_TRIGGERER__SHARDS": str(self.profile.shards),
+            "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(self.profile.lease_seconds),
+            # seeded waiters are resumed by nobody else: the 3.3.2 race guard would only delay them
+            "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+        }
+        return AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=root / "dags",
+                             fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
+
+    def _stop_everything(self) -> None:
+        """Every process this run started, stopped (idempotent; also runs on errors)."""
+        if getattr(self, "cluster", None) is None:
+            return
+        self.cluster.release()
+        self.cluster.down.update(self.cluster.slots)
+        if self.keep_logs is not None:
+            shutil.copytree(self.stack.log_dir, self.keep_logs, dirs_exist_ok=True)
+        self.stack.stop()
+
+    # --- setup ---
+
+    def _sync_assets(self) -> None:
+        from tests.helpers.airflow_orm import use_airflow_db
+        from tests.helpers.seeding import _sync_dag
+
+        p = self.profile
+        path = self.stack.config.dags_folder / f"{ASSET_DAG}.py"
+        path.write_text(textwrap.dedent(ASSET_DAG_FILE.format(
+            status=STATUS_TABLE, poll=p.asset_poll, channel=ASSET_CHANNEL, dag_id=ASSET_DAG, count=p.assets)))
+        use_airflow_db(self.airflow_dsn)
+        _sync_dag(path, self.stack.config.dags_folder)
+        watchers = execute(self.airflow_dsn, "SELECT count(*) FROM asset_watcher w JOIN asset a "
+                                             "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%%'", fetch=True)
+        if watchers[0][0] != p.assets:
+            raise RuntimeError(f"expected {p.assets} asset watchers, Airflow created {watchers[0][0]}")
+
+    def _seed_wave(self, wave: int) -> None:
+        from tests.helpers.seeding import seed_deferred
+
+        for kind, classpath in CLASSPATHS.items():
+            members = [w for w in self.plan.waiters if w.wave == wave and w.identity.kind == kind]
+            if not members:
+                continue
+            seeded = seed_deferred(
+                self.airflow_dsn, self.stack.config.dags_folder, count=len(members), classpath=classpath,
+                kwargs_for=lambda i, m=members: m[i].kwargs(self.source.url), dag_id=f"chaos_w{wave}_{kind}")
+            for map_index, (waiter, ti_id) in enumerate(zip(members, seeded.ti_ids, strict=True)):
+                waiter.ti_id, waiter.dag_id, waiter.map_index = ti_id, seeded.dag_id, map_index
+        self.log(f"seeded wave {wave + 1}: {sum(1 for w in self.plan.waiters if w.wave == wave)} waiters")
+
+    def _wait_loaded(self) -> None:
+        """Start the clock once every first-wave trigger row is claimed by an instance (bounded)."""
+        from tests.helpers.waiting import wait_for
+
+        def unclaimed() -> int:
+            self.cluster.watch()
+            return int(execute(self.airflow_dsn, "SELECT count(*) FROM trigger t JOIN task_instance ti "
+                                                 "ON ti.trigger_id = t.id WHERE t.triggerer_id IS NULL",
+                               fetch=True)[0][0])
+
+        wait_for(unclaimed, lambda n: n == 0, 240, "every first-wave waiter claimed by an instance", 0.5)
+
+    # --- the timeline ---
+
+    def _chaos(self) -> None:
+        self.t0_db = db_now(self.airflow_dsn)
+        self._set_timeouts()
+        actions = self._actions()
+        self.log(f"chaos phase: {self.profile.seconds:.0f}s, {len(actions)} actions")
+        start = time.monotonic()
+        next_progress = 0.0
+        for action in sorted(actions):
+            while (now := time.monotonic() - start) < action.at:
+                self.cluster.watch()
+                if now >= next_progress:
+                    self._progress(now)
+                    next_progress = now + 10
+                time.sleep(min(0.2, action.at - now))
+            action.run()
+        self.chaos_seconds = time.monotonic() - start
+
+    def _set_timeouts(self) -> None:
+        timed = [w for w in self.plan.waiters if w.timeout_at is not None]
+        if timed:
+            execute(self.airflow_dsn,
+                    "UPDATE task_instance ti SET trigger_timeout = %s + make_interval(secs => v.offs) "
+                    "FROM unnest(%s::uuid[], %s::float8[]) AS v(id, offs) WHERE ti.id = v.id",
+                    (self.t0_db, [w.ti_id for w in timed], [w.timeout_at for w in timed]))
+
+    def _actions(self) -> list[Action]:
+        seq = iter(range(1_000_000))
+        actions = [Action(i.flip_at, next(seq), f"flip {i.name}", lambda i=i: self.warehouse.flip(i, self.source))
+                   for i in self.plan.identities]
+        actions += [Action(at, next(seq), f"row {t} {s}", lambda t=t, s=s: self.warehouse.status_row(t, s))
+                    for at, t, s in self.plan.rows]
+        actions.append(Action(self.plan.wave_at, next(seq), "wave 2", lambda: self._seed_wave(1)))
+        for fault in self.plan.faults:
+            record = FaultRecord(fault.kind, fault.slot, _wall())
+            actions.append(Action(fault.at, next(seq), f"{fault.kind} {fault.slot}",
+                                  lambda f=fault, r=record: self._fault_start(f, r)))
+            actions.append(Action(fault.at + fault.hold, next(seq), f"end {fault.kind} {fault.slot}",
+                                  lambda f=fault, r=record: self._fault_end(f, r)))
+        return actions
+
+    def _fault_start(self, fault: FaultPlan, record: FaultRecord) -> None:
+        record.started = _wall()
+        self.faults.append(record)
+        cluster = self.cluster
+        if fault.kind == "sigkill":
+            cluster.stop_slot(fault.slot, signal.SIGKILL)
+        elif fault.kind == "sigstop":
+            cluster.pause(fault.slot)
+        elif fault.kind in ("sigterm", "leave"):
+            code = cluster.stop_slot(fault.slot, signal.SIGTERM)
+            record.note = f"exit {code}"
+            if code != 0:
+                cluster.unclean_stops.append(f"{cluster.slots[fault.slot].name} exited with {code} on SIGTERM")
+        elif fault.kind == "join":
+            cluster.start(fault.slot)
+        elif fault.kind == "pg_restart":
+            cluster.server.restart(down_seconds=fault.hold)
+        self.log(f"  {time.monotonic() - self.started:6.1f}s fault {fault.kind} {fault.slot} {record.note}")
+
+    def _fault_end(self, fault: FaultPlan, record: FaultRecord) -> None:
+        if fault.kind in ("sigkill", "sigterm"):
+            self.cluster.start(fault.slot)
+        elif fault.kind == "sigstop":
+            self.cluster.unpause(fault.slot)
+        elif fault.kind == "leave":
+            self.cluster.slots.pop(fault.slot, None)
+            self.cluster.down.discard(fault.slot)
+        record.ended = _wall()
+
+    def _progress(self, elapsed: float) -> None:
+        with contextlib.suppress(psycopg2.Error):
+            found = execute(self.airflow_dsn, "SELECT count(*) FILTER (WHERE op = 'resolved'), "
+                                              "(SELECT count(*) FROM chaos.asset_event_audit) "
+                                              "FROM chaos.ti_audit", fetch=True, retry_for=0)[0]
+            self.log(f"  {elapsed:6.1f}s faults {len(self.faults)}, resolved {found[0]}/"
+                     f"{len(self.plan.waiters)}, asset events {found[1]}, polls {self.source.polls}")
+
+    # --- the end ---
+
+    def _finish(self) -> None:
+        """All conditions hold by now; wait (bounded) until nothing waits and every row has its event."""
+        from tests.helpers.waiting import wait_for
+
+        self.cluster.release()
+        success_rows = sum(1 for _at, _t, status in self.plan.rows if status == "SUCCESS")
+        worst = self.profile.bound(max(*self.profile.polls, self.profile.push_poll))
+
+        def pending() -> tuple[int, int]:
+            self.cluster.watch()
+            found = execute(self.airflow_dsn, "SELECT (SELECT count(*) FROM task_instance WHERE state = "
+                                              "'deferred'), (SELECT count(*) FROM chaos.asset_event_audit)",
+                            fetch=True)[0]
+            return int(found[0]), int(found[1])
+
+        try:
+            wait_for(pending, lambda v: v[0] == 0 and v[1] >= success_rows, worst + 60,
+                     "quiescence (no deferred waiter, one event per SUCCESS row)", 0.5)
+        except AssertionError as err:
+            self.notes.append(str(err))
+            self.log(f"[red]{err}[/]")
+        # Not for correctness: gives a fenced-out writer the chance to show a late second write.
+        time.sleep(self.profile.lease_seconds)
+
+    def _observe(self) -> Observed:
+        dsn = self.airflow_dsn
+        audit: dict[str, list[dict[str, Any]]] = {}
+        columns = ("ti_id", "at", "op", "new_state", "old_trigger_id", "next_method", "next_kwargs",
+                   "trigger_timeout", "txid")
+        for row in execute(dsn, f"SELECT {', '.join(columns)} FROM chaos.ti_audit ORDER BY seq", fetch=True):
+            entry = dict(zip(columns, row, strict=True))
+            audit.setdefault(str(entry["ti_id"]), []).append(entry)
+        final = {str(r[0]): (r[1], r[2]) for r in execute(
+            dsn, "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%%'", fetch=True)}
+        events = [(int(r[0]), r[1], _as_dict(r[2]), r[3]) for r in execute(
+            dsn, "SELECT e.id, a.uri, e.extra, au.at FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                 "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
+                 "WHERE a.uri LIKE 'chaos://%%' ORDER BY e.id", fetch=True)]
+        return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
+                        self.warehouse.asset_rows(), events, self.t0_db)
+
+    def _stuck(self, final: dict[str, tuple[str | None, int | None]]) -> dict[str, str]:
+        """Where the trigger of each still-deferred waiter stands: its shard and the shard's lease."""
+        ids = [t for ti, (state, t) in final.items() if state == "deferred" and t is not None]
+        if not ids:
+            return {}
+        rows = execute(self.airflow_dsn, "SELECT t.id, t.triggerer_id, i.shard, i.error, l.owner_job_id, "
+                                         "l.expires_at FROM trigger t LEFT JOIN smart_triggerer.trigger_identity "
+                                         "i ON i.trigger_id = t.id LEFT JOIN smart_triggerer.shard_lease l "
+                                         "ON l.shard = i.shard WHERE t.id = ANY(%s)", (ids,), fetch=True)
+        where = {r[0]: f"trigger {r[0]} triggerer_id={r[1]} shard={r[2]} identity_error={r[3]!r} "
+                       f"lease owner={r[4]} expires={r[5]}" for r in rows}
+        return {ti: where.get(t, f"trigger {t}") for ti, (state, t) in final.items()
+                if state == "deferred" and t is not None}
+
+    def _figures_in(self) -> dict[str, Any]:
+        return {"chaos_seconds": self.chaos_seconds, "wall_seconds": time.monotonic() - self.started,
+                "unexpected_exits": list(self.cluster.unexpected_exits),
+                "unclean_stops": list(self.cluster.unclean_stops), "notes": list(self.notes),
+                "polls": self.source.polls}
+
+    def _evidence(self, trigger_ids: set[int], per_component: int = 12) -> list[str]:
+        """Log lines that name a failing waiter's trigger, and each component's errors (bounded)."""
+        wanted = re.compile(r"\b(?:trigger_id|runner_id|trigger)[=: ]+(\d+)\b")
+        lines: list[str] = []
+        for log_file in sorted(self.stack.log_dir.glob("*.log")):
+            text = log_file.read_text(errors="replace").splitlines()
+            named = [ln for ln in text if any(int(m) in trigger_ids for m in wanted.findall(ln))]
+            errors = [ln for ln in text if re.search(r"\b(ERROR|CRITICAL|Traceback|error)\b", ln)]
+            for line in (named[:per_component] + errors[:per_component]):
+                lines.append(f"{log_file.stem}: {line[:400]}")
+        return lines
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = json.loads(value)
+    return value if isinstance(value, dict) else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# The checker: a pure function of what was planned and what the databases say.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Figures (label, value) for the table, every violation in words, and whether all checks passed."""
+
+    figures: list[tuple[str, str]]
+    violations: list[str]
+    notes: list[str]
+    trigger_ids: set[int] = field(default_factory=set)
+    evidence: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def text(self, limit: int = 60) -> str:
+        lines = [f"{label}: {value}" for label, value in self.figures]
+        if self.violations:
+            lines.append(f"{len(self.violations)} violations:")
+            lines += [f"  {v}" for v in self.violations[:limit]]
+            if len(self.violations) > limit:
+                lines.append(f"  ... and {len(self.violations) - limit} more")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.evidence:
+            lines.append("log evidence:")
+            lines += [f"  {e}" for e in self.evidence[:limit]]
+        return "\n".join(lines)
+
+
+@dataclass
+class Outcome:
+    """What happened to one waiter."""
+
+    verdict: str  # resumed, timed_out, failed, lost
+    problems: list[str] = field(default_factory=list)  # doubled, wrong, premature, early, stalled
+    stall: float | None = None
+    window: tuple[dt.datetime, dt.datetime] | None = None
+
+
+def payload_matches(ident: Identity, payload: Any) -> bool:
+    """Each waiter's event must be about its own condition."""
+    if not isinstance(payload, dict):
+        return False
+    if ident.kind == TABLE:
+        return payload.get("status") == "success" and sorted(payload.get("loaded") or []) == list(ident.tables)
+    if ident.kind == FLAG:
+        return payload.get("status") == "success"
+    return payload == {"key": ident.name}
+
+
+def condition_time(ident: Identity, conditions: dict[str, dt.datetime]) -> dt.datetime | None:
+    names = ident.tables if ident.kind == TABLE else (ident.name,)
+    times = [conditions.get(n) for n in names]
+    return None if any(t is None for t in times) else max(t for t in times if t is not None)
+
+
+def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None, bound: float) -> Outcome:
+    """One waiter's audit trail against its condition and deadline."""
+    deferred = [e["at"] for e in entries if e["op"] == "deferred"]
+    writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
+    if not writes:
+        return Outcome("lost", ["still deferred"])
+    first = writes[0]
+    outcome = _classify(first)
+    if len(writes) > 1 or len(deferred) > 1:
+        outcome.problems.append(f"doubled: {len(writes)} writes in transactions "
+                                f"{[w['txid'] for w in writes]} at {[w['at'].isoformat() for w in writes]}")
+    if outcome.verdict in ("lost", "failed"):
+        return outcome
+    start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
+    due = first["trigger_timeout"] if waiter.timeout_at is not None else None
+    expected = _expected(condition, due, bound)
+    if outcome.verdict == "timed_out":
+        _judge_timeout(outcome, first, due, expected, bound)
+    else:
+        _judge_event(outcome, waiter, first, condition, start, expected, bound)
+    return outcome
+
+
+def _classify(entry: dict[str, Any]) -> Outcome:
+    kwargs = _as_dict(entry["next_kwargs"])
+    if entry["op"] == "deleted":
+        return Outcome("lost", ["task instance deleted while deferred (trigger row deleted?)"])
+    if entry["new_state"] != "scheduled":
+        return Outcome("failed", [f"left deferred for state {entry['new_state']!r}"])
+    if entry["next_method"] == "__fail__":
+        if kwargs.get("error") == "Trigger timeout":
+            return Outcome("timed_out")
+        return Outcome("failed", [f"failed: {kwargs.get('error')!r} "
+                                  f"{''.join(kwargs.get('traceback') or [])[-300:]!r}"])
+    return Outcome("resumed")
+
+
+def _expected(condition: dt.datetime | None, due: dt.datetime | None, bound: float) -> str:
+    """'event', 'timeout' or 'either' (condition and deadline too close for any triggerer to call)."""
+    if due is None:
+        return "event"
+    if condition is None:
+        return "timeout"
+    gap = (condition - due).total_seconds()
+    if abs(gap) <= bound:
+        return "either"
+    return "timeout" if gap > 0 else "event"
+
+
+def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | None, expected: str,
+                   bound: float) -> None:
+    if due is None:
+        outcome.problems.append("wrong: timed out without a trigger_timeout")
+        return
+    late = (entry["at"] - due).total_seconds()
+    if late < 0:
+        outcome.problems.append(f"early: timed out {-late:.2f}s before its deadline")
+    if expected == "event":
+        outcome.problems.append("wrong: timed out although its condition held well before the deadline")
+    outcome.stall, outcome.window = max(late, 0.0), (due, entry["at"])
+    if late > bound:
+        outcome.problems.append(f"stalled: timed out {late:.1f}s after due (bound {bound:.0f}s)")
+
+
+def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], condition: dt.datetime | None,
+                 start: dt.datetime | None, expected: str, bound: float) -> None:
+    payload = _as_dict(entry["next_kwargs"]).get("event")
+    if not payload_matches(waiter.identity, payload):
+        outcome.problems.append(f"wrong: event {payload!r} is not about {waiter.identity.key}")
+    if condition is None or entry["at"] < condition:
+        outcome.problems.append(f"premature: resumed at {entry['at'].isoformat()} before its condition "
+                                f"held ({condition.isoformat() if condition else 'never'})")
+        return
+    if expected == "timeout":
+        outcome.problems.append("wrong: resumed although its deadline passed well before its condition")
+    assert start is not None
+    stall = (entry["at"] - start).total_seconds()
+    outcome.stall, outcome.window = stall, (start, entry["at"])
+    if stall > bound:
+        outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held (bound {bound:.0f}s)")
+
+
+@dataclass
+class AssetOutcome:
+    lost: list[str] = field(default_factory=list)
+    doubled: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+    stalled: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    events: int = 0
+    success_rows: int = 0
+
+
+def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
+    """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else."""
+    result = AssetOutcome(events=len(observed.asset_events))
+    by_row: dict[int, list[tuple[int, str, dict[str, Any], dt.datetime | None]]] = {}
+    for event in observed.asset_events:
+        row_id = (event[2].get("payload") or {}).get("row_id")
+        by_row.setdefault(row_id if isinstance(row_id, int) else -1, []).append(event)
+    rows = {r[0]: r for r in observed.asset_rows}
+    for row_id, table, status, at in observed.asset_rows:
+        events = by_row.get(row_id, [])
+        uri = "chaos://status/" + table.split(".", 1)[1]
+        if status != "SUCCESS":
+            if events:
+                result.wrong.append(f"row {row_id} ({table} {status}) made events {[e[0] for e in events]}")
+            continue
+        result.success_rows += 1
+        _judge_row(result, row_id, table, at, uri, events, bound)
+    for row_id, events in by_row.items():
+        if row_id not in rows:
+            result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
+    return result
+
+
+def _judge_row(result: AssetOutcome, row_id: int, table: str, at: dt.datetime, uri: str,
+               events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float) -> None:
+    if not events:
+        result.lost.append(f"row {row_id} ({table} SUCCESS at {at.isoformat()}) has no asset event")
+        return
+    if len(events) > 1:
+        result.doubled.append(f"row {row_id} ({table}) has {len(events)} asset events {[e[0] for e in events]}")
+    for event_id, event_uri, extra, _at in events:
+        payload = extra.get("payload") or {}
+        if event_uri != uri or payload.get("table_name") != table:
+            result.wrong.append(f"event {event_id} for row {row_id} ({table}) is on {event_uri} with "
+                                f"table_name {payload.get('table_name')!r}")
+    created = events[0][3]
+    if created is not None:
+        latency = (created - at).total_seconds()
+        result.latencies.append(latency)
+        if latency > bound:
+            result.stalled.append(f"row {row_id} ({table}): its event came {latency:.1f}s later "
+                                  f"(bound {bound:.0f}s)")
+
+
+def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: dict[str, Any]) -> Report:
+    profile = plan.profile
+    outcomes: dict[int, Outcome] = {}
+    violations: list[str] = []
+    trigger_ids: set[int] = set()
+    for waiter in plan.waiters:
+        entries = observed.audit.get(waiter.ti_id, [])
+        cond = condition_time(waiter.identity, observed.conditions)
+        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval))
+        outcomes[waiter.index] = outcome
+        if outcome.verdict in ("lost", "failed") or outcome.problems:
+            trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
+            violations.append(_describe(waiter, outcome, cond, observed))
+    assets = judge_assets(observed, profile.bound(profile.asset_poll))
+    violations += [f"ASSET {kind}: {text}" for kind, texts in
+                   (("lost", assets.lost), ("doubled", assets.doubled), ("wrong", assets.wrong),
+                    ("stalled", assets.stalled)) for text in texts]
+    violations += [f"INSTANCE exited on its own: {text}" for text in run["unexpected_exits"]]
+    figures = _figures(plan, outcomes, assets, faults, run)
+    return Report(figures, violations, list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]],
+                  trigger_ids)
+
+
+def _trigger_ids(entries: list[dict[str, Any]], final: tuple[str | None, int | None] | None) -> set[int]:
+    found = {e["old_trigger_id"] for e in entries if e.get("old_trigger_id") is not None}
+    if final and final[1] is not None:
+        found.add(final[1])
+    return {int(t) for t in found}
+
+
+def _describe(waiter: Waiter, outcome: Outcome, cond: dt.datetime | None, observed: Observed) -> str:
+    problems = "; ".join(outcome.problems)
+    where = observed.stuck.get(waiter.ti_id, "")
+    timeout = (f" timeout_at=t0+{waiter.timeout_at:.1f}s" if waiter.timeout_at is not None else "")
+    return (f"{outcome.verdict.upper()} {waiter.dag_id}[{waiter.map_index}] ti={waiter.ti_id} "
+            f"identity={waiter.identity.key} poll={waiter.poll_interval:g}s push={waiter.push}{timeout} "
+            f"condition={cond.isoformat() if cond else None}: {problems} {where}".rstrip())
+
+
+def _stall_by_fault(outcomes: dict[int, Outcome], faults: Sequence[FaultRecord], lease: float) -> dict[str, float]:
+    """The longest stall among waits that overlapped each kind of fault ('none': no fault nearby)."""
+    worst: dict[str, float] = {}
+    for outcome in outcomes.values():
+        if outcome.stall is None or outcome.window is None:
+            continue
+        start, end = outcome.window
+        kinds = {f.kind for f in faults
+                 if f.started <= end and (f.ended or end) + dt.timedelta(seconds=lease) >= start}
+        for kind in kinds or {"none"}:
+            worst[kind] = max(worst.get(kind, 0.0), outcome.stall)
+    return worst
+
+
+def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, faults: Sequence[FaultRecord],
+             run: dict[str, Any]) -> list[tuple[str, str]]:
+    p = plan.profile
+    verdicts = Counter(o.verdict for o in outcomes.values())
+    problems = Counter(text.split(":")[0] for o in outcomes.values() for text in o.problems)
+    stalls = sorted(o.stall for o in outcomes.values() if o.stall is not None)
+    kinds = Counter(f.kind for f in faults)
+    bounds = sorted({p.bound(w.poll_interval) for w in plan.waiters})
+    by_fault = _stall_by_fault(outcomes, faults, p.lease_seconds)
+    timed = [w for w in plan.waiters if w.timeout_at is not None]
+    figures = [
+        ("seed", str(p.seed)),
+        ("instances", f"{p.instances} (+1 joining), {p.shards} shards, lease {p.lease_seconds:g}s"),
+        ("chaos phase / total wall time (s)", f"{run['chaos_seconds']:.0f} / {run['wall_seconds']:.0f}"),
+        ("faults", f"{len(faults)}: " + ", ".join(f"{k} {kinds[k]}" for k in FAULT_KINDS)),
+        ("waiters / identities", f"{len(plan.waiters)} / {len(plan.identities)} "
+                                 f"({1 - len(plan.identities) / len(plan.waiters):.0%} duplicates)"),
+        ("waiters by trigger", ", ".join(f"{k} {n}" for k, n in
+                                         sorted(Counter(w.identity.kind for w in plan.waiters).items()))
+         + f"; push {sum(w.push for w in plan.waiters)}; second wave {sum(w.wave for w in plan.waiters)}"),
+        ("waiters with a timeout", str(len(timed))),
+        ("resumed", str(verdicts["resumed"])),
+        ("timed out", str(verdicts["timed_out"])),
+        ("failed", str(verdicts["failed"])),
+        ("lost", str(verdicts["lost"])),
+        ("doubled", str(problems["doubled"])),
+        ("wrong (wrong event/outcome, premature, early timeout)",
+         str(problems["wrong"] + problems["premature"] + problems["early"])),
+        ("stalled over bound", str(problems["stalled"])),
+        ("max stall / bound (s)", f"{stalls[-1] if stalls else 0:.2f} / "
+                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 2)"),
+        ("stall p50 / p99 (s)", f"{_pct(stalls, 0.5):.2f} / {_pct(stalls, 0.99):.2f}"),
+        ("max stall by fault kind (s)", ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_fault.items()))),
+        ("status rows SUCCESS / asset events", f"{assets.success_rows} / {assets.events}"),
+        ("asset events lost / doubled / wrong / stalled",
+         f"{len(assets.lost)} / {len(assets.doubled)} / {len(assets.wrong)} / {len(assets.stalled)}"),
+        ("asset event latency max (s)", f"{max(assets.latencies, default=0):.2f} "
+                                        f"(bound {p.bound(p.asset_poll):g})"),
+        ("instances that exited on their own", str(len(run["unexpected_exits"]))),
+        ("unclean stops (SIGTERM exit != 0)", str(len(run["unclean_stops"]))),
+        ("HTTP polls", str(run["polls"])),
+    ]
+    return figures
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_chaos(profile: Profile, log: Log = print, keep_logs: Path | None = None) -> Report:
+    """Run one chaos experiment end to end; every process and temp dir is gone when it returns."""
+    return ChaosRun(profile, log, keep_logs).run()
+
+
+__all__ = ["FAULT_KINDS", "Profile", "Report", "check", "judge", "make_plan", "replace", "run_chaos",
+           "statistics"]
