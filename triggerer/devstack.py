@@ -221,12 +221,15 @@ class AirflowStack:
         return self.add(name, [self.config.airflow_bin(), "triggerer", "--skip-serve-logs"])
 
     def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
-                              health_port: int = 0, env: dict[str, str] | None = None) -> Component:
+                              health_port: int = 0, env: dict[str, str] | None = None,
+                              queues: str | None = None) -> Component:
         """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port."""
         argv = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
                 "--health-port", str(health_port)]
         if capacity is not None:
             argv += ["--capacity", str(capacity)]
+        if queues is not None:
+            argv += ["--queues", queues]
         return self.add(name, argv, env)
 
     def start_bridge(self, name: str = "dataset-bridge", args: Sequence[str] = (),

@@ -311,3 +311,69 @@ def test_a_more_demanding_newcomer_restarts_the_group_with_its_setting(stack: Ai
     # With the members' 120 s interval the group would have fired minutes late.
     assert (resumed - dt.datetime.fromisoformat(moment)).total_seconds() < 5
     assert metrics(url)["smart_triggerer_groups"] == 0
+
+
+def test_queue_sets_own_disjoint_shard_spaces(stack: AirflowStack) -> None:
+    """Issue 11.6: instances with different --queues each run only their own queues' triggers."""
+    dsn = stack.config.database_dsn
+    later = in_seconds(600)
+    queued = seed(stack, 6, AT_TIME, lambda i: {"moment": later, "poll_interval": 5.0})
+    plain = seed(stack, 4, AT_TIME, lambda i: {"moment": later})
+    rows(dsn, "UPDATE trigger SET queue = 'reports' WHERE id = ANY(%s) RETURNING 1", queued.trigger_ids)
+    on_queue = health_url(stack.start_smart_triggerer("smart-reports", env=ENV, queues="reports"))
+    default = health_url(start(stack, "smart-default"))
+    settled = wait_for(lambda: (metrics(on_queue), metrics(default)),
+                       lambda ms: ms[0].get("smart_triggerer_waiters") == 6
+                       and ms[1].get("smart_triggerer_waiters") == 4, 40, "each instance runs its own queue")
+    assert settled[0]["smart_triggerer_shards_owned"] == SHARDS
+    assert settled[1]["smart_triggerer_shards_owned"] == SHARDS
+    owners = rows(dsn, "SELECT t.queue, t.triggerer_id FROM trigger t WHERE t.id = ANY(%s)",
+                  queued.trigger_ids + plain.trigger_ids)
+    by_queue = {queue: {job for q, job in owners if q == queue} for queue, _ in owners}
+    assert by_queue["reports"] == {_job_of(on_queue)} and by_queue[None] == {_job_of(default)}
+
+
+def test_overlapping_queue_sets_are_refused(stack: AirflowStack) -> None:
+    first = stack.start_smart_triggerer("smart-ab", env=ENV, queues="a,b")
+    health_url(first)
+    second = stack.start_smart_triggerer("smart-bc", env=ENV, queues="b,c")
+    assert second.process is not None and second.process.wait(60) == 2
+    assert "overlaps a live instance's --queues a,b" in second.log_tail()
+
+
+def test_the_supervisor_never_imports_trigger_code(stack: AirflowStack, tmp_path: Path) -> None:
+    """Issue 11.8: identities come from the serialized kwargs; only the runner subprocess imports."""
+    marker = tmp_path / "imports"
+    seed(stack, 4, "tests.helpers.import_marker.MarkerTrigger", lambda i: {"key": f"k{i % 2}"})
+    component = stack.start_smart_triggerer(env={**ENV, "SMART_TRIGGERER_IMPORT_MARKER": str(marker)})
+    url = health_url(component)
+    ran = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 2, 30,
+                   "two groups of two running")
+    assert ran["smart_triggerer_waiters"] == 4
+    importers = {int(line) for line in marker.read_text().split()}
+    runner_pids = {p.pid for p in component.tree()} - {component.pid}
+    assert importers and importers <= runner_pids, (importers, component.pid, runner_pids)
+
+
+def test_a_push_member_joining_a_polling_group_is_woken_by_notify(stack: AirflowStack) -> None:
+    """Issue 11.1: a waiter with notify_channel joins a group a poll-only waiter started (300 s polls)."""
+    dsn = stack.config.database_dsn
+    rows(dsn, "CREATE SCHEMA meta; CREATE TABLE meta.detail_process_table_status (id serial PRIMARY KEY, "
+              "table_name text, status text, created_dttm timestamptz DEFAULT now()); SELECT 1")
+    env = {"AIRFLOW_CONN_WH": dsn}
+    table_load = "triggers.table_load.TableLoadTrigger"
+    polling = seed(stack, 2, table_load, lambda i: {"conn_id": "wh", "required_tables": ["dds.user"],
+                                                     "poll_interval": 300.0})
+    url = health_url(stack.start_smart_triggerer(env={**ENV, **env}))
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 1, 30, "polling group")
+    pushed = seed(stack, 1, table_load, lambda i: {"conn_id": "wh", "required_tables": ["dds.user"],
+                                                    "poll_interval": 300.0, "notify_channel": "loads"})
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 3, 30, "the push member")
+    time.sleep(2)  # the restarted coroutine LISTENs before its first check
+    rows(dsn, "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ('dds.user', "
+              "'SUCCESS'); NOTIFY loads; SELECT 1")
+    flipped = time.monotonic()
+    for seeded in (polling, pushed):
+        wait_for(lambda s=seeded: ti_states(dsn, s.dag_id), lambda s: set(s.values()) == {"scheduled"}, 20,
+                 "resumed by the NOTIFY, not the 300 s poll")
+    assert time.monotonic() - flipped < 10
