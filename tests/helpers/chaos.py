@@ -29,15 +29,14 @@ import random
 import re
 import shutil
 import signal
-import statistics
-import subprocess
 import tempfile
 import textwrap
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ LOAD_CHANNEL, FLAG_CHANNEL, ASSET_CHANNEL = "table_loads", "flags", "status_rows
 FLAG_SQL = "SELECT value FROM chaos.flags WHERE name = $1"
 FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "join", "leave", "pg_restart")
 ASSET_DAG = "chaos_assets"
+STARTED_MARK = "smart triggerer started"
 Log = Callable[[str], None]
 
 
@@ -139,11 +139,13 @@ class Waiter:
     def kwargs(self, http_url: str) -> dict[str, Any]:
         ident = self.identity
         if ident.kind == TABLE:
-            return {"conn_id": "warehouse", "required_tables": list(ident.tables), "status_table": STATUS_TABLE,
-                    "poll_interval": self.poll_interval, "notify_channel": LOAD_CHANNEL if self.push else None}
+            return {"conn_id": "warehouse", "required_tables": list(ident.tables),
+                    "status_table": STATUS_TABLE, "poll_interval": self.poll_interval,
+                    "notify_channel": LOAD_CHANNEL if self.push else None}
         if ident.kind == FLAG:
             return {"conn_id": "warehouse", "sql": FLAG_SQL, "parameters": [ident.name],
-                    "poll_interval": self.poll_interval, "notify_channel": FLAG_CHANNEL if self.push else None}
+                    "poll_interval": self.poll_interval,
+                    "notify_channel": FLAG_CHANNEL if self.push else None}
         return {"url": http_url, "key": ident.name, "poll_interval": self.poll_interval}
 
 
@@ -167,7 +169,8 @@ class Plan:
     def describe(self) -> str:
         kinds = Counter(w.identity.kind for w in self.waiters)
         timeouts = sum(1 for w in self.waiters if w.timeout_at is not None)
-        lines = [f"seed {self.profile.seed}: {len(self.waiters)} waiters on {len(self.identities)} identities "
+        lines = [f"seed {self.profile.seed}: {len(self.waiters)} waiters on {len(self.identities)} "
+                 "identities "
                  f"({dict(kinds)}), {timeouts} with a timeout, {len(self.rows)} status rows, "
                  f"{len(self.faults)} faults, wave 2 at {self.wave_at:.0f}s",
                  "fault schedule: " + ", ".join(f"{f.at:.0f}s {f.kind} {f.slot} ({f.hold:.1f}s)"
@@ -274,7 +277,7 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
         hold = _HOLDS[kind](rng, profile)
         if at + hold > profile.seconds - 8:
             break
-        slot = extra if kind in ("join", "leave") else rng.choice(slots)
+        slot = {"join": extra, "leave": extra, "pg_restart": "postgres"}.get(kind) or rng.choice(slots)
         faults.append(FaultPlan(kind, at, hold, slot))
         joined = {"join": True, "leave": False}.get(kind, joined)
         at += hold + rng.uniform(*profile.gap)
@@ -297,7 +300,9 @@ CREATE TABLE {STATUS_TABLE} (
     created_dttm timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE SCHEMA chaos;
-CREATE TABLE chaos.flags (name text PRIMARY KEY, value boolean NOT NULL DEFAULT false, flipped_at timestamptz);
+CREATE TABLE chaos.flags (
+    name text PRIMARY KEY, value boolean NOT NULL DEFAULT false, flipped_at timestamptz
+);
 CREATE TABLE chaos.http_flip (key text PRIMARY KEY, at timestamptz NOT NULL);
 """
 
@@ -346,7 +351,8 @@ CREATE TRIGGER chaos_ti_audit AFTER UPDATE OR DELETE ON task_instance
 CREATE TABLE chaos.asset_event_audit (event_id integer PRIMARY KEY, at timestamptz NOT NULL, txid bigint);
 CREATE FUNCTION chaos.audit_asset_event() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos.asset_event_audit (event_id, at, txid) VALUES (NEW.id, clock_timestamp(), txid_current());
+    INSERT INTO chaos.asset_event_audit (event_id, at, txid)
+    VALUES (NEW.id, clock_timestamp(), txid_current());
     RETURN NEW;
 END $$;
 CREATE TRIGGER chaos_asset_event_audit AFTER INSERT ON asset_event
@@ -438,7 +444,7 @@ class Warehouse:
         """When each table, flag and HTTP key flipped, by name."""
         found: dict[str, dt.datetime] = {}
         queries = (f"SELECT table_name, min(created_dttm) FROM {STATUS_TABLE} "
-                   "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%%' GROUP BY table_name",
+                   "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%' GROUP BY table_name",
                    "SELECT name, flipped_at FROM chaos.flags WHERE value",
                    "SELECT key, at FROM chaos.http_flip")
         for query in queries:
@@ -448,7 +454,7 @@ class Warehouse:
     def asset_rows(self) -> list[tuple[int, str, str, dt.datetime]]:
         return [(int(r[0]), r[1], r[2], r[3]) for r in execute(
             self.dsn, f"SELECT id, table_name, status, created_dttm FROM {STATUS_TABLE} "
-                      "WHERE table_name LIKE 'asset.%%' ORDER BY id", fetch=True)]
+                      "WHERE table_name LIKE 'asset.%' ORDER BY id", fetch=True)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -505,7 +511,6 @@ class FaultRecord:
     slot: str
     started: dt.datetime
     ended: dt.datetime | None = None
-    note: str = ""
 
 
 def _wall() -> dt.datetime:
@@ -527,7 +532,10 @@ class Cluster:
         self.paused: set[str] = set()
         self.generation: Counter[str] = Counter()
         self.unexpected_exits: list[str] = []
+        self.startup_exits: list[str] = []
         self.unclean_stops: list[str] = []
+        self.stopping: list[tuple[Component, float, float]] = []  # (component, signalled, deadline)
+        self.term_exit_seconds: list[float] = []
 
     def start(self, slot: str) -> Component:
         self.generation[slot] += 1
@@ -537,19 +545,43 @@ class Cluster:
         self.down.discard(slot)
         return component
 
-    def stop_slot(self, slot: str, signum: signal.Signals, timeout: float = 30.0) -> int | None:
-        """Signal the instance's group and wait for it to exit; SIGKILL if it will not."""
+    def kill(self, slot: str) -> None:
+        """SIGKILL the instance's process group and wait for it to be gone."""
         component = self.slots[slot]
         self.down.add(slot)
-        component.signal(signum)
+        component.signal(signal.SIGKILL)
         assert component.process is not None
-        try:
-            return component.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.unclean_stops.append(f"{component.name} ignored {signum.name} for {timeout:.0f}s")
-            component.signal(signal.SIGKILL)
-            component.process.wait(10)
-            return None
+        component.process.wait(10)
+
+    def terminate(self, slot: str, grace: float = 30.0) -> None:
+        """SIGTERM the instance's process group without waiting: its exit is reaped by ``watch``.
+
+        A graceful stop releases the leases at once but the process may take a while to exit; the
+        timeline of flips and faults must not wait for it.
+        """
+        component = self.slots.pop(slot)
+        self.down.discard(slot)
+        component.signal(signal.SIGTERM)
+        self.stopping.append((component, time.monotonic(), time.monotonic() + grace))
+
+    def reap(self) -> None:
+        """Exit codes of gracefully stopped instances; one that ignores SIGTERM past its grace is killed."""
+        for entry in list(self.stopping):
+            component, since, deadline = entry
+            assert component.process is not None
+            code = component.process.poll()
+            if code is None and time.monotonic() < deadline:
+                continue
+            self.stopping.remove(entry)
+            if code is None:
+                self.unclean_stops.append(f"{component.name} still running {deadline - since:.0f}s after "
+                                          "SIGTERM; killed")
+                component.signal(signal.SIGKILL)
+                component.process.wait(10)
+                continue
+            self.term_exit_seconds.append(time.monotonic() - since)
+            if code != 0:
+                self.unclean_stops.append(f"{component.name} exited with {code} on SIGTERM")
 
     def pause(self, slot: str) -> None:
         self.paused.add(slot)
@@ -560,14 +592,22 @@ class Cluster:
         self.paused.discard(slot)
 
     def watch(self) -> None:
-        """Restart any instance that exited on its own (a product failure the report lists)."""
+        """Restart any instance that exited on its own, as a process supervisor would.
+
+        An instance that was up (it logged ``smart triggerer started``) and exited is a product failure.
+        One that exited before that, while the database was unreachable, is reported apart: Airflow's own
+        job start-up (``run_job``) gives up when it cannot create its job row.
+        """
+        self.reap()
         for slot, component in list(self.slots.items()):
             if slot in self.down or component.running():
                 continue
             code = component.process.returncode if component.process else None
-            tail = component.log_tail(1500).strip().splitlines()[-8:]
-            self.unexpected_exits.append(f"{component.name} exited with {code}: " + " | ".join(tail))
-            self.log(f"[red]{component.name} exited on its own ({code}); restarting it[/]")
+            text = component.log_tail(2_000_000)
+            tail = " | ".join(line.strip() for line in text.strip().splitlines()[-6:])
+            found = self.unexpected_exits if STARTED_MARK in text else self.startup_exits
+            found.append(f"{component.name} exited with {code}: {tail}")
+            self.log(f"{component.name} exited on its own ({code}); restarting it")
             self.start(slot)
 
     def release(self) -> None:
@@ -600,6 +640,7 @@ class Observed:
     asset_rows: list[tuple[int, str, str, dt.datetime]]
     asset_events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]
     t0: dt.datetime
+    diagnostics: list[str] = field(default_factory=list)  # state to explain a failure with
 
 
 class ChaosRun:
@@ -613,8 +654,9 @@ class ChaosRun:
         self.faults: list[FaultRecord] = []
         self.notes: list[str] = []
         self.t0_db = _wall()
-        self.started = time.monotonic()
+        self.started = self.chaos_start = time.monotonic()
         self.chaos_seconds = 0.0
+        self.stopped = False
 
     # --- the whole run ---
 
@@ -651,8 +693,9 @@ class ChaosRun:
         self._wait_loaded()
         self._chaos()
         self._finish()
+        diagnostics = self._diagnostics()
         self._stop_everything()
-        observed = self._observe()
+        observed = self._observe(diagnostics)
         report = check(self.plan, observed, self.faults, self._figures_in())
         if not report.ok:
             report.evidence = self._evidence(report.trigger_ids)
@@ -682,13 +725,17 @@ class ChaosRun:
 
     def _stop_everything(self) -> None:
         """Every process this run started, stopped (idempotent; also runs on errors)."""
-        if getattr(self, "cluster", None) is None:
+        if getattr(self, "cluster", None) is None or self.stopped:
             return
+        self.stopped = True
         self.cluster.release()
         self.cluster.down.update(self.cluster.slots)
-        if self.keep_logs is not None:
-            shutil.copytree(self.stack.log_dir, self.keep_logs, dirs_exist_ok=True)
-        self.stack.stop()
+        try:
+            self.stack.stop()
+        finally:
+            self.cluster.reap()
+            if self.keep_logs is not None:
+                shutil.copytree(self.stack.log_dir, self.keep_logs, dirs_exist_ok=True)
 
     # --- setup ---
 
@@ -703,7 +750,7 @@ class ChaosRun:
         use_airflow_db(self.airflow_dsn)
         _sync_dag(path, self.stack.config.dags_folder)
         watchers = execute(self.airflow_dsn, "SELECT count(*) FROM asset_watcher w JOIN asset a "
-                                             "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%%'", fetch=True)
+                                             "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%'", fetch=True)
         if watchers[0][0] != p.assets:
             raise RuntimeError(f"expected {p.assets} asset watchers, Airflow created {watchers[0][0]}")
 
@@ -716,7 +763,7 @@ class ChaosRun:
                 continue
             seeded = seed_deferred(
                 self.airflow_dsn, self.stack.config.dags_folder, count=len(members), classpath=classpath,
-                kwargs_for=lambda i, m=members: m[i].kwargs(self.source.url), dag_id=f"chaos_w{wave}_{kind}")
+                kwargs_for=partial(_kwargs_of, members, self.source.url), dag_id=f"chaos_w{wave}_{kind}")
             for map_index, (waiter, ti_id) in enumerate(zip(members, seeded.ti_ids, strict=True)):
                 waiter.ti_id, waiter.dag_id, waiter.map_index = ti_id, seeded.dag_id, map_index
         self.log(f"seeded wave {wave + 1}: {sum(1 for w in self.plan.waiters if w.wave == wave)} waiters")
@@ -740,7 +787,7 @@ class ChaosRun:
         self._set_timeouts()
         actions = self._actions()
         self.log(f"chaos phase: {self.profile.seconds:.0f}s, {len(actions)} actions")
-        start = time.monotonic()
+        start = self.chaos_start = time.monotonic()
         next_progress = 0.0
         for action in sorted(actions):
             while (now := time.monotonic() - start) < action.at:
@@ -762,17 +809,18 @@ class ChaosRun:
 
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
-        actions = [Action(i.flip_at, next(seq), f"flip {i.name}", lambda i=i: self.warehouse.flip(i, self.source))
+        flip = self.warehouse.flip
+        actions = [Action(i.flip_at, next(seq), f"flip {i.name}", partial(flip, i, self.source))
                    for i in self.plan.identities]
-        actions += [Action(at, next(seq), f"row {t} {s}", lambda t=t, s=s: self.warehouse.status_row(t, s))
+        actions += [Action(at, next(seq), f"row {t} {s}", partial(self.warehouse.status_row, t, s))
                     for at, t, s in self.plan.rows]
-        actions.append(Action(self.plan.wave_at, next(seq), "wave 2", lambda: self._seed_wave(1)))
+        actions.append(Action(self.plan.wave_at, next(seq), "wave 2", partial(self._seed_wave, 1)))
         for fault in self.plan.faults:
             record = FaultRecord(fault.kind, fault.slot, _wall())
             actions.append(Action(fault.at, next(seq), f"{fault.kind} {fault.slot}",
-                                  lambda f=fault, r=record: self._fault_start(f, r)))
+                                  partial(self._fault_start, fault, record)))
             actions.append(Action(fault.at + fault.hold, next(seq), f"end {fault.kind} {fault.slot}",
-                                  lambda f=fault, r=record: self._fault_end(f, r)))
+                                  partial(self._fault_end, fault, record)))
         return actions
 
     def _fault_start(self, fault: FaultPlan, record: FaultRecord) -> None:
@@ -780,28 +828,23 @@ class ChaosRun:
         self.faults.append(record)
         cluster = self.cluster
         if fault.kind == "sigkill":
-            cluster.stop_slot(fault.slot, signal.SIGKILL)
+            cluster.kill(fault.slot)
         elif fault.kind == "sigstop":
             cluster.pause(fault.slot)
         elif fault.kind in ("sigterm", "leave"):
-            code = cluster.stop_slot(fault.slot, signal.SIGTERM)
-            record.note = f"exit {code}"
-            if code != 0:
-                cluster.unclean_stops.append(f"{cluster.slots[fault.slot].name} exited with {code} on SIGTERM")
+            cluster.terminate(fault.slot)
         elif fault.kind == "join":
             cluster.start(fault.slot)
         elif fault.kind == "pg_restart":
             cluster.server.restart(down_seconds=fault.hold)
-        self.log(f"  {time.monotonic() - self.started:6.1f}s fault {fault.kind} {fault.slot} {record.note}")
+        elapsed = time.monotonic() - self.chaos_start
+        self.log(f"  {elapsed:6.1f}s fault {fault.kind} {fault.slot}")
 
     def _fault_end(self, fault: FaultPlan, record: FaultRecord) -> None:
         if fault.kind in ("sigkill", "sigterm"):
             self.cluster.start(fault.slot)
         elif fault.kind == "sigstop":
             self.cluster.unpause(fault.slot)
-        elif fault.kind == "leave":
-            self.cluster.slots.pop(fault.slot, None)
-            self.cluster.down.discard(fault.slot)
         record.ended = _wall()
 
     def _progress(self, elapsed: float) -> None:
@@ -834,11 +877,11 @@ class ChaosRun:
                      "quiescence (no deferred waiter, one event per SUCCESS row)", 0.5)
         except AssertionError as err:
             self.notes.append(str(err))
-            self.log(f"[red]{err}[/]")
+            self.log(str(err))
         # Not for correctness: gives a fenced-out writer the chance to show a late second write.
         time.sleep(self.profile.lease_seconds)
 
-    def _observe(self) -> Observed:
+    def _observe(self, diagnostics: list[str]) -> Observed:
         dsn = self.airflow_dsn
         audit: dict[str, list[dict[str, Any]]] = {}
         columns = ("ti_id", "at", "op", "new_state", "old_trigger_id", "next_method", "next_kwargs",
@@ -847,23 +890,52 @@ class ChaosRun:
             entry = dict(zip(columns, row, strict=True))
             audit.setdefault(str(entry["ti_id"]), []).append(entry)
         final = {str(r[0]): (r[1], r[2]) for r in execute(
-            dsn, "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%%'", fetch=True)}
+            dsn, "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%'", fetch=True)}
         events = [(int(r[0]), r[1], _as_dict(r[2]), r[3]) for r in execute(
             dsn, "SELECT e.id, a.uri, e.extra, au.at FROM asset_event e JOIN asset a ON a.id = e.asset_id "
                  "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
-                 "WHERE a.uri LIKE 'chaos://%%' ORDER BY e.id", fetch=True)]
+                 "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)]
         return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
-                        self.warehouse.asset_rows(), events, self.t0_db)
+                        self.warehouse.asset_rows(), events, self.t0_db, diagnostics)
+
+    def _diagnostics(self) -> list[str]:
+        """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
+        watchers = execute(
+            self.airflow_dsn,
+            "SELECT a.uri, w.trigger_id, t.triggerer_id, i.shard, l.owner_job_id, l.expires_at > now() "
+            "FROM asset_watcher w JOIN asset a ON a.id = w.asset_id JOIN trigger t ON t.id = w.trigger_id "
+            "LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
+            "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY a.uri", fetch=True)
+        found = [f"watcher {r[0]}: trigger {r[1]} triggerer_id={r[2]} shard={r[3]} lease owner={r[4]} "
+                 f"live={r[5]}" for r in watchers]
+        instances = execute(self.airflow_dsn, "SELECT job_id, stopped_at IS NULL, now() - heartbeat_at, "
+                                              "waiters, groups FROM smart_triggerer.instance ORDER BY job_id",
+                            fetch=True)
+        found += [f"instance job {r[0]}: running={r[1]} heartbeat age={r[2]} waiters={r[3]} groups={r[4]}"
+                  for r in instances]
+        orphan_keys = execute(
+            self.airflow_dsn,
+            "SELECT k.asset_id, k.idempotency_key FROM smart_triggerer.asset_event_key k WHERE NOT EXISTS "
+            "(SELECT 1 FROM asset_event e WHERE e.asset_id = k.asset_id "
+            "AND CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' = k.idempotency_key)", fetch=True)
+        found += [f"idempotency key claimed without an asset event: asset {r[0]} {r[1]}" for r in orphan_keys]
+        with contextlib.suppress(psycopg2.Error):
+            marks = execute(self.warehouse.dsn, "SELECT table_name, last_id, updated_at FROM "
+                                                "dataset_bridge.status_watermark ORDER BY table_name",
+                            fetch=True)
+            found += [f"status watermark {r[0]}: last_id={r[1]} updated_at={r[2]}" for r in marks]
+        return found
 
     def _stuck(self, final: dict[str, tuple[str | None, int | None]]) -> dict[str, str]:
         """Where the trigger of each still-deferred waiter stands: its shard and the shard's lease."""
         ids = [t for ti, (state, t) in final.items() if state == "deferred" and t is not None]
         if not ids:
             return {}
-        rows = execute(self.airflow_dsn, "SELECT t.id, t.triggerer_id, i.shard, i.error, l.owner_job_id, "
-                                         "l.expires_at FROM trigger t LEFT JOIN smart_triggerer.trigger_identity "
-                                         "i ON i.trigger_id = t.id LEFT JOIN smart_triggerer.shard_lease l "
-                                         "ON l.shard = i.shard WHERE t.id = ANY(%s)", (ids,), fetch=True)
+        rows = execute(self.airflow_dsn,
+                       "SELECT t.id, t.triggerer_id, i.shard, i.error, l.owner_job_id, l.expires_at "
+                       "FROM trigger t LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
+                       "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard WHERE t.id = ANY(%s)",
+                       (ids,), fetch=True)
         where = {r[0]: f"trigger {r[0]} triggerer_id={r[1]} shard={r[2]} identity_error={r[3]!r} "
                        f"lease owner={r[4]} expires={r[5]}" for r in rows}
         return {ti: where.get(t, f"trigger {t}") for ti, (state, t) in final.items()
@@ -872,20 +944,26 @@ class ChaosRun:
     def _figures_in(self) -> dict[str, Any]:
         return {"chaos_seconds": self.chaos_seconds, "wall_seconds": time.monotonic() - self.started,
                 "unexpected_exits": list(self.cluster.unexpected_exits),
+                "startup_exits": list(self.cluster.startup_exits),
                 "unclean_stops": list(self.cluster.unclean_stops), "notes": list(self.notes),
+                "term_exit_seconds": list(self.cluster.term_exit_seconds),
                 "polls": self.source.polls}
 
     def _evidence(self, trigger_ids: set[int], per_component: int = 12) -> list[str]:
-        """Log lines that name a failing waiter's trigger, and each component's errors (bounded)."""
+        """Log lines that name a failing waiter's trigger, and each component's last errors (bounded)."""
         wanted = re.compile(r"\b(?:trigger_id|runner_id|trigger)[=: ]+(\d+)\b")
         lines: list[str] = []
         for log_file in sorted(self.stack.log_dir.glob("*.log")):
             text = log_file.read_text(errors="replace").splitlines()
             named = [ln for ln in text if any(int(m) in trigger_ids for m in wanted.findall(ln))]
-            errors = [ln for ln in text if re.search(r"\b(ERROR|CRITICAL|Traceback|error)\b", ln)]
-            for line in (named[:per_component] + errors[:per_component]):
+            errors = [ln for ln in text if "[error" in ln or "[critical" in ln]
+            for line in named[:per_component] + errors[-3:]:
                 lines.append(f"{log_file.stem}: {line[:400]}")
         return lines
+
+
+def _kwargs_of(members: Sequence[Waiter], url: str, index: int) -> dict[str, Any]:
+    return members[index].kwargs(url)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -942,7 +1020,8 @@ def payload_matches(ident: Identity, payload: Any) -> bool:
     if not isinstance(payload, dict):
         return False
     if ident.kind == TABLE:
-        return payload.get("status") == "success" and sorted(payload.get("loaded") or []) == list(ident.tables)
+        loaded = sorted(payload.get("loaded") or [])
+        return payload.get("status") == "success" and loaded == list(ident.tables)
     if ident.kind == FLAG:
         return payload.get("status") == "success"
     return payload == {"key": ident.name}
@@ -954,7 +1033,8 @@ def condition_time(ident: Identity, conditions: dict[str, dt.datetime]) -> dt.da
     return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
 
-def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None, bound: float) -> Outcome:
+def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None,
+          bound: float) -> Outcome:
     """One waiter's audit trail against its condition and deadline."""
     deferred = [e["at"] for e in entries if e["op"] == "deferred"]
     writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
@@ -973,7 +1053,7 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     if outcome.verdict == "timed_out":
         _judge_timeout(outcome, first, due, expected, bound)
     else:
-        _judge_event(outcome, waiter, first, condition, start, expected, bound)
+        _judge_event(outcome, waiter, first, condition=condition, start=start, expected=expected, bound=bound)
     return outcome
 
 
@@ -1018,7 +1098,7 @@ def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | N
         outcome.problems.append(f"stalled: timed out {late:.1f}s after due (bound {bound:.0f}s)")
 
 
-def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], condition: dt.datetime | None,
+def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, condition: dt.datetime | None,
                  start: dt.datetime | None, expected: str, bound: float) -> None:
     payload = _as_dict(entry["next_kwargs"]).get("event")
     if not payload_matches(waiter.identity, payload):
@@ -1033,7 +1113,8 @@ def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], condit
     stall = (entry["at"] - start).total_seconds()
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
-        outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held (bound {bound:.0f}s)")
+        outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held "
+                                f"(bound {bound:.0f}s)")
 
 
 @dataclass
@@ -1063,20 +1144,22 @@ def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
                 result.wrong.append(f"row {row_id} ({table} {status}) made events {[e[0] for e in events]}")
             continue
         result.success_rows += 1
-        _judge_row(result, row_id, table, at, uri, events, bound)
+        _judge_row(result, (row_id, table, at), uri, events, bound)
     for row_id, events in by_row.items():
         if row_id not in rows:
             result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
     return result
 
 
-def _judge_row(result: AssetOutcome, row_id: int, table: str, at: dt.datetime, uri: str,
+def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str,
                events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float) -> None:
+    row_id, table, at = row
     if not events:
         result.lost.append(f"row {row_id} ({table} SUCCESS at {at.isoformat()}) has no asset event")
         return
     if len(events) > 1:
-        result.doubled.append(f"row {row_id} ({table}) has {len(events)} asset events {[e[0] for e in events]}")
+        result.doubled.append(f"row {row_id} ({table}) has {len(events)} asset events "
+                              f"{[e[0] for e in events]}")
     for event_id, event_uri, extra, _at in events:
         payload = extra.get("payload") or {}
         if event_uri != uri or payload.get("table_name") != table:
@@ -1110,8 +1193,12 @@ def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: di
                     ("stalled", assets.stalled)) for text in texts]
     violations += [f"INSTANCE exited on its own: {text}" for text in run["unexpected_exits"]]
     figures = _figures(plan, outcomes, assets, faults, run)
-    return Report(figures, violations, list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]],
-                  trigger_ids)
+    notes = list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]]
+    if violations:
+        notes += observed.diagnostics
+    notes += [f"exited during start-up (database unreachable), restarted: {u}"
+              for u in run["startup_exits"]]
+    return Report(figures, violations, notes, trigger_ids)
 
 
 def _trigger_ids(entries: list[dict[str, Any]], final: tuple[str | None, int | None] | None) -> set[int]:
@@ -1130,7 +1217,8 @@ def _describe(waiter: Waiter, outcome: Outcome, cond: dt.datetime | None, observ
             f"condition={cond.isoformat() if cond else None}: {problems} {where}".rstrip())
 
 
-def _stall_by_fault(outcomes: dict[int, Outcome], faults: Sequence[FaultRecord], lease: float) -> dict[str, float]:
+def _stall_by_fault(outcomes: dict[int, Outcome], faults: Sequence[FaultRecord],
+                    lease: float) -> dict[str, float]:
     """The longest stall among waits that overlapped each kind of fault ('none': no fault nearby)."""
     worst: dict[str, float] = {}
     for outcome in outcomes.values():
@@ -1182,8 +1270,10 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
          f"{len(assets.lost)} / {len(assets.doubled)} / {len(assets.wrong)} / {len(assets.stalled)}"),
         ("asset event latency max (s)", f"{max(assets.latencies, default=0):.2f} "
                                         f"(bound {p.bound(p.asset_poll):g})"),
-        ("instances that exited on their own", str(len(run["unexpected_exits"]))),
+        ("instances that exited on their own (while up / during start-up)",
+         f"{len(run['unexpected_exits'])} / {len(run['startup_exits'])}"),
         ("unclean stops (SIGTERM exit != 0)", str(len(run["unclean_stops"]))),
+        ("exit after SIGTERM max (s)", f"{max(run['term_exit_seconds'], default=0):.1f}"),
         ("HTTP polls", str(run["polls"])),
     ]
     return figures
@@ -1200,5 +1290,4 @@ def run_chaos(profile: Profile, log: Log = print, keep_logs: Path | None = None)
     return ChaosRun(profile, log, keep_logs).run()
 
 
-__all__ = ["FAULT_KINDS", "Profile", "Report", "check", "judge", "make_plan", "replace", "run_chaos",
-           "statistics"]
+__all__ = ["FAULT_KINDS", "Profile", "Report", "check", "judge", "make_plan", "run_chaos"]
