@@ -7,6 +7,7 @@ shown to catch each kind of violation on made-up audit trails, so a passing run 
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,11 @@ import pytest
 from tests.helpers.chaos import (
     FAULT_KINDS,
     Identity,
+    Observed,
     Profile,
     Waiter,
     judge,
+    judge_assets,
     make_plan,
     run_chaos,
 )
@@ -68,12 +71,30 @@ BOUND = 10.0
 def test_the_checker_catches_each_kind_of_violation(trail: list[dict[str, Any]], condition: float,
                                                      timeout_at: float | None, verdict: str,
                                                      problem: str | None) -> None:
-    outcome = judge(http_waiter(timeout_at), trail, at(condition), BOUND)
+    due = at(timeout_at) if timeout_at is not None else None
+    outcome = judge(http_waiter(timeout_at), trail, at(condition), BOUND, due)
     assert outcome.verdict == verdict
     if problem is None:
         assert outcome.problems == []
     else:
         assert any(problem in p for p in outcome.problems), outcome.problems
+
+
+def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_asset() -> None:
+    def event(event_id: int, asset: str, row_id: int, table: str) -> tuple[int, str, dict[str, Any], Any]:
+        payload = {"row_id": row_id, "table_name": table}
+        return (event_id, f"chaos://status/{asset}", {"payload": payload}, at(3))
+
+    rows = [(1, "asset.a0", "SUCCESS", at(1)), (2, "asset.a0", "START", at(1)),
+            (3, "asset.a1", "SUCCESS", at(1)), (4, "asset.a1", "SUCCESS", at(1)),
+            (5, "asset.a1", "SUCCESS", at(1))]
+    events = [event(10, "a0", 1, "asset.a0"), event(11, "a0", 1, "asset.a0"), event(12, "a0", 2, "asset.a0"),
+              event(13, "a0", 3, "asset.a1"), event(14, "a1", 5, "asset.a1")]
+    observed = Observed({}, {}, {}, {}, rows, events, T0)
+    result = judge_assets(observed, BOUND)
+    assert (len(result.lost), len(result.doubled), len(result.wrong)) == (1, 1, 2)
+    assert result.failing_rows == [1, 4]
+    assert result.latencies == [2.0, 2.0, 2.0]
 
 
 def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
@@ -86,7 +107,8 @@ def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_short_chaos_run_loses_doubles_and_stalls_nothing() -> None:
-    report = run_chaos(Profile.quick(SEED), log=print)
+def test_short_chaos_run_loses_doubles_and_stalls_nothing(tmp_path: Path) -> None:
+    logs = tmp_path / "instance-logs"  # kept by pytest with the test's tmp_path, for a failure's analysis
+    report = run_chaos(Profile.quick(SEED), log=print, keep_logs=logs)
     print(report.text())
-    assert report.ok, report.text()
+    assert report.ok, f"{report.text()}\ninstance logs: {logs}"

@@ -641,6 +641,7 @@ class Observed:
     asset_events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]
     t0: dt.datetime
     diagnostics: list[str] = field(default_factory=list)  # state to explain a failure with
+    watchers: dict[str, int] = field(default_factory=dict)  # asset uri -> its watcher's trigger id
 
 
 class ChaosRun:
@@ -693,12 +694,13 @@ class ChaosRun:
         self._wait_loaded()
         self._chaos()
         self._finish()
-        diagnostics = self._diagnostics()
+        diagnostics, watchers = self._diagnostics()
         self._stop_everything()
         observed = self._observe(diagnostics)
+        observed.watchers = watchers
         report = check(self.plan, observed, self.faults, self._figures_in())
         if not report.ok:
-            report.evidence = self._evidence(report.trigger_ids)
+            report.evidence = self._evidence(report.trigger_ids, report.row_ids)
         return report
 
     def _databases(self, server: EmbeddedPostgres, root: Path) -> tuple[str, str]:
@@ -898,7 +900,7 @@ class ChaosRun:
         return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
                         self.warehouse.asset_rows(), events, self.t0_db, diagnostics)
 
-    def _diagnostics(self) -> list[str]:
+    def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
         watchers = execute(
             self.airflow_dsn,
@@ -924,7 +926,7 @@ class ChaosRun:
                                                 "dataset_bridge.status_watermark ORDER BY table_name",
                             fetch=True)
             found += [f"status watermark {r[0]}: last_id={r[1]} updated_at={r[2]}" for r in marks]
-        return found
+        return found, {r[0]: int(r[1]) for r in watchers}
 
     def _stuck(self, final: dict[str, tuple[str | None, int | None]]) -> dict[str, str]:
         """Where the trigger of each still-deferred waiter stands: its shard and the shard's lease."""
@@ -949,13 +951,20 @@ class ChaosRun:
                 "term_exit_seconds": list(self.cluster.term_exit_seconds),
                 "polls": self.source.polls}
 
-    def _evidence(self, trigger_ids: set[int], per_component: int = 12) -> list[str]:
-        """Log lines that name a failing waiter's trigger, and each component's last errors (bounded)."""
-        wanted = re.compile(r"\b(?:trigger_id|runner_id|trigger)[=: ]+(\d+)\b")
+    def _evidence(self, trigger_ids: set[int], row_ids: set[int], per_component: int = 12) -> list[str]:
+        """Log lines that name a failing waiter's trigger or a lost status row, and each component's last
+        errors (bounded)."""
+        trigger = re.compile(r"\b(?:trigger_id|runner_id|trigger|ID)[=: ]+(\d+)\b")
+        row = re.compile(r"'row_id': (\d+)")
+
+        def names(line: str) -> bool:
+            return (any(int(m) in trigger_ids for m in trigger.findall(line))
+                    or any(int(m) in row_ids for m in row.findall(line)))
+
         lines: list[str] = []
         for log_file in sorted(self.stack.log_dir.glob("*.log")):
             text = log_file.read_text(errors="replace").splitlines()
-            named = [ln for ln in text if any(int(m) in trigger_ids for m in wanted.findall(ln))]
+            named = [ln for ln in text if names(ln)]
             errors = [ln for ln in text if "[error" in ln or "[critical" in ln]
             for line in named[:per_component] + errors[-3:]:
                 lines.append(f"{log_file.stem}: {line[:400]}")
@@ -985,6 +994,7 @@ class Report:
     violations: list[str]
     notes: list[str]
     trigger_ids: set[int] = field(default_factory=set)
+    row_ids: set[int] = field(default_factory=set)
     evidence: list[str] = field(default_factory=list)
 
     @property
@@ -1034,8 +1044,8 @@ def condition_time(ident: Identity, conditions: dict[str, dt.datetime]) -> dt.da
 
 
 def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None,
-          bound: float) -> Outcome:
-    """One waiter's audit trail against its condition and deadline."""
+          bound: float, due: dt.datetime | None = None) -> Outcome:
+    """One waiter's audit trail against its condition and its deadline (``due``, as the harness set it)."""
     deferred = [e["at"] for e in entries if e["op"] == "deferred"]
     writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
     if not writes:
@@ -1048,7 +1058,6 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     if outcome.verdict in ("lost", "failed"):
         return outcome
     start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
-    due = first["trigger_timeout"] if waiter.timeout_at is not None else None
     expected = _expected(condition, due, bound)
     if outcome.verdict == "timed_out":
         _judge_timeout(outcome, first, due, expected, bound)
@@ -1124,6 +1133,8 @@ class AssetOutcome:
     wrong: list[str] = field(default_factory=list)
     stalled: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    failing_rows: list[int] = field(default_factory=list)
+    failing_assets: set[str] = field(default_factory=set)
     events: int = 0
     success_rows: int = 0
 
@@ -1154,6 +1165,9 @@ def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
 def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str,
                events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float) -> None:
     row_id, table, at = row
+    if not events or len(events) > 1:
+        result.failing_rows.append(row_id)
+        result.failing_assets.add(uri)
     if not events:
         result.lost.append(f"row {row_id} ({table} SUCCESS at {at.isoformat()}) has no asset event")
         return
@@ -1182,12 +1196,15 @@ def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: di
     for waiter in plan.waiters:
         entries = observed.audit.get(waiter.ti_id, [])
         cond = condition_time(waiter.identity, observed.conditions)
-        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval))
+        due = None if waiter.timeout_at is None else observed.t0 + dt.timedelta(seconds=waiter.timeout_at)
+        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval), due)
         outcomes[waiter.index] = outcome
         if outcome.verdict in ("lost", "failed") or outcome.problems:
             trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
             violations.append(_describe(waiter, outcome, cond, observed))
     assets = judge_assets(observed, profile.bound(profile.asset_poll))
+    for uri in assets.failing_assets:
+        trigger_ids.add(observed.watchers.get(uri, -1))
     violations += [f"ASSET {kind}: {text}" for kind, texts in
                    (("lost", assets.lost), ("doubled", assets.doubled), ("wrong", assets.wrong),
                     ("stalled", assets.stalled)) for text in texts]
@@ -1198,7 +1215,7 @@ def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: di
         notes += observed.diagnostics
     notes += [f"exited during start-up (database unreachable), restarted: {u}"
               for u in run["startup_exits"]]
-    return Report(figures, violations, notes, trigger_ids)
+    return Report(figures, violations, notes, trigger_ids, set(assets.failing_rows))
 
 
 def _trigger_ids(entries: list[dict[str, Any]], final: tuple[str | None, int | None] | None) -> set[int]:
