@@ -86,6 +86,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     last_renewal: float = attrs.field(default=-math.inf, init=False)
     last_load: float = attrs.field(default=-math.inf, init=False)
     pending_since: float | None = attrs.field(default=None, init=False)
+    # events of coroutines still running whose group this instance forgot (its shards were dropped and may
+    # be re-claimed without restarting the coroutine): kept until the group is back or the coroutine ends
+    orphans: list[TriggerEventEntry] = attrs.field(factory=list, init=False)
     db_ok: bool = attrs.field(default=True, init=False)
     events_total: int = attrs.field(default=0, init=False)
     resumed_total: int = attrs.field(default=0, init=False)
@@ -339,7 +342,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """Ask the runner for the groups' coroutines; True when some leader could not start."""
         requested = self.groups.runner_ids()
         known = self.running_triggers.union(
-            (entry.trigger_id for entry in self.events), self.cancelling_triggers,
+            (entry.trigger_id for entry in self.events), (entry.trigger_id for entry in self.orphans),
+            self.cancelling_triggers,
             (failure[0] for failure in self.failed_triggers), (w.id for w in self.creating_triggers),
         )
         new_ids = requested - known
@@ -400,6 +404,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         A transaction the database refuses is retried event by event, and an event that still cannot be
         stored fails its own members with the cause. A database outage leaves the events queued.
         """
+        self._adopt_orphans()
         while self.events:
             chunk = self._front_chunk()
             try:
@@ -411,6 +416,23 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 continue
             for _ in chunk:
                 self.events.popleft()
+
+    def _adopt_orphans(self) -> None:
+        """Put orphaned events whose group is back in front (in order); drop those whose coroutine is
+        being cancelled or gone (its shard is another instance's now: the new owner fires its own)."""
+        if not self.orphans:
+            return
+        back, waiting = [], []
+        alive = self.running_triggers - self.cancelling_triggers
+        for entry in self.orphans:
+            if self.groups.by_runner(entry.trigger_id) is not None:
+                back.append(entry)
+            elif entry.trigger_id in alive:
+                waiting.append(entry)
+            else:
+                log.debug("dropping an event of a coroutine handed over", runner_id=entry.trigger_id)
+        self.orphans = waiting
+        self.events.extendleft(reversed(back))
 
     def _front_chunk(self) -> list[TriggerEventEntry]:
         """Events from the front of the queue, up to ``max_resumes_per_transaction`` task members."""
@@ -460,7 +482,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self.events_total += len(entries)
         for entry, group, mine in outcomes:
             if group is None:
-                log.debug("event for a group this instance no longer runs", runner_id=entry.trigger_id)
+                # not stored, not acknowledged: kept while its coroutine may still be ours
+                self.orphans.append(entry)
                 continue
             stored_all = mine >= {m for m in group.members if not self._is_task(m)}
             if entry.persist_seq is not None and stored_all:

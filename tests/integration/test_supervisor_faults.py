@@ -116,6 +116,42 @@ def test_an_event_of_a_group_no_longer_run_is_neither_stored_nor_acknowledged(en
     assert set(ti_states(env.database_dsn, seeded.dag_id).values()) == {"deferred"}
 
 
+def test_an_event_fired_while_its_shards_were_dropped_is_stored_when_back(env: AirflowConfig) -> None:
+    """The guard drops every shard during a database blip; the coroutine keeps running, the next load
+    re-claims the shards. Its event (a status-table row, say) must be stored then, not thrown away while
+    the stream moves on (the chaos run lost asset events this way)."""
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor.running_triggers.add(runner)
+    supervisor._drop_shards(set(supervisor.owned))
+    supervisor.owned = set()
+    supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=11))
+    supervisor.handle_events()
+    assert list(supervisor.persisted_event_seqs) == [] and len(supervisor.orphans) == 1
+    load(supervisor)
+    supervisor._start_groups()
+    supervisor.handle_events()
+    assert list(supervisor.persisted_event_seqs) == [11] and supervisor.orphans == []
+    assert set(ti_states(env.database_dsn, seeded.dag_id).values()) == {"scheduled"}
+
+
+def test_an_event_of_a_coroutine_being_cancelled_is_dropped(env: AirflowConfig) -> None:
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor.running_triggers.add(runner)
+    supervisor._drop_shards(set(supervisor.owned))
+    supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=12))
+    supervisor.handle_events()
+    supervisor.cancelling_triggers.add(runner)  # its shard went to another instance
+    supervisor.handle_events()
+    assert supervisor.orphans == [] and list(supervisor.persisted_event_seqs) == []
+    assert set(ti_states(env.database_dsn, seeded.dag_id).values()) == {"deferred"}
+
+
 def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
     """Issue 11.7: another instance took the shard while this one was paused; its event must not land."""
     dsn = env.database_dsn
