@@ -171,6 +171,29 @@ def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
     assert supervisor.resumed_total == 0
 
 
+def test_timeouts_never_wait_on_rows_another_transaction_holds(env: AirflowConfig) -> None:
+    """Issue 11.10: timeout_members used to lock rows in no order (deadlocks with the scheduler); now it
+    locks in id order and leaves rows someone else holds to the next loop."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 4, trigger_timeout=dt.timedelta(seconds=-1))
+    load(supervisor)
+    held = max(seeded.ti_ids)
+    other = psycopg2.connect(dsn)
+    try:
+        other.cursor().execute("SELECT id FROM task_instance WHERE id = %s FOR UPDATE", (held,))
+        started = time.monotonic()
+        supervisor._timeout_members()
+        assert time.monotonic() - started < 5
+        states = dict(rows(dsn, "SELECT id::text, state FROM task_instance WHERE dag_id = %s", seeded.dag_id))
+        assert states.pop(held) == "deferred" and set(states.values()) == {"scheduled"}
+    finally:
+        other.close()
+    supervisor._timeout_members()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+    assert all(v == {"error": "Trigger timeout"} for v in next_kwargs(dsn, seeded.dag_id).values())
+
+
 def test_an_expired_lease_of_its_own_is_no_licence_either(env: AirflowConfig) -> None:
     dsn = env.database_dsn
     supervisor = make_supervisor()
