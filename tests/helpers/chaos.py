@@ -910,10 +910,11 @@ class ChaosRun:
             "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY a.uri", fetch=True)
         found = [f"watcher {r[0]}: trigger {r[1]} triggerer_id={r[2]} shard={r[3]} lease owner={r[4]} "
                  f"live={r[5]}" for r in watchers]
-        instances = execute(self.airflow_dsn, "SELECT job_id, stopped_at IS NULL, now() - heartbeat_at, "
-                                              "waiters, groups FROM smart_triggerer.instance ORDER BY job_id",
+        instances = execute(self.airflow_dsn, "SELECT job_id, now() - heartbeat_at, waiters, groups "
+                                              "FROM smart_triggerer.instance WHERE stopped_at IS NULL AND "
+                                              "heartbeat_at > now() - interval '30 seconds' ORDER BY job_id",
                             fetch=True)
-        found += [f"instance job {r[0]}: running={r[1]} heartbeat age={r[2]} waiters={r[3]} groups={r[4]}"
+        found += [f"live instance job {r[0]}: heartbeat age={r[1]} waiters={r[2]} groups={r[3]}"
                   for r in instances]
         orphan_keys = execute(
             self.airflow_dsn,
