@@ -335,9 +335,11 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
         try:
             async for row in shared_stream:
                 if row["table_name"] == self.table_name:
-                    # no await between marking and handing over: the runner takes the event synchronously
-                    subscribers.mark_emitted(key, self.table_name, row["id"])
                     yield TriggerEvent(self.payload(row))
+                    # Resumed: Airflow's runner has taken the event and bound it to the row's persist
+                    # confirmation. A watcher cancelled before that (a handover) never gets here, so the
+                    # watermark cannot move past a row whose event was never handed over.
+                    subscribers.mark_emitted(key, self.table_name, row["id"])
         finally:
             subscribers.remove(key, self.table_name)
 

@@ -89,3 +89,24 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
     finally:
         await stream.aclose()
         subscribers.remove(again.key, TABLE)
+
+
+async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mark_the_row() -> None:
+    """Chaos run finding: a handover cancelled a watcher while Airflow's runner was still logging its event
+    (before binding it); the row was already marked emitted, so the watermark moved past a row whose
+    asset event never existed. A row counts as emitted only once the runner took the event."""
+    trigger = TableStatusTrigger("warehouse", TABLE)
+    key = trigger.shared_stream_key()
+
+    async def rows() -> AsyncIterator[dict[str, Any]]:
+        for row_id in (41, 42):
+            yield {"id": row_id, "table_name": TABLE, "status": "SUCCESS", "at": "2026-11-23T00:00:00"}
+
+    events = trigger.filter_shared_stream(rows())
+    first = await events.__anext__()
+    assert first.payload["row_id"] == 41
+    assert not subscribers.take_emitted(key, (TABLE, 41))  # handed out, not yet taken by the runner
+    await events.__anext__()  # the runner took event 41 and asks for the next
+    assert subscribers.take_emitted(key, (TABLE, 41))
+    await events.aclose()  # cancelled while sitting on 42
+    assert not subscribers.take_emitted(key, (TABLE, 42))
