@@ -49,16 +49,25 @@ def prepare(mapping: TaskMapping | None) -> None:
             task_success.register_horizons(session, mapping)
 
 
+_warned_unresolved: set[str] = set()
+
+
 def emit_pending(mapping: TaskMapping) -> int:
-    """One pass over successes not yet bridged; each try in its own transaction."""
+    """One pass over (successful try, asset) pairs not yet bridged; each pair in its own transaction."""
     with _session() as session:
         rows = task_success.pending(session, mapping)
+        missing = set(task_success.unresolved(session, mapping))
+    for ref in sorted(missing - _warned_unresolved):
+        log.warning("mapped asset not found (no DAG declares it yet); its events follow once one does",
+                    asset=ref)
+    _warned_unresolved.intersection_update(missing)
+    _warned_unresolved.update(missing)
     created = 0
     for row in rows:
         with _session() as session:
-            created += task_success.emit_one(session, mapping, row)
+            created += task_success.emit_one(session, row)
     if created:
-        log.info("asset events emitted for task successes", events=created, tries=len(rows))
+        log.info("asset events emitted for task successes", events=created, pairs=len(rows))
     return created
 
 

@@ -155,6 +155,18 @@ def _defer(
     return [row.id for row in rows]
 
 
+def seed_run(dsn: str, dags_folder: Path, *, count: int, dag_id: str | None = None) -> Seeded:
+    """A real DAG of one mapped task (``wait``, ``count`` map indexes) and one run of it, nothing deferred."""
+    from airflow.utils.session import create_session
+
+    use_airflow_db(dsn)
+    dag_id = dag_id or f"seeded_{uuid.uuid4().hex[:8]}"
+    _sync_dag(write_seed_dag(dags_folder, dag_id, count), dags_folder)
+    with create_session() as session:
+        run_id, ti_ids = _create_run(dag_id, session)
+    return Seeded(dag_id, run_id, ti_ids, [])
+
+
 def seed_deferred(
     dsn: str,
     dags_folder: Path,
