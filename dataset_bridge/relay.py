@@ -4,8 +4,12 @@
 - Per target: pending rows go in outbox order, in batches; a target whose head batch fails waits (retries
   with exponential backoff and full jitter) so a later event never overtakes an earlier one. Targets are
   delivered concurrently, at most ``concurrency`` at a time.
-- After ``max_attempts`` failed attempts a row is dead-lettered (``status = 'dead'``) with its last error,
-  and the target moves on. An event the inbox refuses for good (unknown asset) is dead-lettered at once.
+- After ``max_attempts`` failed attempts of its own a row is dead-lettered (``status = 'dead'``) with its
+  last error, and the target moves on. An event the inbox refuses for good (unknown asset) is dead-lettered
+  at once. A batch the inbox finds too large (413) is sent in halves; a single event still too large is
+  dead-lettered. A reply without a result for every event sent is a failure, never a delivery.
+- A database error (PostgreSQL restarting) fails that pass only: the relay backs off, listens again and
+  carries on from the outbox.
 - All state is in the outbox table, so a relay that crashes resumes where it was: a batch delivered but
   not yet marked is delivered again, and the inbox's (source, event id) key makes that harmless.
 """
@@ -44,9 +48,14 @@ MARK_DEAD = """
 UPDATE dataset_bridge.outbox SET status = 'dead', attempts = attempts + 1, last_error = $2
 WHERE id = ANY($1::bigint[])
 """
+# Each row counts its own attempts (rows join a batch at different times): a row that reached
+# max_attempts is dead-lettered, the others wait for the retry.
 MARK_RETRY = """
 UPDATE dataset_bridge.outbox SET attempts = attempts + 1, last_error = $2,
-next_attempt_at = now() + make_interval(secs => $3) WHERE id = ANY($1::bigint[])
+next_attempt_at = now() + make_interval(secs => $3),
+status = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE status END
+WHERE id = ANY($1::bigint[])
+RETURNING id, status, attempts
 """
 
 
@@ -64,9 +73,10 @@ class RelaySettings:
 class DeliveryError(Exception):
     """The target did not take the batch; ``permanent`` when retrying the same request cannot help."""
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, status: int | None = None) -> None:
         super().__init__(message)
         self.permanent = permanent
+        self.status = status
 
 
 def backoff(attempts: int, base: float, cap: float) -> float:
@@ -88,6 +98,8 @@ class Relay:
         self.pool, self.routes, self.settings = pool, routes, settings
         self.wake = asyncio.Event()
         self.gate = asyncio.Semaphore(settings.concurrency)
+        self.listener: _Listener | None = None
+        self.last_sweep = float("-inf")
 
     async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
         """Deliver what is due for one target, batch after batch; returns rows delivered."""
@@ -106,7 +118,9 @@ class Relay:
         try:
             results = await self._post(session, target, body_for(self.routes.source, rows))
         except DeliveryError as err:
-            await self._failed(target, rows, str(err), permanent=err.permanent)
+            if err.status == 413 and len(rows) > 1:
+                return await self._split(session, target, rows)
+            await self._failed(target, rows, str(err), permanent=err.permanent or err.status == 413)
             return 0
         refused = {int(r["id"]): str(r.get("error", r.get("status"))) for r in results
                    if r.get("status") not in ("created", "duplicate")}
@@ -122,6 +136,15 @@ class Relay:
             log.warning("events refused by the target, dead-lettered", target=target.name, events=len(dead))
         return len(done)
 
+    async def _split(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any]) -> int:
+        """The target refused the batch as too large: send it in halves, in order, stopping at a failure."""
+        half = len(rows) // 2
+        log.info("batch too large for the target; splitting", target=target.name, events=len(rows))
+        delivered = await self._send(session, target, rows[:half])
+        if delivered < half:
+            return delivered  # the first half is not through (backing off or dead): keep the order
+        return delivered + await self._send(session, target, rows[half:])
+
     async def _post(self, session: aiohttp.ClientSession, target: Target,
                     body: bytes) -> list[dict[str, Any]]:
         signed = signing.sign(self.routes.source, target.secret(), body)
@@ -133,24 +156,27 @@ class Relay:
                 if response.status >= 400:
                     # 4xx other than 408/429 will not change by retrying the same request as is, but the
                     # target's config might (a rotated secret): retry until max_attempts anyway
-                    raise DeliveryError(f"HTTP {response.status}: {text[:300]}")
-                results = json.loads(text).get("results", [])
-                return list(results)
+                    raise DeliveryError(f"HTTP {response.status}: {text[:300]}", status=response.status)
+                return _results(json.loads(text), body, response.status)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err
 
     async def _failed(self, target: Target, rows: Sequence[Any], error: str, *, permanent: bool) -> None:
-        attempts = rows[0]["attempts"] + 1
         ids = [row["id"] for row in rows]
-        if permanent or attempts >= target.max_attempts:
+        if permanent:
             await self.pool.execute(MARK_DEAD, ids, error)
-            log.error("events dead-lettered", target=target.name, events=len(ids), attempts=attempts,
-                      error=error)
+            log.error("events dead-lettered", target=target.name, events=len(ids), error=error)
             return
-        delay = backoff(attempts, self.settings.backoff_base, self.settings.backoff_cap)
-        await self.pool.execute(MARK_RETRY, ids, error, delay)
-        log.warning("delivery failed; backing off", target=target.name, attempt=attempts,
-                    retry_in=round(delay, 1), error=error)
+        # the head row decides when the batch is tried again (later rows cannot overtake it)
+        delay = backoff(rows[0]["attempts"] + 1, self.settings.backoff_base, self.settings.backoff_cap)
+        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, target.max_attempts)
+        dead = [r["id"] for r in marked if r["status"] == "dead"]
+        if dead:
+            log.error("events dead-lettered", target=target.name, events=len(dead),
+                      attempts=target.max_attempts, error=error)
+        if len(dead) < len(ids):
+            log.warning("delivery failed; backing off", target=target.name, attempt=rows[0]["attempts"] + 1,
+                        retry_in=round(delay, 1), error=error)
 
     async def sweep(self) -> None:
         await asyncio.to_thread(_sweep_blocking, self.routes)
@@ -160,18 +186,44 @@ class Relay:
 
     async def run(self, stop: asyncio.Event) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_seconds)
-        listener = await _listen(self.pool, self.notified)
-        last_sweep = 0.0
+        failures = 0
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 while not stop.is_set():
                     self.wake.clear()
-                    if time.monotonic() - last_sweep >= self.settings.sweep_every:
-                        await self.sweep()
-                        last_sweep = time.monotonic()
-                    await asyncio.gather(*(self.deliver_target(session, t) for t in self.routes.targets))
+                    try:
+                        await self._pass(session)
+                        failures = 0
+                    except Exception as err:
+                        # PostgreSQL restarting, a failover, a network blip: all state is in the outbox,
+                        # so ride it out and carry on where the last committed mark left off
+                        failures += 1
+                        delay = backoff(failures, self.settings.backoff_base, 10.0)
+                        log.warning("relay pass failed; retrying", error=f"{type(err).__name__}: {err}",
+                                    attempt=failures, retry_in=round(delay, 1))
+                        await self._drop_listener()
+                        await _wait_any(stop, asyncio.Event(), delay)
+                        continue
                     await _wait_any(stop, self.wake, self.settings.poll_seconds)
         finally:
+            await self._drop_listener()
+
+    async def _pass(self, session: aiohttp.ClientSession) -> None:
+        if self.listener is None or self.listener.closed():
+            await self._drop_listener()
+            self.listener = await _listen(self.pool, self.notified)
+        if time.monotonic() - self.last_sweep >= self.settings.sweep_every:
+            await self.sweep()
+            self.last_sweep = time.monotonic()
+        outcomes = await asyncio.gather(*(self.deliver_target(session, t) for t in self.routes.targets),
+                                        return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _drop_listener(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
             await listener.close()
 
 
@@ -192,16 +244,50 @@ def _sweep_blocking(routes: Routes) -> None:
         log.info("outbox rows added for events made without one", rows=added)
 
 
-async def _listen(pool: asyncpg.Pool, callback: Any) -> Any:
+class _Listener:
+    """A pool connection LISTENing on the outbox channel for as long as it lives."""
+
+    def __init__(self, pool: asyncpg.Pool, conn: Any, callback: Any) -> None:
+        self.pool, self.conn, self.callback = pool, conn, callback
+
+    def closed(self) -> bool:
+        try:
+            return bool(self.conn.is_closed())
+        except asyncpg.InterfaceError:
+            return True  # the pool took the lost connection back already
+
+    async def close(self) -> None:
+        try:
+            if not self.closed():
+                await self.conn.remove_listener(CHANNEL, self.callback)
+            await self.pool.release(self.conn)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            pass  # the connection is gone already: the pool replaces it
+
+
+async def _listen(pool: asyncpg.Pool, callback: Any) -> _Listener:
     conn = await pool.acquire()
-    await conn.add_listener(CHANNEL, callback)
+    try:
+        await conn.add_listener(CHANNEL, callback)
+        # a lost LISTEN connection (PostgreSQL restarting) wakes the relay, which listens again
+        conn.add_termination_listener(lambda *_: callback())
+    except BaseException:
+        await pool.release(conn)
+        raise
+    return _Listener(pool, conn, callback)
 
-    class Releasing:
-        async def close(self) -> None:
-            await conn.remove_listener(CHANNEL, callback)
-            await pool.release(conn)
 
-    return Releasing()
+def _results(reply: Any, body: bytes, status: int) -> list[dict[str, Any]]:
+    """The per-event results of an inbox reply; DeliveryError when the reply does not account for every
+    event sent (a proxy's page, a wrong URL answering 200): nothing is marked delivered on faith."""
+    sent = {event["id"] for event in json.loads(body)["events"]}
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list) or not all(isinstance(r, dict) and "id" in r for r in results):
+        raise DeliveryError(f"HTTP {status} without per-event results: not a dataset-bridge inbox?")
+    answered = {r["id"] for r in results}
+    if not sent <= answered:
+        raise DeliveryError(f"HTTP {status}: the reply has no result for {len(sent - answered)} event(s)")
+    return list(results)
 
 
 async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:

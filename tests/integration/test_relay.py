@@ -1,0 +1,225 @@
+"""The relay's edge cases against a real PostgreSQL outbox and a real HTTP inbox stand-in (aiohttp, same
+protocol and signature check as the inbox): per-row attempts, 413 splitting, replies without results, and a
+database that goes away and comes back while the relay runs."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from aiohttp import web
+
+from dataset_bridge import outbox, signing
+from dataset_bridge.relay import Relay, RelaySettings
+from dataset_bridge.routes import Routes
+from tests.helpers.airflow_orm import use_airflow_db
+from triggerer.pgserver import free_port
+
+SECRET = "s3cret"
+
+
+@dataclass
+class Inbox:
+    """What the stand-in inbox answers; every request it accepted, in order."""
+
+    url: str = ""
+    max_events: int = 1000
+    fail_with: int | None = None
+    reply: Callable[[list[dict[str, Any]]], Any] | None = None
+    received: list[int] = field(default_factory=list)
+    requests: int = 0
+
+
+@pytest.fixture
+async def inbox() -> AsyncIterator[Inbox]:
+    state = Inbox()
+
+    async def handle(request: web.Request) -> web.Response:
+        state.requests += 1
+        body = await request.read()
+        signing.verify({"deployment_a": SECRET}, {k.lower(): v for k, v in request.headers.items()}, body)
+        events = json.loads(body)["events"]
+        if state.fail_with is not None:
+            return web.Response(status=state.fail_with, text="refused by the test")
+        if len(events) > state.max_events:
+            return web.Response(status=413, text="body too large")
+        if state.reply is not None:
+            return web.json_response(state.reply(events))
+        state.received.extend(e["id"] for e in events)
+        return web.json_response({"results": [{"id": e["id"], "status": "created"} for e in events]})
+
+    app = web.Application()
+    app.router.add_post("/inbox", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    state.url = f"http://127.0.0.1:{port}/inbox"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+def _routes(url: str, max_attempts: int = 10) -> Routes:
+    return Routes.parse({"source": "deployment_a", "targets": {"b": {
+        "url": url, "secret_env": "BRIDGE_SECRET_RELAY_TEST", "assets": ["x"],
+        "max_attempts": max_attempts}}})
+
+
+async def _outbox(dsn: str) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    async with pool.acquire() as conn:
+        for statement in outbox.SCHEMA_DDL.split(";"):
+            if statement.strip():
+                await conn.execute(statement)
+    return pool
+
+
+async def _add(pool: asyncpg.Pool, event_ids: range, attempts: int = 0) -> None:
+    await pool.executemany(
+        "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, event_timestamp, "
+        "attempts) VALUES ('b', $1, 'x', 'x', $2, $3)",
+        [(i, dt.datetime.now(dt.UTC), attempts) for i in event_ids])
+
+
+async def _rows(pool: asyncpg.Pool) -> dict[int, tuple[str, int, str | None]]:
+    found = await pool.fetch("SELECT asset_event_id, status, attempts, last_error FROM dataset_bridge.outbox")
+    return {r["asset_event_id"]: (r["status"], r["attempts"], r["last_error"]) for r in found}
+
+
+async def _deliver(pool: asyncpg.Pool, routes: Routes, settings: RelaySettings | None = None) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        relay = Relay(pool, routes, settings or RelaySettings())
+        return await relay.deliver_target(session, routes.targets[0])
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BRIDGE_SECRET_RELAY_TEST", SECRET)
+
+
+async def test_each_row_counts_its_own_attempts(pg_db: str, inbox: Inbox) -> None:
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 2), attempts=4)  # the head has failed 4 times already
+        await _add(pool, range(2, 3))  # joined the queue just now
+        inbox.fail_with = 503
+        assert await _deliver(pool, _routes(inbox.url, max_attempts=5)) == 0
+        rows = await _rows(pool)
+        assert rows[1][:2] == ("dead", 5)
+        assert rows[2][:2] == ("pending", 1)  # one failure of its own: it is retried, not dead-lettered
+        assert "HTTP 503" in str(rows[2][2])
+    finally:
+        await pool.close()
+
+
+async def test_a_batch_over_the_inbox_limit_is_split_and_delivered_in_order(pg_db: str, inbox: Inbox) -> None:
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 11))
+        inbox.max_events = 3
+        assert await _deliver(pool, _routes(inbox.url)) == 10
+        assert inbox.received == list(range(1, 11))
+        assert {status for status, _, _ in (await _rows(pool)).values()} == {"delivered"}
+
+        inbox.max_events = 0  # even a single event is too large: that one is dead-lettered at once
+        await _add(pool, range(11, 12))
+        assert await _deliver(pool, _routes(inbox.url)) == 0
+        status, attempts, error = (await _rows(pool))[11]
+        assert (status, attempts) == ("dead", 1)
+        assert "HTTP 413" in str(error)
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("reply", [
+    pytest.param(lambda events: {"ok": True}, id="no-results"),
+    pytest.param(lambda events: {"results": [{"id": events[0]["id"], "status": "created"}]}, id="partial"),
+])
+async def test_a_success_reply_without_a_result_for_every_event_is_a_failure(
+        pg_db: str, inbox: Inbox, reply: Callable[[list[dict[str, Any]]], Any]) -> None:
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 3))
+        inbox.reply = reply  # a proxy's page or a wrong URL that answers 200
+        assert await _deliver(pool, _routes(inbox.url)) == 0
+        rows = await _rows(pool)
+        assert [rows[i][:2] for i in (1, 2)] == [("pending", 1), ("pending", 1)]
+        assert "result" in str(rows[1][2])
+    finally:
+        await pool.close()
+
+
+async def _set_connections(admin: asyncpg.Connection, dbname: str, allowed: bool) -> None:
+    await admin.execute(f'ALTER DATABASE "{dbname}" WITH ALLOW_CONNECTIONS {str(allowed).lower()}')
+    if not allowed:
+        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = $1 AND pid <> pg_backend_pid()", dbname)
+
+
+async def test_the_relay_rides_out_its_database_going_away(
+        airflow_db: str, pg_server: str, inbox: Inbox, tmp_path: Path) -> None:
+    """Every connection of the relay (pool, LISTEN, the sweeper's SQLAlchemy session) is cut and new ones
+    are refused for a few seconds, as in a PostgreSQL restart; the relay keeps running and delivers what
+    was added meanwhile, woken again by NOTIFY."""
+    use_airflow_db(airflow_db)
+    dbname = airflow_db.rsplit("/", 1)[1].split("?", maxsplit=1)[0]
+    pool = await _outbox(airflow_db)
+    admin = await asyncpg.connect(pg_server)
+    stop = asyncio.Event()
+    settings = RelaySettings(poll_seconds=30, sweep_every=0.5, backoff_base=0.2)
+    relay = asyncio.create_task(Relay(pool, _routes(inbox.url), settings).run(stop))
+    try:
+        await _add(pool, range(1, 3))
+        await pool.execute("SELECT pg_notify($1, '')", outbox.CHANNEL)
+        await _until(lambda: inbox.received == [1, 2])
+        await _until_ok(lambda: _all_delivered(pool, 2))  # marked, so the cut below cannot resend them
+        await _set_connections(admin, dbname, allowed=False)
+        await asyncio.sleep(3)  # passes fail meanwhile: the relay must not die of it
+        assert not relay.done(), relay
+        await _set_connections(admin, dbname, allowed=True)
+        await _until_ok(lambda: _add(pool, range(3, 5)))
+        await pool.execute("SELECT pg_notify($1, '')", outbox.CHANNEL)
+        await _until(lambda: inbox.received == [1, 2, 3, 4], timeout=20)
+        await _until_ok(lambda: _all_delivered(pool, 4))
+        assert not relay.done()
+    finally:
+        stop.set()
+        await _set_connections(admin, dbname, allowed=True)
+        await asyncio.wait_for(relay, 15)
+        await admin.close()
+        await pool.close()
+
+
+async def _until(probe: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not probe():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def _all_delivered(pool: asyncpg.Pool, count: int) -> None:
+    rows = await _rows(pool)
+    if len(rows) != count or {status for status, _, _ in rows.values()} != {"delivered"}:
+        raise OSError("not yet")
+
+
+async def _until_ok(action: Callable[[], Any], timeout: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await action()
+            return
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            assert asyncio.get_running_loop().time() < deadline, "the database did not come back"
+            await asyncio.sleep(0.2)
