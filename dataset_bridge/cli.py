@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--batch", type=int, default=100, help="events per request (default 100)")
     relay.add_argument("--backoff-cap", type=_positive, default=60.0,
                        help="longest wait between retries, seconds (default 60)")
+    init = commands.add_parser("init", help="create the bridge's tables and register the routes' targets "
+                                            "(run once when you configure routing, before any event)")
+    init.add_argument("--routes", help="YAML/JSON routes file: its targets' events are relayed from now on")
     relay_status = commands.add_parser("relay-status", help="per target: backlog, delivered, dead-lettered")
     relay_status.add_argument("--json", action="store_true", help="print one JSON object")
     status = commands.choices["status"]
@@ -128,6 +131,23 @@ def relay_command(args: argparse.Namespace) -> int:
     return asyncio.run(_run_relay(routes, settings))
 
 
+def init_command(args: argparse.Namespace) -> int:
+    from dataset_bridge import relay, service
+    from dataset_bridge.routes import Routes, RoutesError
+
+    try:
+        routes = Routes.load(args.routes) if args.routes else None
+    except RoutesError as err:
+        print(f"dataset-bridge: {err}", file=sys.stderr)
+        return 2
+    service.prepare(None)
+    if routes is not None:
+        relay.prepare(routes)
+    targets = ", ".join(t.name for t in routes.targets) if routes else "none"
+    print(f"dataset-bridge: tables ready; targets registered: {targets}")
+    return 0
+
+
 async def _run_relay(routes: Any, settings: Any) -> int:
     import signal
 
@@ -148,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command in ("relay", "relay-status"):
         return relay_command(args)
+    if args.command == "init":
+        return init_command(args)
     try:
         mapping = TaskMapping.load(args.mapping) if args.mapping else None
     except MappingError as err:

@@ -9,6 +9,10 @@ Airflow 3.3's ``Trigger.submit_event`` calls the base ``AssetManager`` directly,
 (under the stock triggerer) bypass any custom manager. The relay's sweeper covers them: every few seconds
 it adds outbox rows for events of routed assets that have none (``sweep``), from the moment a target was
 first seen. Such rows may be ordered after events created later; nothing is lost.
+
+A target is "first seen" by the earliest of: ``dataset-bridge init --routes`` (run it when you configure
+routing), the asset manager's first event in any process (it creates the outbox schema too, so events
+made before the relay's first start keep their rows), and the relay's start.
 """
 
 from __future__ import annotations
@@ -82,18 +86,45 @@ def routes_from(path: str) -> Routes:
     return Routes.load(path)
 
 
+REGISTER_TARGET = "INSERT INTO dataset_bridge.relay_target (target) VALUES (:t) ON CONFLICT DO NOTHING"
+
+# routes whose targets this process saw committed: registering costs queries only until then
+_registered: set[Routes] = set()
+
+
 def _outbox_exists(session: Session) -> bool:
     return bool(session.execute(text("SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL")).scalar())
 
 
+def register_targets(session: Session, routes: Routes) -> None:
+    """Create the outbox schema if needed and record when each target was first seen, in the caller's
+    transaction: the sweeper covers every event of a routed asset from that moment on."""
+    if not _outbox_exists(session):
+        ensure_schema(session)
+    for target in routes.targets:
+        session.execute(text(REGISTER_TARGET), {"t": target.name})
+
+
+def _targets_registered(session: Session, routes: Routes) -> bool:
+    if not _outbox_exists(session):
+        return False
+    names = [t.name for t in routes.targets]
+    found = session.execute(text("SELECT count(*) FROM dataset_bridge.relay_target WHERE target = ANY(:n)"),
+                            {"n": names}).scalar()
+    return int(found or 0) == len(names)
+
+
 def record(session: Session, routes: Routes, event: Any, uri: str, name: str) -> int:
     """Outbox rows for one new asset event (in the caller's transaction); how many targets want it."""
+    if routes not in _registered:
+        # the first events this process sees, routed or not: routing is configured from here on, whether
+        # or not the relay ever ran (rolled back with the event, so done again with the next one)
+        if _targets_registered(session, routes):
+            _registered.add(routes)
+        else:
+            register_targets(session, routes)
     targets = routes.targets_for(uri, name)
     if not targets:
-        return 0
-    if not _outbox_exists(session):
-        # never fail the producer's event: the sweeper adds the rows once the relay created the schema
-        log.warning("outbox table missing; the relay's sweeper will add this event", asset=uri)
         return 0
     for target in targets:
         session.execute(text(INSERT_ROW), {
@@ -108,8 +139,7 @@ def sweep(session: Session, routes: Routes, settle_seconds: float = 5.0) -> int:
     """Outbox rows for events of routed assets created without one (asset watchers); returns how many."""
     added = 0
     for target in routes.targets:
-        session.execute(text("INSERT INTO dataset_bridge.relay_target (target) VALUES (:t) "
-                             "ON CONFLICT DO NOTHING"), {"t": target.name})
+        session.execute(text(REGISTER_TARGET), {"t": target.name})
         result = session.execute(text(SWEEP), {"target": target.name, "assets": list(target.assets),
                                                "settle": settle_seconds})
         added += int(getattr(result, "rowcount", 0) or 0)

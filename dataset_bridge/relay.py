@@ -308,19 +308,21 @@ def metadata_dsn() -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def prepare() -> None:
+def prepare(routes: Routes) -> None:
     from airflow.utils.session import create_session
 
     from dataset_bridge import outbox
 
     with create_session() as session:
         outbox.ensure_schema(session)
+    with create_session() as session:
+        outbox.register_targets(session, routes)
 
 
 async def run_relay(routes: Routes, settings: RelaySettings, stop: asyncio.Event) -> int:
     for target in routes.targets:
         target.secret()  # fail at start, naming the variable, rather than at the first event
-    await asyncio.to_thread(prepare)
+    await asyncio.to_thread(prepare, routes)
     pool = await asyncpg.create_pool(metadata_dsn(), min_size=1, max_size=settings.concurrency + 2)
     log.info("relay running", source=routes.source, targets=[t.name for t in routes.targets])
     try:

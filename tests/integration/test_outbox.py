@@ -63,3 +63,40 @@ def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_ad
         query = "SELECT asset_event_id FROM dataset_bridge.outbox ORDER BY id"
         ids = [r[0] for r in session.execute(text(query))]
     assert ids == [event.id, missed.id]
+
+
+def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
+        airflow_db: str, tmp_path: Path) -> None:
+    """Routing configured, the relay never started yet: an event made through the asset manager gets its
+    outbox row (the manager creates the schema), and a watcher event made after it (no manager) is swept
+    when the relay finally starts: the window opens when routing was first seen, not at the first sweep."""
+    from airflow.assets.manager import AssetManager
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+    from dataset_bridge.asset_manager import OutboxAssetManager
+    from dataset_bridge.routes import Routes
+
+    use_airflow_db(airflow_db)
+    outbox._registered.clear()  # a process has one metadata database; this test process had another
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(ROUTES)
+    manager = OutboxAssetManager(routes=str(routes_file))
+    uri = "warehouse://dds/h_user"
+    with create_session() as session:
+        session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    with create_session() as session:
+        assert session.execute(text("SELECT to_regclass('dataset_bridge.outbox')")).scalar() is None
+        routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
+        by_manager = manager.register_asset_change(asset=routed, extra={}, session=session)
+    with create_session() as session:
+        by_watcher = AssetManager.register_asset_change(asset=routed, extra={"watcher": True},
+                                                        session=session)
+    # the relay starts only now
+    with create_session() as session:
+        assert outbox.sweep(session, Routes.load(routes_file), settle_seconds=0) == 1
+    with create_session() as session:
+        query = "SELECT asset_event_id FROM dataset_bridge.outbox ORDER BY id"
+        ids = [r[0] for r in session.execute(text(query))]
+    assert ids == [by_manager.id, by_watcher.id]
