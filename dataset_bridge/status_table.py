@@ -162,26 +162,53 @@ class StatusRowProducer(SharedStreamProducer):
         self.positions: dict[str, int] = {}
         self.cursor: int | None = None
         self.warned: set[int] = set()
-        self.blocked: set[str] = set()
+        # table -> the first row whose event was not confirmed stored; the watermark waits for it
+        self.blocked: dict[str, int] = {}
+        # tables to read again from their durable watermark (their blocked row is re-emitted)
+        self.rewind: set[str] = set()
 
     def get_advance_lane(self, broker_payload: Any) -> Hashable:
         return str(broker_payload[0])  # one lane per table: a slow watcher never holds back another table
 
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:
         table_name = batch[0].broker_payload[0]
-        if self.watermarks is None or table_name in self.blocked:
+        if self.watermarks is None:
             return
         stored: list[int] = []
         for item in batch:
+            row_id = item.broker_payload[1]
             # A watcher that left (shard handover, shutdown) without emitting counts as "acked" upstream;
-            # only rows a watcher really turned into an event, stored, move the watermark. The first row
-            # that was not stops this table's watermark here, so whoever watches it next reads it again.
-            if item.outcome.failed or not subscribers.take_emitted(self.key, item.broker_payload):
-                self.blocked.add(table_name)
-                break
-            stored.append(item.broker_payload[1])
+            # only rows a watcher really turned into an event, stored, move the watermark.
+            emitted = not item.outcome.failed and subscribers.take_emitted(self.key, item.broker_payload)
+            held = self.blocked.get(table_name)
+            if held is not None:
+                if row_id != held or not emitted:
+                    continue  # nothing moves past a row not yet stored
+                del self.blocked[table_name]  # its second emission was stored
+            if not emitted:
+                # read this table again from its watermark, now, while it is watched: the row is emitted
+                # again (at least once into Airflow; its idempotency key keeps the asset event single)
+                self.blocked[table_name] = row_id
+                self.rewind.add(table_name)
+                subscribers.wake[self.key].set()
+                log.warning("status row not confirmed stored; reading it again", row_id=row_id,
+                            status_table=self.trigger.source.status_table, table_name=table_name)
+                continue
+            stored.append(row_id)
         if stored:
-            await self.watermarks.advance(table_name, max(stored))
+            await self._store(table_name, max(stored))
+
+    async def _store(self, table_name: str, last_id: int) -> None:
+        assert self.watermarks is not None
+        try:
+            await self.watermarks.advance(table_name, last_id)
+        except Exception as err:
+            if is_permanent(err):
+                raise
+            # the next stored row writes a later position over this one; a restart meanwhile re-reads
+            # rows whose asset events exist, and their idempotency keys keep them single
+            log.warning("watermark not written; the next stored row catches up", table_name=table_name,
+                        error=type(err).__name__)
 
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         trigger = self.trigger
@@ -218,7 +245,11 @@ class StatusRowProducer(SharedStreamProducer):
         for table_name in set(self.positions) - watched:
             # no watcher left here: forget the position, a later watcher starts from the durable watermark
             self.positions.pop(table_name)
-            self.blocked.discard(table_name)
+            self.blocked.pop(table_name, None)
+            self.rewind.discard(table_name)
+        for table_name in self.rewind & watched:
+            self.positions.pop(table_name, None)  # re-read below from the durable watermark
+        self.rewind.clear()
         for table_name in watched - set(self.positions):
             start = await self.watermarks.position(table_name, self.trigger.start_from, data)
             self.positions[table_name] = start
@@ -352,16 +383,16 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
         }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        """Only when a triggerer runs it outside a shared stream: the same reads, one watcher, and the
-        watermark advanced after the event was handed over (at least once, not persistence-gated)."""
+        """Only when a triggerer runs it outside a shared stream (``shared_stream_key()`` failed): the same
+        reads for one watcher. Nothing confirms that an event was stored on this path, so the durable
+        watermark is not moved: after a restart the rows since the watermark are emitted again (at least
+        once; the smart triggerer keeps each asset event single by its idempotency key)."""
         producer = StatusRowProducer(self.serialize()[1])
         key = producer.key
         subscribers.add(key, self.table_name)
         try:
-            async for row, (table_name, row_id) in producer.open_stream():
+            async for row, (table_name, _row_id) in producer.open_stream():
                 if table_name == self.table_name:
                     yield TriggerEvent(self.payload(row))
-                    assert producer.watermarks is not None
-                    await producer.watermarks.advance(table_name, row_id)
         finally:
             subscribers.remove(key, self.table_name)

@@ -4,6 +4,7 @@ durable watermark moves only past rows a watcher emitted and Airflow stored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -76,19 +77,81 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
         assert await _watermark(warehouse) == 5  # stops before the row nobody emitted
         shown = await _watermarks_shown("warehouse")  # what `dataset-bridge status --watermarks` prints
         assert [(w["table_name"], w["last_id"]) for w in shown] == [(TABLE, 5)]
+
+        # still watched: rows 6 and 7 are read again at once (no restart, no 300 s poll), and once they
+        # are stored the watermark catches up
+        (_, six), (_, seven) = await _next(stream, 5), await _next(stream, 5)
+        assert (six, seven) == ((TABLE, 6), (TABLE, 7))
+        subscribers.mark_emitted(producer.key, TABLE, 6)
+        subscribers.mark_emitted(producer.key, TABLE, 7)
+        await producer.advance([_stored(six), _stored(seven)])
+        assert await _watermark(warehouse) == 7
     finally:
         await stream.aclose()
         subscribers.remove(producer.key, TABLE)
 
     # a restarted producer reads again from the watermark: nothing lost
+    await record(warehouse, TABLE, "SUCCESS")  # row 8, while no producer ran
     again = StatusRowProducer(trigger.serialize()[1])
     subscribers.add(again.key, TABLE)
     stream = again.open_stream()
     try:
-        assert [(await _next(stream, 5))[1] for _ in range(2)] == [(TABLE, 6), (TABLE, 7)]
+        assert (await _next(stream, 5))[1] == (TABLE, 8)
     finally:
         await stream.aclose()
         subscribers.remove(again.key, TABLE)
+
+
+async def test_nothing_moves_past_a_row_not_stored_and_a_failed_watermark_write_is_survived(
+        warehouse: str, monkeypatch: Any) -> None:  # noqa: F811
+    trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
+    for _ in range(3):
+        await record(warehouse, TABLE, "SUCCESS")  # rows 1-3
+    producer = StatusRowProducer(trigger.serialize()[1])
+    subscribers.add(producer.key, TABLE)
+    stream = producer.open_stream()
+    try:
+        one, two, three = [(await _next(stream, 5))[1] for _ in range(3)]
+        for row_id in (1, 3):  # row 2's event was not stored (its ack timed out)
+            subscribers.mark_emitted(producer.key, TABLE, row_id)
+        await producer.advance([_stored(one)])
+        await producer.advance([AdvanceItem(two, AdvanceOutcome(acked=0, failed=1))])
+        await producer.advance([_stored(three)])  # a later batch of the lane: must not pass row 2
+        assert await _watermark(warehouse) == 1
+        assert [(await _next(stream, 5))[1] for _ in range(2)] == [two, three]  # read again
+
+        async def unreachable(*_: Any) -> None:
+            raise asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+
+        assert producer.watermarks is not None
+        monkeypatch.setattr(producer.watermarks, "advance", unreachable)
+        subscribers.mark_emitted(producer.key, TABLE, 2)
+        await producer.advance([_stored(two)])  # the metadata of the watched DB is away: no crash
+        monkeypatch.undo()
+        subscribers.mark_emitted(producer.key, TABLE, 3)
+        await producer.advance([_stored(three)])
+        assert await _watermark(warehouse) == 3
+    finally:
+        await stream.aclose()
+        subscribers.remove(producer.key, TABLE)
+
+
+async def test_outside_a_shared_stream_the_watermark_never_moves_without_a_stored_confirmation(
+        warehouse: str) -> None:  # noqa: F811
+    trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
+    await record(warehouse, TABLE, "SUCCESS")  # row 1
+    events = trigger.run()
+    try:
+        first = await asyncio.wait_for(events.__anext__(), 5)
+        assert first.payload["row_id"] == 1
+        waiting = asyncio.ensure_future(events.__anext__())  # the runner took it and asks for the next
+        await asyncio.sleep(0.5)
+        assert await _watermark(warehouse) == 0  # nothing says the event was stored
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    finally:
+        await events.aclose()
 
 
 async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mark_the_row() -> None:
