@@ -91,10 +91,15 @@ def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int
     if not result.get("initialized"):
         console.print("dataset bridge: not initialised in this database yet (run `dataset-bridge run`)")
     table = Table("measure", "value", title="dataset bridge")
-    for key in ("emitted", "backlog", "held_back", "requeued", "watcher_events"):
+    for key in ("emitted", "backlog", "held_back", "requeued", "reconciled", "watcher_events"):
         if key in result:
             table.add_row(key, str(result[key]))
     console.print(table)
+    if result.get("recent_decisions"):
+        decisions = Table("event", "dag_id", "outcome", "why", "at", title="reconciler: latest decisions")
+        for d in result["recent_decisions"]:
+            decisions.add_row(str(d["event_id"]), d["dag_id"], d["outcome"], d["reason"] or "", d["at"])
+        console.print(decisions)
     if result["watermarks"]:
         marks = Table("conn_id", "status_table", "table_name", "last_id", "updated_at", title="watermarks")
         for w in result["watermarks"]:

@@ -106,7 +106,7 @@ def run(mapping: TaskMapping | None, settings: BridgeSettings, stop: threading.E
 STATUS_SQL = {
     "emitted": "SELECT source, count(*) FROM dataset_bridge.emitted GROUP BY source ORDER BY source",
     "horizons": "SELECT dag_id || '.' || task_id, since FROM dataset_bridge.task_horizon ORDER BY 1",
-    "requeued": "SELECT count(*) FROM dataset_bridge.reconciled",
+    "reconciled": "SELECT outcome, count(*) FROM dataset_bridge.reconciled GROUP BY outcome ORDER BY outcome",
     "watcher_keys": "SELECT count(*) FROM smart_triggerer.asset_event_key",
 }
 
@@ -120,7 +120,10 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         result: dict[str, Any] = {"initialized": True}
         result["emitted"] = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["emitted"])).all()}
         result["horizons"] = {str(k): v.isoformat() for k, v in session.execute(text(STATUS_SQL["horizons"]))}
-        result["requeued"] = int(session.execute(text(STATUS_SQL["requeued"])).scalar() or 0)
+        outcomes = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["reconciled"])).all()}
+        result["requeued"] = outcomes.get(reconcile.REQUEUED, 0)
+        result["reconciled"] = outcomes  # requeued / cleared / unconsumable, and why: recent_decisions
+        result["recent_decisions"] = reconcile.recent(session)
         result["backlog"] = len(task_success.pending(session, mapping, limit=10000)) if mapping else None
         result["held_back"] = len(reconcile.held_back(session, grace_seconds=settings.grace_seconds,
                                                       lookback_seconds=settings.lookback_seconds))

@@ -64,6 +64,8 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.reconciled (
     queued_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (asset_event_id, dag_id)
 );
+ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS outcome text NOT NULL DEFAULT 'requeued';
+ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS reason text;
 """
 
 # Mapped refs resolve to the active asset with that URI, else with that name (as the inbox does).

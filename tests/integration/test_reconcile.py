@@ -88,3 +88,77 @@ def test_events_emitted_while_a_consumer_was_paused_are_delivered_after_unpause(
         queued = session.execute(text("SELECT target_dag_id FROM asset_dag_run_queue ORDER BY 1")).all()
     assert [q[0] for q in queued] == ["active_consumer", "paused_consumer"]
     assert seeded["events"]
+
+
+def _requeued_for(seeded: dict[str, Any]) -> list[tuple[int, str, str]]:
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        reconcile.requeue(session, grace_seconds=15)
+        rows = session.execute(text("SELECT asset_event_id, dag_id, outcome FROM dataset_bridge.reconciled "
+                                    "ORDER BY 1, 2")).all()
+    names = {event_id: name for name, event_id in seeded["events"].items()}
+    return [(names[e], d, o) for e, d, o in rows]
+
+
+def test_an_event_no_new_run_would_consume_is_reported_not_requeued(seeded: dict[str, Any]) -> None:
+    """The consumer's latest asset-triggered run has run_after after the events: a new run's window starts
+    there, so re-queuing would only make a run that consumes nothing."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState
+    from airflow.utils.types import DagRunType
+
+    with create_session() as session:
+        session.add(DagRun(dag_id="active_consumer", run_id="asset_triggered__late",
+                           run_type=DagRunType.ASSET_TRIGGERED,
+                           run_after=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30),
+                           state=DagRunState.SUCCESS))
+    assert _requeued_for(seeded) == [("ours_unconsumed", "active_consumer", "unconsumable"),
+                                     ("watcher_unconsumed", "active_consumer", "unconsumable")]
+    with create_session() as session:
+        assert session.execute(text("SELECT count(*) FROM asset_dag_run_queue")).scalar() == 0
+        decisions = reconcile.recent(session)
+    assert {d["outcome"] for d in decisions} == {"unconsumable"}
+    assert "run_after" in decisions[0]["reason"]
+
+
+def test_an_operators_clear_of_queued_events_is_honoured(seeded: dict[str, Any]) -> None:
+    """What the REST API (and the UI through it) records when someone clears a DAG's queued events."""
+    from airflow.models.log import Log
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        session.add(Log(event="delete_dag_asset_queued_events", dag_id="active_consumer",
+                        extra='{"method": "DELETE"}'))
+        session.add(Log(event="cli_task_run", extra="not json at all"))  # other audit rows: harmless
+    assert _requeued_for(seeded) == [("ours_unconsumed", "active_consumer", "cleared"),
+                                     ("watcher_unconsumed", "active_consumer", "cleared")]
+
+
+def test_consumers_by_name_reference_and_by_alias_are_covered(seeded: dict[str, Any]) -> None:
+    from airflow.models.asset import (
+        AssetAliasModel,
+        DagScheduleAssetAliasReference,
+        DagScheduleAssetNameReference,
+    )
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    events = seeded["events"]
+    with create_session() as session:
+        session.execute(text("DELETE FROM dag_schedule_asset_reference"))  # only the new consumers remain
+        for dag_id in ("by_name", "by_alias"):
+            session.add(DagModel(dag_id=dag_id, bundle_name="dags-folder", is_paused=False, is_stale=False))
+        session.flush()
+        session.add(DagScheduleAssetNameReference(name="orders", dag_id="by_name", created_at=long_ago))
+        alias = AssetAliasModel(name="orders_alias")
+        session.add(alias)
+        session.flush()
+        session.add(DagScheduleAssetAliasReference(alias_id=alias.id, dag_id="by_alias", created_at=long_ago))
+        session.execute(text("INSERT INTO asset_alias_asset_event (alias_id, event_id) VALUES (:a, :e)"),
+                        {"a": alias.id, "e": events["ours_unconsumed"]})
+    assert _requeued_for(seeded) == [("ours_unconsumed", "by_alias", "requeued"),
+                                     ("ours_unconsumed", "by_name", "requeued"),
+                                     ("watcher_unconsumed", "by_name", "requeued")]
