@@ -87,7 +87,9 @@ def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
         b_dsn = create_database(server, names[1], template=names[0])
         config_b = AirflowConfig(home=home / "b", database_dsn=b_dsn, dags_folder=home / "dags_b",
                                  extra={"AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS":
-                                        json.dumps({"deployment_a": secret})})
+                                        json.dumps({"deployment_a": secret}),
+                                        "AIRFLOW__DATASET_BRIDGE__INBOX_ALLOWED_ASSETS":
+                                        json.dumps({"deployment_a": [URI]})})
         for folder in (config_a.dags_folder, config_b.dags_folder):
             folder.mkdir(parents=True, exist_ok=True)
         add_asset_b(b_dsn)

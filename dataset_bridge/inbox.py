@@ -6,7 +6,12 @@ is configured, e.g. ``--ssl-cert/--ssl-key``). Inert until ``[dataset_bridge] in
 source name -> shared secret; env ``AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS``) is set: then every request
 must carry a valid HMAC signature from a known source within the timestamp window (``signing.py``).
 
-Answers: 401 bad or missing signature, 413 body over 1 MiB, 400 not JSON, 422 not the expected shape; else
+Each source may create events only for the assets ``[dataset_bridge] inbox_allowed_assets`` lists for it
+(JSON: source -> [asset URI or name, ...], ``"*"`` for any); a source not listed may create none.
+
+Answers: 401 bad or missing signature, 413 body over 1 MiB (checked while reading, also for chunked
+bodies), 400 not JSON, 422 not the expected shape, 403 an asset the source may not use, 503 not or
+mis-configured (an empty secret is refused: it would make signatures forgeable); else
 200 with one result per event: ``created``, ``duplicate`` (this source's event id was received before:
 nothing is created) or ``unknown_asset`` (no asset with that URI or name in B; the relay dead-letters it).
 Each event is resolved by URI first, then by name, and created through Airflow's asset manager together
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
@@ -61,14 +67,65 @@ class InboxBatch(BaseModel):
     events: list[InboxEvent] = Field(min_length=1, max_length=MAX_EVENTS)
 
 
-def _secrets() -> dict[str, str]:
+class InboxConfigError(ValueError):
+    """``[dataset_bridge]`` inbox settings that must not be served; the message names the setting."""
+
+
+def parse_secrets(raw: str) -> dict[str, str]:
+    """``inbox_secrets``: source -> non-empty secret. An empty or null secret would make every signature
+    forgeable, so such a configuration is refused as a whole."""
+    if not raw.strip():
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise InboxConfigError(f"[dataset_bridge] inbox_secrets is not JSON: {err.msg}") from None
+    if not isinstance(parsed, dict):
+        raise InboxConfigError("[dataset_bridge] inbox_secrets must be a JSON object: source -> secret")
+    for source, secret in parsed.items():
+        if not isinstance(secret, str) or not secret.strip():
+            raise InboxConfigError(f"[dataset_bridge] inbox_secrets: source {source!r} has an empty or "
+                                   "non-string secret; refusing to serve the inbox")
+    return {str(k): str(v) for k, v in parsed.items()}
+
+
+def parse_allowed(raw: str, sources: dict[str, str]) -> dict[str, frozenset[str]]:
+    """``inbox_allowed_assets``: source -> asset URIs or names it may create events for (``"*"``: any).
+    A source not listed may create none."""
+    if not raw.strip():
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets is not JSON: {err.msg}") from None
+    if not isinstance(parsed, dict):
+        raise InboxConfigError("[dataset_bridge] inbox_allowed_assets must be a JSON object: "
+                               "source -> [asset URI or name, ...]")
+    allowed: dict[str, frozenset[str]] = {}
+    for source, assets in parsed.items():
+        if not isinstance(assets, list) or not all(isinstance(a, str) and a for a in assets):
+            raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets: source {source!r} must map to a "
+                                   "list of asset URIs or names")
+        if source not in sources:
+            log.warning("inbox_allowed_assets names a source with no secret", source=source)
+        allowed[str(source)] = frozenset(assets)
+    return allowed
+
+
+def _settings() -> tuple[dict[str, str], dict[str, frozenset[str]]]:
     from airflow.configuration import conf
 
-    raw = conf.get("dataset_bridge", "inbox_secrets", fallback="") or ""
-    if not raw:
-        return {}
-    parsed = json.loads(raw)
-    return {str(k): str(v) for k, v in parsed.items()} if isinstance(parsed, dict) else {}
+    secrets = parse_secrets(conf.get("dataset_bridge", "inbox_secrets", fallback="") or "")
+    allowed = parse_allowed(conf.get("dataset_bridge", "inbox_allowed_assets", fallback="") or "", secrets)
+    return secrets, allowed
+
+
+def _secrets() -> dict[str, str]:
+    return _settings()[0]
+
+
+def may_reference(allowed: frozenset[str], ref: str) -> bool:
+    return "*" in allowed or ref in allowed
 
 
 _schema_ready = False
@@ -82,18 +139,26 @@ def _ensure_schema(session: Any) -> None:
     _schema_ready = True
 
 
-def _resolve(session: Any, uri: str, name: str) -> Any:
+def _resolve(session: Any, uri: str | None, name: str | None) -> Any:
     from airflow.models.asset import AssetActive, AssetModel
     from sqlalchemy import select
 
     active = select(AssetModel).join(
         AssetActive, (AssetActive.name == AssetModel.name) & (AssetActive.uri == AssetModel.uri))
-    return (session.scalars(active.where(AssetModel.uri == uri)).first()
-            or session.scalars(active.where(AssetModel.name == name)).first())
+    return ((uri is not None and session.scalars(active.where(AssetModel.uri == uri)).first())
+            or (name is not None and session.scalars(active.where(AssetModel.name == name)).first())
+            or None)
 
 
-def receive(batch: InboxBatch) -> list[dict[str, Any]]:
-    """Create the batch's new events in one transaction; one result per event."""
+def forbidden(batch: InboxBatch, allowed: frozenset[str]) -> list[str]:
+    """The events' asset references this source may not use (neither its URI nor its name is allowed)."""
+    return sorted({event.uri for event in batch.events
+                   if not may_reference(allowed, event.uri) and not may_reference(allowed, event.name)})
+
+
+def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> list[dict[str, Any]]:
+    """Create the batch's new events in one transaction; one result per event. An event resolves only
+    through an identifier (URI, then name) the source is allowed to use."""
     from airflow.assets.manager import asset_manager
     from airflow.utils.session import create_session
     from sqlalchemy import text
@@ -102,7 +167,8 @@ def receive(batch: InboxBatch) -> list[dict[str, Any]]:
     with create_session() as session:
         _ensure_schema(session)
         for event in batch.events:
-            asset = _resolve(session, event.uri, event.name)
+            asset = _resolve(session, event.uri if may_reference(allowed, event.uri) else None,
+                             event.name if may_reference(allowed, event.name) else None)
             if asset is None:
                 results.append({"id": event.id, "status": "unknown_asset",
                                 "error": f"no active asset with uri {event.uri!r} or name {event.name!r}"})
@@ -135,6 +201,17 @@ class Refused(Exception):
         self.status, self.detail = status, detail
 
 
+async def read_capped(chunks: AsyncIterator[bytes], limit: int = MAX_BODY) -> bytes:
+    """The body, read chunk by chunk and abandoned as soon as it passes ``limit`` (a chunked request
+    declares no length: reading it whole before authenticating would let anyone fill the memory)."""
+    body = bytearray()
+    async for chunk in chunks:
+        body.extend(chunk)
+        if len(body) > limit:
+            raise Refused(413, f"body over {limit} bytes")
+    return bytes(body)
+
+
 def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: bytes) -> InboxBatch:
     """The request's batch, or Refused with the status and a message that says what is wrong."""
     if len(body) > MAX_BODY:
@@ -160,18 +237,28 @@ def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: 
 
 @app.post("/inbox")
 async def inbox(request: Request) -> JSONResponse:
-    secrets = _secrets()
+    try:
+        secrets, allowed = _settings()
+    except InboxConfigError as err:
+        log.error("inbox refuses to serve: misconfigured", error=str(err))
+        return _error(503, f"the inbox is misconfigured: {err}")
     if not secrets:
         return _error(503, "the inbox is not configured ([dataset_bridge] inbox_secrets)")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")  # before reading it
     try:
-        batch = authenticated_batch(secrets, {k.lower(): v for k, v in request.headers.items()},
-                                    await request.body())
+        body = await read_capped(request.stream())
+        batch = authenticated_batch(secrets, {k.lower(): v for k, v in request.headers.items()}, body)
+        refused = forbidden(batch, allowed.get(batch.source, frozenset()))
+        if refused:
+            log.warning("inbox batch refused: assets not allowed for this source", source=batch.source,
+                        assets=len(refused))
+            raise Refused(403, f"source {batch.source!r} may not create events for {refused[:10]} "
+                               "(see [dataset_bridge] inbox_allowed_assets)")
     except Refused as err:
         return _error(err.status, err.detail)
-    results = await run_in_threadpool(receive, batch)
+    results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))
     created = sum(1 for r in results if r["status"] == "created")
     log.info("inbox batch received", source=batch.source, events=len(results), created=created)
     return JSONResponse({"results": results})

@@ -40,7 +40,7 @@ def verify(secrets: dict[str, str], headers: dict[str, str], body: bytes, now: f
     if not source or not timestamp or not given:
         raise SignatureError(f"missing {SOURCE_HEADER}, {TIMESTAMP_HEADER} or {SIGNATURE_HEADER}")
     secret = secrets.get(source)
-    if secret is None:
+    if not secret:  # an empty secret would accept an HMAC anyone can compute
         raise SignatureError(f"unknown source {source!r}")
     try:
         age = abs((now if now is not None else time.time()) - int(timestamp))
@@ -48,6 +48,6 @@ def verify(secrets: dict[str, str], headers: dict[str, str], body: bytes, now: f
         raise SignatureError("the timestamp is not a unix time") from err
     if age > WINDOW_SECONDS:
         raise SignatureError(f"the timestamp is {age:.0f}s off (window {WINDOW_SECONDS}s): check the clocks")
-    if not hmac.compare_digest(given, signature(secret, timestamp, body)):
+    if not given.isascii() or not hmac.compare_digest(given, signature(secret, timestamp, body)):
         raise SignatureError("bad signature (wrong secret for this source?)")
     return source

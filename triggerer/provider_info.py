@@ -76,6 +76,14 @@ def get_provider_info() -> dict[str, Any]:
                         "example": '{"deployment_a": "<secret>"}',
                         "default": "",
                     },
+                    "inbox_allowed_assets": {
+                        "description": "JSON object: source deployment name -> list of asset URIs or names "
+                        "it may create events for (\"*\": any). A source not listed may create none (403).",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "example": '{"deployment_a": ["warehouse://dds/h_user", "users_loaded"]}',
+                        "default": "",
+                    },
                 },
             },
         },

@@ -96,6 +96,18 @@ def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
     oversized = {"source": "deployment_a", "events": [{**event, "extra": {"x": "y" * 2_000_000}}]}
     huge = json.dumps(oversized).encode()
     assert _post(inbox_url, huge, signing.sign("deployment_a", secret, huge)).status_code == 413
+    # chunked: no Content-Length to refuse up front, so the inbox must stop reading at the limit
+    chunked = httpx.post(inbox_url, content=(b"x" * 65536 for _ in range(64)), timeout=30,
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413
+    non_ascii = {**signing.sign("deployment_a", secret, good), "X-Bridge-Signature": "sha256=\u00e9"}
+    assert httpx.post(inbox_url, content=good, timeout=30, headers={
+        k: v.encode("latin-1") for k, v in non_ascii.items()}).status_code == 401
+    # a well-signed event for an asset this source is not allowed: 403, naming it
+    payroll = json.dumps({"source": "deployment_a", "events": [{**event, "uri": "warehouse://dds/payroll",
+                                                                "name": "payroll"}]}).encode()
+    not_allowed = _post(inbox_url, payroll, signing.sign("deployment_a", secret, payroll))
+    assert not_allowed.status_code == 403 and "payroll" in not_allowed.json()["detail"]
     assert _b_events(b_dsn) == before  # nothing created by any of them
 
 
@@ -130,6 +142,8 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
         "AIRFLOW__CORE__ASSET_MANAGER_KWARGS": json.dumps({"routes": str(routes)}),
     })
     b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS"] = json.dumps({"deployment_a": secret})
+    b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_ALLOWED_ASSETS"] = json.dumps(
+        {"deployment_a": ["warehouse://dds/h_user", "warehouse://dds/other"]})
     (a.config.dags_folder / "publish_users.py").write_text(textwrap.dedent(PRODUCER))
     (b.config.dags_folder / "users_in_b.py").write_text(textwrap.dedent(CONSUMER))
     relay_env = {"BRIDGE_SECRET_B": secret, "BRIDGE_SECRET_C": "a-wrong-secret"}

@@ -1,0 +1,86 @@
+"""The inbox's own checks, before any database work: signature headers that are not ASCII, secrets that
+would make signatures forgeable, bodies read only up to the limit, and per-source asset allow-lists."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dataset_bridge import signing
+from dataset_bridge.inbox import (
+    MAX_BODY,
+    InboxBatch,
+    InboxConfigError,
+    Refused,
+    authenticated_batch,
+    forbidden,
+    parse_allowed,
+    parse_secrets,
+    read_capped,
+)
+
+SECRETS = {"deployment_a": "s3cret-s3cret-s3cret"}
+
+
+def _body(*uris: str) -> bytes:
+    events = [{"id": n + 1, "uri": uri, "name": uri.rsplit("/", 1)[-1], "timestamp": "2026-01-01T00:00:00Z"}
+              for n, uri in enumerate(uris)]
+    return json.dumps({"source": "deployment_a", "events": events}).encode()
+
+
+def test_a_non_ascii_signature_is_a_401_not_a_crash() -> None:
+    body = _body("warehouse://dds/h_user")
+    headers = {k.lower(): v for k, v in signing.sign("deployment_a", SECRETS["deployment_a"], body).items()}
+    headers["x-bridge-signature"] = "sha256=\u00e9" + "0" * 63
+    with pytest.raises(Refused) as refused:
+        authenticated_batch(SECRETS, headers, body)
+    assert refused.value.status == 401
+
+
+@pytest.mark.parametrize("raw", ['{"deployment_a": ""}', '{"deployment_a": null}', '{"deployment_a": "  "}',
+                                 '{"deployment_a": 5}', '["not", "an", "object"]', "{not json"])
+def test_secrets_that_would_make_signatures_forgeable_are_refused(raw: str) -> None:
+    with pytest.raises(InboxConfigError, match="inbox_secrets"):
+        parse_secrets(raw)
+    # and even if such a secret reached the check, it would authenticate nothing
+    body = b"{}"
+    headers = {k.lower(): v for k, v in signing.sign("deployment_a", "", body).items()}
+    with pytest.raises(signing.SignatureError):
+        signing.verify({"deployment_a": ""}, headers, body)
+
+
+async def test_a_chunked_body_is_abandoned_as_soon_as_it_passes_the_limit() -> None:
+    sent = 0
+
+    async def endless() -> AsyncIterator[bytes]:
+        nonlocal sent
+        while True:
+            sent += 64 * 1024
+            yield b"x" * (64 * 1024)
+
+    with pytest.raises(Refused) as refused:
+        await read_capped(endless())
+    assert refused.value.status == 413
+    assert sent <= MAX_BODY + 64 * 1024  # never more than one chunk past the limit
+
+
+async def test_a_body_within_the_limit_is_read_whole() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        for part in (b'{"a"', b": 1}"):
+            yield part
+
+    assert await read_capped(chunks()) == b'{"a": 1}'
+
+
+def test_each_source_may_use_only_its_allowed_assets() -> None:
+    allowed = parse_allowed('{"deployment_a": ["warehouse://dds/h_user", "orders"]}', SECRETS)
+    batch = InboxBatch.model_validate_json(_body("warehouse://dds/h_user", "warehouse://dds/orders",
+                                                 "warehouse://dds/payroll"))
+    assert forbidden(batch, allowed["deployment_a"]) == ["warehouse://dds/payroll"]  # orders: by name
+    assert forbidden(batch, frozenset({"*"})) == []
+    assert forbidden(batch, allowed.get("deployment_unlisted", frozenset())) == [
+        "warehouse://dds/h_user", "warehouse://dds/orders", "warehouse://dds/payroll"]
+    with pytest.raises(InboxConfigError, match="inbox_allowed_assets"):
+        parse_allowed('{"deployment_a": "warehouse://dds/h_user"}', SECRETS)
