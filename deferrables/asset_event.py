@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deferrables.sql_condition import SqlConditionSensor
+from triggers.pg import SourceError, refuse_writable_role, target_for
 
 # Parameterised: $1 is the asset's URI or name, $2 the time as text (templates render to text).
 ASSET_EVENT_SQL = (
@@ -33,6 +34,20 @@ class AssetEventSensor(SqlConditionSensor):
             raise ValueError(f"since must be a timestamp or a template, got {since!r}")
         super().__init__(conn_id=conn_id, sql=ASSET_EVENT_SQL, parameters=[reference, since], **kwargs)
         self.asset_reference, self.since = reference, since
+
+    async def check(self) -> dict[str, Any] | None:
+        """The worker-side check, after making sure ``conn_id`` cannot write to the metadata database."""
+        import asyncpg
+
+        target = await target_for(self.conn_id)
+        conn = await asyncpg.connect(**target.connect_kwargs())
+        try:
+            await refuse_writable_role(conn, self.conn_id)
+        except SourceError as err:
+            return {"status": "error", "message": str(err)}
+        finally:
+            await conn.close()
+        return await super().check()
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         super().render_template_fields(context, jinja_env)

@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowException
 
 from deferrables.base import CheckThenDeferSensor
 from triggers.external_dag import ALLOWED, FAILED, SKIPPED, ExternalDagTrigger, ExternalTarget
-from triggers.pg import target_for
+from triggers.pg import read_only, refuse_writable_role, target_for
 
 ON_SKIPPED = ("skip", "fail", "success")
 LATEST_RUN_SQL = "SELECT run_id FROM dag_run WHERE dag_id = $1 ORDER BY run_after DESC, id DESC LIMIT 1"
@@ -24,7 +24,8 @@ async def latest_run_id(conn_id: str, dag_id: str) -> str | None:
     target = await target_for(conn_id)
     conn = await asyncpg.connect(**target.connect_kwargs())
     try:
-        run_id: str | None = await conn.fetchval(LATEST_RUN_SQL, dag_id)
+        await refuse_writable_role(conn, conn_id)  # the metadata database: DAG code only reads it
+        run_id: str | None = await read_only(conn, lambda c: c.fetchval(LATEST_RUN_SQL, dag_id))
         return run_id
     finally:
         await conn.close()

@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from triggerer.devstack import AirflowConfig, AirflowStack, StackError, migrate
-from triggerer.pgserver import PgServerError, create_database, drop_database, postgres_dsn
+from triggerer.pgserver import PgServerError, create_database, drop_database, postgres_dsn, reader_dsn
 
 EXAMPLE_DAGS = Path(__file__).resolve().parents[1] / "example_dags"
 STATUS_DDL = """
@@ -167,7 +167,6 @@ class Demo:
         config.extra.update(
             {
                 "AIRFLOW_CONN_WAREHOUSE": warehouse_dsn,
-                "AIRFLOW_CONN_AIRFLOW_DB": airflow_dsn,
                 "AIRFLOW_CONN_SERVICE_API": config.api_url,
                 "AIRFLOW__SMART_TRIGGERER__SHARDS": "16",
                 "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "3600",
@@ -504,6 +503,8 @@ def _run(demo: Demo, console: Console, keep_running: bool) -> Summary:
         config = demo.config(airflow_dsn, warehouse_dsn)
         with console.status("airflow db migrate (about a minute on a small machine)"):
             migrate(config)
+        # metadata-DB sensors read Airflow's database through a role that cannot write (README)
+        config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(airflow_dsn)
         stack = AirflowStack(config)
         try:
             with Live(demo.render(), console=console, refresh_per_second=2) as live:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 DSN_ENV = "SMART_TRIGGERER_DSN"
 
@@ -89,6 +90,40 @@ def drop_database(server_dsn: str, name: str) -> None:
 
     statement = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
     _execute_admin(server_dsn, statement)
+    # its read-only role (reader_dsn) has no privileges left once the database is gone
+    _execute_admin(server_dsn, sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(reader_role(name))))
+
+
+def reader_role(dbname: str) -> str:
+    return f"{dbname[:55]}_reader"
+
+
+def reader_dsn(dsn: str) -> str:
+    """A DSN for ``dsn``'s database through a role that can only read it (created once): what the
+    ``airflow_db`` connection of metadata-DB sensors should use. The statements are the README's."""
+    import psycopg2
+    from psycopg2 import sql
+
+    parts = urlsplit(dsn)
+    dbname = parts.path.lstrip("/")
+    role, password = reader_role(dbname), secrets.token_hex(16)
+    conn = psycopg2.connect(dsn)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+            verb = "CREATE" if cur.fetchone() is None else "ALTER"
+            cur.execute(sql.SQL(verb + " ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)))
+            for statement in ("GRANT CONNECT ON DATABASE {db} TO {role}",
+                              "GRANT USAGE ON SCHEMA public TO {role}",
+                              "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"):
+                cur.execute(sql.SQL(statement).format(db=sql.Identifier(dbname), role=sql.Identifier(role)))
+    finally:
+        conn.close()
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{quote(role)}:{password}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def plain_dsn(url: str) -> str:

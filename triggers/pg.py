@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -50,6 +50,39 @@ class PgTarget:
 
 class SourceError(Exception):
     """The source rejected the check itself (bad SQL, missing table or column): retrying cannot help."""
+
+
+T = TypeVar("T")
+
+
+async def read_only(source: asyncpg.Connection | asyncpg.Pool,
+                    reads: Callable[[Any], Awaitable[T]]) -> T:
+    """Run a sensor's reads in a READ ONLY transaction of their own: a check is a read, and a statement
+    that writes (a data-modifying CTE, a function with side effects) fails instead of changing data.
+    BEGIN READ ONLY also holds against SQL that turns ``default_transaction_read_only`` off."""
+    if isinstance(source, asyncpg.Pool):
+        async with source.acquire() as conn, conn.transaction(readonly=True):
+            return await reads(conn)
+    async with source.transaction(readonly=True):
+        return await reads(source)
+
+
+# Can this login change anything in the tables it sees? (superuser, or any write privilege on a table in
+# its search path.) For connections to Airflow's own metadata database, which DAG code must only read.
+WRITABLE_ROLE_SQL = """
+SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+    OR EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+               WHERE c.relkind IN ('r', 'p') AND n.nspname = ANY(current_schemas(false))
+                 AND has_table_privilege(c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE'))
+"""
+
+
+async def refuse_writable_role(conn: asyncpg.Connection, conn_id: str) -> None:
+    """SourceError when ``conn_id`` logs in as a role that can write: a metadata-DB connection that DAG
+    code may use must be read-only (see the README's read-only role)."""
+    if await conn.fetchval(WRITABLE_ROLE_SQL):
+        raise SourceError(f"connection {conn_id!r} logs in as a role that can write to Airflow's metadata "
+                          "database; give it a read-only role (README: 'A read-only role for airflow_db')")
 
 
 async def target_for(conn_id: str) -> PgTarget:
@@ -89,6 +122,7 @@ def is_permanent(exc: BaseException) -> bool:
         asyncpg.InvalidCatalogNameError,
         asyncpg.InvalidPasswordError,
         asyncpg.InvalidAuthorizationSpecificationError,
+        asyncpg.ReadOnlySQLTransactionError,  # a check that writes: it will write on every retry too
     )
     return isinstance(exc, (*permanent, SourceError))
 

@@ -15,19 +15,22 @@ import asyncpg
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from triggers.identity import DedupableTrigger
-from triggers.pg import shared_pool, target_for
+from triggers.pg import read_only, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 STATEMENT_TIMEOUT = 60.0
 
 
-async def sql_condition(conn: asyncpg.Connection | asyncpg.Pool, sql: str, parameters: Sequence[Any],
+async def sql_condition(source: asyncpg.Connection | asyncpg.Pool, sql: str, parameters: Sequence[Any],
                         failure_sql: str | None, failure_parameters: Sequence[Any]) -> dict[str, Any] | None:
-    if failure_sql and await conn.fetchval(failure_sql, *failure_parameters, timeout=STATEMENT_TIMEOUT):
-        return {"status": "failed", "message": "the failure condition holds"}
-    if await conn.fetchval(sql, *parameters, timeout=STATEMENT_TIMEOUT):
-        return {"status": "success", "message": "the condition holds"}
-    return None
+    async def reads(conn: asyncpg.Connection) -> dict[str, Any] | None:
+        if failure_sql and await conn.fetchval(failure_sql, *failure_parameters, timeout=STATEMENT_TIMEOUT):
+            return {"status": "failed", "message": "the failure condition holds"}
+        if await conn.fetchval(sql, *parameters, timeout=STATEMENT_TIMEOUT):
+            return {"status": "success", "message": "the condition holds"}
+        return None
+
+    return await read_only(source, reads)
 
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):

@@ -22,7 +22,7 @@ import asyncpg
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 
 from triggers.identity import DedupableTrigger
-from triggers.pg import shared_pool, target_for
+from triggers.pg import read_only, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -117,7 +117,7 @@ def _aware(value: dt.datetime) -> dt.datetime:
 
 async def check_tables(conn: asyncpg.Connection | asyncpg.Pool, spec: StatusTable,
                        required: Sequence[str], since: dt.datetime | None) -> LoadState:
-    rows = await conn.fetch(spec.query(), list(required))
+    rows = await read_only(conn, lambda c: c.fetch(spec.query(), list(required)))
     return evaluate(rows, required, since)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from tests.helpers.waiting import rows, wait_for
 from triggerer.devstack import AirflowStack
+from triggerer.pgserver import reader_dsn
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +47,7 @@ with DAG(dag_id="reporter", schedule=None, start_date=pendulum.datetime(2024, 1,
 
 def test_mid_dag_wait_ends_on_the_asset_event(airflow_stack: AirflowStack) -> None:
     config = airflow_stack.config
-    config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = config.database_dsn
+    config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(config.database_dsn)
     (config.dags_folder / "publisher.py").write_text(textwrap.dedent(PRODUCER))
     (config.dags_folder / "reporter.py").write_text(textwrap.dedent(CONSUMER))
     airflow_stack.start_smart(["publisher", "reporter"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})

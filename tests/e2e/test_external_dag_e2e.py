@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers.waiting import rows, wait_for
 from triggerer.devstack import AirflowStack
+from triggerer.pgserver import reader_dsn
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +61,8 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     (folder / "producer.py").write_text(textwrap.dedent(PRODUCER))
     (folder / "consumer.py").write_text(textwrap.dedent(CONSUMER))
     (folder / "consumer_latest.py").write_text(textwrap.dedent(LATEST))
-    airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = airflow_stack.config.database_dsn
+    airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(
+        airflow_stack.config.database_dsn)
     airflow_stack.start_smart(["producer", "consumer", "consumer_latest"],
                               env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)

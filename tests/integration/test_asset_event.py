@@ -11,6 +11,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from deferrables import AssetEventSensor
 from tests.helpers.airflow_orm import use_airflow_db
 from triggerer.devstack import AirflowConfig
+from triggerer.pgserver import reader_dsn
 from triggers import SqlConditionTrigger
 
 
@@ -30,7 +31,7 @@ def add_event(dsn: str, uri: str, at: dt.datetime) -> None:
 
 
 def test_waits_for_an_event_newer_than_since(airflow_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_db)
+    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", reader_dsn(airflow_db))
     since = dt.datetime.now(dt.UTC)
     add_event(airflow_db, "warehouse://dds/h_user", since - dt.timedelta(hours=1))  # too old
     sensor = AssetEventSensor(task_id="wait", asset="warehouse://dds/h_user", since=since.isoformat(),
@@ -67,7 +68,7 @@ def test_external_latest_run_is_read_from_the_metadata_db(
     from deferrables.external_dag import latest_run_id
     from tests.helpers.seeding import seed_deferred
 
-    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_config.database_dsn)
+    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", reader_dsn(airflow_config.database_dsn))
     seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=1,
                            classpath="x.Y", kwargs_for=lambda i: {})
     assert asyncio.run(latest_run_id("airflow_db", seeded.dag_id)) == seeded.run_id
@@ -75,3 +76,26 @@ def test_external_latest_run_is_read_from_the_metadata_db(
     sensor = ExternalDagSensor(task_id="wait", external_dag_id="no_such_dag", latest_run=True)
     with pytest.raises(AirflowException, match="no run yet"):
         sensor.execute({})
+
+
+async def test_a_metadata_connection_that_can_write_is_refused(
+        airflow_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """airflow_db with the owner's credentials: the sensor fails with the reason, naming the README's
+    read-only role; the reader role (the README's GRANTs) is accepted."""
+    import asyncpg
+
+    from deferrables.external_dag import latest_run_id
+    from triggers.pg import SourceError, refuse_writable_role
+
+    monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_db)
+    sensor = AssetEventSensor(task_id="wait", asset="warehouse://dds/h_user",
+                              since="2026-01-01T00:00:00+00:00")
+    refused = await sensor.check()
+    assert refused is not None and refused["status"] == "error" and "read-only role" in refused["message"]
+    with pytest.raises(SourceError, match="can write"):
+        await latest_run_id("airflow_db", "any_dag")
+    reader = await asyncpg.connect(reader_dsn(airflow_db))
+    try:
+        await refuse_writable_role(reader, "airflow_db")  # no error
+    finally:
+        await reader.close()

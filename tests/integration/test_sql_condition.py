@@ -72,3 +72,28 @@ def test_sensor_checks_then_defers_and_bad_sql_fails_the_task(warehouse: str) ->
     sensor.execute({})  # holds now: finishes in the worker
     with pytest.raises(AirflowException, match="syntax error"):
         SqlConditionSensor(task_id="bad", conn_id="warehouse", sql="SELEC 1").execute({})
+
+
+WRITING_CHECK = ("WITH x AS (INSERT INTO loads (name, done) VALUES ('forged', true) RETURNING done) "
+                 "SELECT bool_or(done) FROM x")
+
+
+async def test_a_check_that_writes_fails_the_task_and_changes_nothing(warehouse: str) -> None:
+    """Sensor checks run in READ ONLY transactions: a data-modifying CTE (on any connection, the metadata
+    database included) fails with the cause instead of writing, in the trigger and in the worker."""
+    event = await first_event(SqlConditionTrigger("warehouse", WRITING_CHECK, poll_interval=1))
+    assert event["status"] == "error"
+    assert "read-only" in event["message"]
+    # a check may turn the session's default off; the next check's BEGIN READ ONLY still holds
+    sneaky = "SELECT set_config('default_transaction_read_only', 'off', false) IS NOT NULL"
+    turned_off = await first_event(SqlConditionTrigger("warehouse", sneaky, poll_interval=1))
+    assert turned_off["status"] == "success"
+    again = await first_event(SqlConditionTrigger("warehouse", WRITING_CHECK, poll_interval=1))
+    assert again["status"] == "error"  # the session setting did not survive into the next check
+    sensor = SqlConditionSensor(task_id="w", conn_id="warehouse", sql=WRITING_CHECK)
+    assert (await sensor.check() or {}).get("status") == "error"
+    conn = await asyncpg.connect(warehouse)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM loads") == 0
+    finally:
+        await conn.close()
