@@ -39,12 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="oldest event age, in seconds, the reconciler looks at (default 86400)")
     commands.choices["run"].add_argument("--interval", type=_positive, default=2.0,
                                          help="seconds between passes (default 2)")
+    commands.choices["run"].add_argument(
+        "--retention-days", type=_positive, default=30.0,
+        help="days the ledgers (emitted events, reconciler decisions, watcher idempotency keys) are kept; "
+             "task successes older than this are not bridged any more (default 30)")
     relay = commands.add_parser("relay", help="relay the outbox to other deployments' inboxes")
     relay.add_argument("--routes", required=True, help="YAML/JSON routes file (source, targets)")
     relay.add_argument("--concurrency", type=int, default=4, help="targets delivered at once (default 4)")
     relay.add_argument("--batch", type=int, default=100, help="events per request (default 100)")
     relay.add_argument("--backoff-cap", type=_positive, default=60.0,
                        help="longest wait between retries, seconds (default 60)")
+    relay.add_argument("--retention-days", type=_positive, default=30.0,
+                       help="days delivered outbox rows are kept (dead letters stay) (default 30)")
     init = commands.add_parser("init", help="create the bridge's tables and register the routes' targets "
                                             "(run once when you configure routing, before any event)")
     init.add_argument("--routes", help="YAML/JSON routes file: its targets' events are relayed from now on")
@@ -58,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> BridgeSettings:
+    from dataset_bridge.retention import Retention
+
     return BridgeSettings(interval=getattr(args, "interval", 2.0), grace_seconds=args.grace,
-                          lookback_seconds=args.lookback)
+                          lookback_seconds=args.lookback,
+                          retention=Retention(days=getattr(args, "retention_days", 30.0)))
 
 
 async def _watermarks(conn_id: str) -> list[dict[str, Any]]:
@@ -131,8 +140,11 @@ def relay_command(args: argparse.Namespace) -> int:
     except RoutesError as err:
         print(f"dataset-bridge: {err}", file=sys.stderr)
         return 2
+    from dataset_bridge.retention import Retention
+
     settings = relay.RelaySettings(batch=args.batch, concurrency=args.concurrency,
-                                   backoff_cap=args.backoff_cap)
+                                   backoff_cap=args.backoff_cap,
+                                   retention=Retention(days=args.retention_days))
     return asyncio.run(_run_relay(routes, settings))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,7 +47,8 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.inbox (
     asset_event_id integer,
     received_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (source, source_event_id)
-)
+);
+CREATE INDEX IF NOT EXISTS inbox_received ON dataset_bridge.inbox (received_at)
 """
 CLAIM = """
 INSERT INTO dataset_bridge.inbox (source, source_event_id) VALUES (:source, :id)
@@ -188,6 +190,25 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
     return results
 
 
+_last_prune = float("-inf")
+PRUNE_EVERY = 600.0
+
+
+def _prune_now_and_then() -> None:
+    """Old inbox keys go every ten minutes or so (a relay redelivers within minutes, never after days)."""
+    global _last_prune  # noqa: PLW0603 (once per process and interval)
+    if time.monotonic() - _last_prune < PRUNE_EVERY:
+        return
+    _last_prune = time.monotonic()
+    from airflow.configuration import conf
+    from airflow.utils.session import create_session
+
+    from dataset_bridge.retention import Retention, prune
+
+    days = conf.getfloat("dataset_bridge", "inbox_retention_days", fallback=30.0)
+    prune(create_session, ["dataset_bridge.inbox"], Retention(days=days))
+
+
 def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
 
@@ -259,6 +280,7 @@ async def inbox(request: Request) -> JSONResponse:
     except Refused as err:
         return _error(err.status, err.detail)
     results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))
+    await run_in_threadpool(_prune_now_and_then)
     created = sum(1 for r in results if r["status"] == "created")
     log.info("inbox batch received", source=batch.source, events=len(results), created=created)
     return JSONResponse({"results": results})

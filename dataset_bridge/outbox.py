@@ -31,6 +31,7 @@ from dataset_bridge.routes import Routes
 log = structlog.get_logger(__name__)
 
 CHANNEL = "dataset_bridge_outbox"
+SWEEP_OVERLAP_SECONDS = 300.0
 SCHEMA_DDL = """
 CREATE SCHEMA IF NOT EXISTS dataset_bridge;
 CREATE TABLE IF NOT EXISTS dataset_bridge.outbox (
@@ -53,7 +54,9 @@ CREATE INDEX IF NOT EXISTS outbox_pending ON dataset_bridge.outbox (target, id) 
 CREATE TABLE IF NOT EXISTS dataset_bridge.relay_target (
     target text PRIMARY KEY,
     since timestamptz NOT NULL DEFAULT now()
-)
+);
+ALTER TABLE dataset_bridge.relay_target ADD COLUMN IF NOT EXISTS swept_until timestamptz;
+CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_at) WHERE status = 'delivered'
 """
 
 INSERT_ROW = """
@@ -70,6 +73,9 @@ JOIN asset a ON a.id = e.asset_id
 JOIN dataset_bridge.relay_target t ON t.target = :target
 WHERE (a.uri = ANY(:assets) OR a.name = ANY(:assets))
   AND e.timestamp >= t.since
+  -- only what is new since the last sweep, with an overlap far longer than any event's transaction;
+  -- delivered outbox rows are pruned only after days, so the overlap always finds its rows
+  AND e.timestamp >= coalesce(t.swept_until - make_interval(secs => :overlap), t.since)
   AND e.timestamp < now() - make_interval(secs => :settle)
   AND NOT EXISTS (SELECT 1 FROM dataset_bridge.outbox o WHERE o.target = :target AND o.asset_event_id = e.id)
 ORDER BY e.id
@@ -141,6 +147,9 @@ def sweep(session: Session, routes: Routes, settle_seconds: float = 5.0) -> int:
     for target in routes.targets:
         session.execute(text(REGISTER_TARGET), {"t": target.name})
         result = session.execute(text(SWEEP), {"target": target.name, "assets": list(target.assets),
-                                               "settle": settle_seconds})
+                                               "settle": settle_seconds, "overlap": SWEEP_OVERLAP_SECONDS})
         added += int(getattr(result, "rowcount", 0) or 0)
+        session.execute(text("UPDATE dataset_bridge.relay_target SET swept_until = now() - "
+                             "make_interval(secs => :settle) WHERE target = :t"),
+                        {"settle": settle_seconds, "t": target.name})
     return added

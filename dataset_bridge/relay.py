@@ -32,6 +32,8 @@ import structlog
 
 from dataset_bridge import signing
 from dataset_bridge.outbox import CHANNEL
+from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
+from dataset_bridge.retention import Retention
 from dataset_bridge.routes import Routes, Target
 
 log = structlog.get_logger(__name__)
@@ -68,6 +70,8 @@ class RelaySettings:
     backoff_cap: float = 60.0
     timeout_seconds: float = 30.0
     sweep_every: float = 10.0
+    retention: Retention = DEFAULT_RETENTION
+    prune_every: float = 600.0
 
 
 class DeliveryError(Exception):
@@ -99,7 +103,7 @@ class Relay:
         self.wake = asyncio.Event()
         self.gate = asyncio.Semaphore(settings.concurrency)
         self.listener: _Listener | None = None
-        self.last_sweep = float("-inf")
+        self.last_sweep = self.last_prune = float("-inf")
 
     async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
         """Deliver what is due for one target, batch after batch; returns rows delivered."""
@@ -180,6 +184,9 @@ class Relay:
 
     async def sweep(self) -> None:
         await asyncio.to_thread(_sweep_blocking, self.routes)
+        if time.monotonic() - self.last_prune >= self.settings.prune_every:
+            self.last_prune = time.monotonic()
+            await asyncio.to_thread(_prune_blocking, self.settings.retention)
 
     def notified(self, *args: object) -> None:
         self.wake.set()
@@ -263,6 +270,14 @@ class _Listener:
             await self.pool.release(self.conn)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
             pass  # the connection is gone already: the pool replaces it
+
+
+def _prune_blocking(retention: Retention) -> None:
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import retention as pruning
+
+    pruning.prune(create_session, ["dataset_bridge.outbox"], retention)
 
 
 async def _listen(pool: asyncpg.Pool, callback: Any) -> _Listener:

@@ -15,7 +15,9 @@ from typing import Any
 import structlog
 from sqlalchemy import text
 
-from dataset_bridge import reconcile, task_success
+from dataset_bridge import reconcile, retention, task_success
+from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
+from dataset_bridge.retention import Retention
 from dataset_bridge.task_success import TaskMapping
 
 log = structlog.get_logger(__name__)
@@ -27,6 +29,12 @@ class BridgeSettings:
     reconcile_every: float = 10.0
     grace_seconds: float = 15.0
     lookback_seconds: float = 86400.0
+    retention: Retention = DEFAULT_RETENTION
+    prune_every: float = 600.0
+
+
+# what the bridge process prunes (the relay prunes the outbox, the inbox its own table)
+BRIDGE_LEDGERS = ["dataset_bridge.emitted", "dataset_bridge.reconciled", "smart_triggerer.asset_event_key"]
 
 
 @dataclass
@@ -52,10 +60,10 @@ def prepare(mapping: TaskMapping | None) -> None:
 _warned_unresolved: set[str] = set()
 
 
-def emit_pending(mapping: TaskMapping) -> int:
+def emit_pending(mapping: TaskMapping, keep: Retention = DEFAULT_RETENTION) -> int:
     """One pass over (successful try, asset) pairs not yet bridged; each pair in its own transaction."""
     with _session() as session:
-        rows = task_success.pending(session, mapping)
+        rows = task_success.pending(session, mapping, retention_seconds=keep.seconds)
         missing = set(task_success.unresolved(session, mapping))
     for ref in sorted(missing - _warned_unresolved):
         log.warning("mapped asset not found (no DAG declares it yet); its events follow once one does",
@@ -86,15 +94,18 @@ def run(mapping: TaskMapping | None, settings: BridgeSettings, stop: threading.E
         signal.signal(signum, lambda *_: stop.set())
     prepare(mapping)
     counters = Counters()
-    last_reconcile = 0.0
+    last_reconcile = last_prune = float("-inf")
     log.info("dataset bridge running", mapped_tasks=len(mapping.entries) if mapping else 0)
     while not stop.is_set():
         try:
             if mapping is not None:
-                counters.emitted += emit_pending(mapping)
+                counters.emitted += emit_pending(mapping, settings.retention)
             if time.monotonic() - last_reconcile >= settings.reconcile_every:
                 counters.requeued += reconcile_once(settings)
                 last_reconcile = time.monotonic()
+            if time.monotonic() - last_prune >= settings.prune_every:
+                last_prune = time.monotonic()
+                retention.prune(_session, BRIDGE_LEDGERS, settings.retention)
         except Exception:
             # the database may be restarting; the ledger makes the retry safe
             log.exception("bridge pass failed; retrying")
@@ -124,7 +135,9 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         result["requeued"] = outcomes.get(reconcile.REQUEUED, 0)
         result["reconciled"] = outcomes  # requeued / cleared / unconsumable, and why: recent_decisions
         result["recent_decisions"] = reconcile.recent(session)
-        result["backlog"] = len(task_success.pending(session, mapping, limit=10000)) if mapping else None
+        result["backlog"] = (len(task_success.pending(session, mapping, limit=10000,
+                                                      retention_seconds=settings.retention.seconds))
+                             if mapping else None)
         result["held_back"] = len(reconcile.held_back(session, grace_seconds=settings.grace_seconds,
                                                       lookback_seconds=settings.lookback_seconds))
         has_keys = session.execute(text("SELECT to_regclass('smart_triggerer.asset_event_key') IS NOT NULL"))

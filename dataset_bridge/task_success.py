@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.emitted (
     PRIMARY KEY (asset_id, idempotency_key)
 );
 CREATE INDEX IF NOT EXISTS emitted_key ON dataset_bridge.emitted (idempotency_key);
+CREATE INDEX IF NOT EXISTS emitted_created ON dataset_bridge.emitted (created_at);
 CREATE TABLE IF NOT EXISTS dataset_bridge.task_horizon (
     dag_id text NOT NULL,
     task_id text NOT NULL,
@@ -66,6 +67,7 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.reconciled (
 );
 ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS outcome text NOT NULL DEFAULT 'requeued';
 ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS reason text;
+CREATE INDEX IF NOT EXISTS reconciled_queued ON dataset_bridge.reconciled (queued_at);
 """
 
 # Mapped refs resolve to the active asset with that URI, else with that name (as the inbox does).
@@ -99,6 +101,7 @@ FROM tries t
 JOIN dataset_bridge.task_horizon h ON h.dag_id = t.dag_id AND h.task_id = t.task_id
 JOIN resolved r ON r.dag_id = t.dag_id AND r.task_id = t.task_id
 WHERE t.end_date >= h.since
+  AND t.end_date >= now() - make_interval(secs => :retention)  -- older ledger rows may be pruned
   AND NOT EXISTS (
       SELECT 1 FROM dataset_bridge.emitted e
       WHERE e.asset_id = r.asset_id
@@ -181,9 +184,12 @@ def _mapped_params(mapping: TaskMapping) -> dict[str, list[str]]:
     return {"dags": [p[0] for p in pairs], "tasks": [p[1] for p in pairs], "refs": [p[2] for p in pairs]}
 
 
-def pending(session: Session, mapping: TaskMapping, limit: int = 200) -> list[Any]:
-    """(successful try, resolved asset) pairs with no event yet, oldest success first."""
-    return list(session.execute(text(PENDING_SUCCESSES), {**_mapped_params(mapping), "limit": limit}).all())
+def pending(session: Session, mapping: TaskMapping, limit: int = 200,
+            retention_seconds: float = 30 * 86400.0) -> list[Any]:
+    """(successful try, resolved asset) pairs with no event yet, oldest success first; tries that ended
+    longer ago than the ledger's retention are history (their ledger rows may be pruned)."""
+    params = {**_mapped_params(mapping), "limit": limit, "retention": retention_seconds}
+    return list(session.execute(text(PENDING_SUCCESSES), params).all())
 
 
 def unresolved(session: Session, mapping: TaskMapping) -> list[str]:

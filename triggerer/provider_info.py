@@ -76,6 +76,14 @@ def get_provider_info() -> dict[str, Any]:
                         "example": '{"deployment_a": "<secret>"}',
                         "default": "",
                     },
+                    "inbox_retention_days": {
+                        "description": "Days the inbox keeps (source, event id) keys against redelivery; "
+                        "older ones are pruned every ten minutes.",
+                        "version_added": "0.2.0",
+                        "type": "float",
+                        "example": "30",
+                        "default": "30",
+                    },
                     "inbox_allowed_assets": {
                         "description": "JSON object: source deployment name -> list of asset URIs or names "
                         "it may create events for (\"*\": any). A source not listed may create none (403).",
