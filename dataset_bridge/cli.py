@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay = commands.add_parser("relay", help="relay the outbox to other deployments' inboxes")
     relay.add_argument("--routes", required=True, help="YAML/JSON routes file (source, targets)")
     relay.add_argument("--concurrency", type=int, default=4, help="targets delivered at once (default 4)")
-    relay.add_argument("--batch", type=int, default=100, help="events per request (default 100)")
+    relay.add_argument("--batch", type=int, default=1000,
+                       help="events per request, at most the inbox's 1000 (default 1000; a batch the inbox "
+                            "finds too large is split)")
     relay.add_argument("--backoff-cap", type=_positive, default=60.0,
                        help="longest wait between retries, seconds (default 60)")
     relay.add_argument("--retention-days", type=_positive, default=30.0,

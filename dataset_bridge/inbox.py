@@ -50,10 +50,6 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.inbox (
 );
 CREATE INDEX IF NOT EXISTS inbox_received ON dataset_bridge.inbox (received_at)
 """
-CLAIM = """
-INSERT INTO dataset_bridge.inbox (source, source_event_id) VALUES (:source, :id)
-ON CONFLICT DO NOTHING RETURNING source
-"""
 
 
 class InboxEvent(BaseModel):
@@ -158,36 +154,71 @@ def forbidden(batch: InboxBatch, allowed: frozenset[str]) -> list[str]:
                    if not may_reference(allowed, event.uri) and not may_reference(allowed, event.name)})
 
 
+CLAIM_MANY = """
+INSERT INTO dataset_bridge.inbox (source, source_event_id)
+SELECT :source, unnest(CAST(:ids AS bigint[]))
+ON CONFLICT DO NOTHING RETURNING source_event_id
+"""
+LINK_MANY = """
+UPDATE dataset_bridge.inbox i SET asset_event_id = x.event_id
+FROM unnest(CAST(:ids AS bigint[]), CAST(:events AS integer[])) AS x(source_event_id, event_id)
+WHERE i.source = :source AND i.source_event_id = x.source_event_id
+"""
+
+
 def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> list[dict[str, Any]]:
-    """Create the batch's new events in one transaction; one result per event. An event resolves only
-    through an identifier (URI, then name) the source is allowed to use."""
-    from airflow.assets.manager import asset_manager
+    """Create the batch's new events in one transaction, in batch order; one result per event. An event
+    resolves only through an identifier (URI, then name) the source is allowed to use."""
     from airflow.utils.session import create_session
     from sqlalchemy import text
 
-    results: list[dict[str, Any]] = []
+    from dataset_bridge.bulk_events import create_events
+
     with create_session() as session:
         _ensure_schema(session)
+        assets: dict[tuple[str, str], Any] = {}
         for event in batch.events:
-            asset = _resolve(session, event.uri if may_reference(allowed, event.uri) else None,
-                             event.name if may_reference(allowed, event.name) else None)
-            if asset is None:
-                results.append({"id": event.id, "status": "unknown_asset",
-                                "error": f"no active asset with uri {event.uri!r} or name {event.name!r}"})
-                continue
-            if session.execute(text(CLAIM), {"source": batch.source, "id": event.id}).first() is None:
-                results.append({"id": event.id, "status": "duplicate"})
-                continue
-            extra = {"idempotency_key": f"{batch.source}/{event.id}", "source_deployment": batch.source,
-                     "source_event_id": event.id, "source_timestamp": event.timestamp.isoformat(),
-                     "source_extra": event.extra}
-            created = asset_manager.register_asset_change(asset=asset.to_serialized(), extra=extra,
-                                                          session=session)
-            session.execute(text("UPDATE dataset_bridge.inbox SET asset_event_id = :e "
-                                 "WHERE source = :s AND source_event_id = :i"),
-                            {"e": created.id if created else None, "s": batch.source, "i": event.id})
-            results.append({"id": event.id, "status": "created"})
+            if (event.uri, event.name) not in assets:
+                assets[event.uri, event.name] = _resolve(
+                    session, event.uri if may_reference(allowed, event.uri) else None,
+                    event.name if may_reference(allowed, event.name) else None)
+        known = [e.id for e in batch.events if assets[e.uri, e.name] is not None]
+        claimed = set(session.execute(text(CLAIM_MANY), {"source": batch.source, "ids": known}).scalars())
+        results, to_create = _outcomes(batch, assets, claimed)
+        by_asset: dict[int, list[InboxEvent]] = {}
+        for event in to_create:
+            by_asset.setdefault(assets[event.uri, event.name].id, []).append(event)
+        for events in by_asset.values():
+            asset = assets[events[0].uri, events[0].name]
+            ids = create_events(session, asset, [_extra(batch.source, e) for e in events])
+            if len(ids) == len(events):  # (the asset was resolved just now: never fewer)
+                session.execute(text(LINK_MANY), {"source": batch.source, "ids": [e.id for e in events],
+                                                  "events": ids})
     return results
+
+
+def _outcomes(batch: InboxBatch, assets: dict[tuple[str, str], Any],
+              claimed: set[int]) -> tuple[list[dict[str, Any]], list[InboxEvent]]:
+    """One result per event (in order) and the events to create: the first of each claimed id."""
+    results: list[dict[str, Any]] = []
+    to_create: list[InboxEvent] = []
+    for event in batch.events:
+        if assets[event.uri, event.name] is None:
+            results.append({"id": event.id, "status": "unknown_asset",
+                            "error": f"no active asset with uri {event.uri!r} or name {event.name!r}"})
+        elif event.id in claimed:
+            claimed.discard(event.id)  # a second copy of the id in this batch is a duplicate
+            to_create.append(event)
+            results.append({"id": event.id, "status": "created"})
+        else:
+            results.append({"id": event.id, "status": "duplicate"})
+    return results, to_create
+
+
+def _extra(source: str, event: InboxEvent) -> dict[str, Any]:
+    return {"idempotency_key": f"{source}/{event.id}", "source_deployment": source,
+            "source_event_id": event.id, "source_timestamp": event.timestamp.isoformat(),
+            "source_extra": event.extra}
 
 
 _last_prune = float("-inf")

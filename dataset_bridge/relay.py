@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 
 PENDING = """
 SELECT id, asset_event_id, asset_uri, asset_name, extra, event_timestamp, attempts, next_attempt_at
-FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' ORDER BY id LIMIT $2
+FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' AND id > $3 ORDER BY id LIMIT $2
 """
 MARK_DELIVERED = """
 UPDATE dataset_bridge.outbox SET status = 'delivered', delivered_at = now(), attempts = attempts + 1,
@@ -63,7 +63,7 @@ RETURNING id, status, attempts
 
 @dataclass(frozen=True)
 class RelaySettings:
-    batch: int = 100
+    batch: int = 1000
     concurrency: int = 4
     poll_seconds: float = 2.0
     backoff_base: float = 1.0
@@ -107,15 +107,25 @@ class Relay:
 
     async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
         """Deliver what is due for one target, batch after batch; returns rows delivered."""
-        delivered = 0
+        delivered, batch = 0, self.settings.batch
         async with self.gate:
-            while True:
-                rows = await self.pool.fetch(PENDING, target.name, self.settings.batch)
-                if not rows or rows[0]["next_attempt_at"].timestamp() > time.time():
-                    return delivered  # nothing due: the head of this target's queue is backing off
-                delivered += await self._send(session, target, rows)
-                if len(rows) < self.settings.batch:
+            rows = await self.pool.fetch(PENDING, target.name, batch, 0)
+            # nothing due when the head of this target's queue is backing off
+            while rows and rows[0]["next_attempt_at"].timestamp() <= time.time():
+                # pipelined: the next batch is read while this one is on the wire (still sent after it)
+                after = rows[-1]["id"]
+                upcoming = (asyncio.ensure_future(self.pool.fetch(PENDING, target.name, batch, after))
+                            if len(rows) == batch else None)
+                sent = await self._send(session, target, rows)
+                delivered += sent
+                if upcoming is None:
                     return delivered
+                if sent == len(rows):
+                    rows = await upcoming
+                else:  # some failed or were dead-lettered: start again from the head of the queue
+                    await asyncio.gather(upcoming, return_exceptions=True)
+                    rows = await self.pool.fetch(PENDING, target.name, batch, 0)
+        return delivered
 
     async def _send(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any]) -> int:
         ids = [row["id"] for row in rows]
@@ -338,7 +348,8 @@ async def run_relay(routes: Routes, settings: RelaySettings, stop: asyncio.Event
     for target in routes.targets:
         target.secret()  # fail at start, naming the variable, rather than at the first event
     await asyncio.to_thread(prepare, routes)
-    pool = await asyncpg.create_pool(metadata_dsn(), min_size=1, max_size=settings.concurrency + 2)
+    # per target a read-ahead and a mark may overlap, plus the LISTEN connection
+    pool = await asyncpg.create_pool(metadata_dsn(), min_size=1, max_size=2 * settings.concurrency + 2)
     log.info("relay running", source=routes.source, targets=[t.name for t in routes.targets])
     try:
         await Relay(pool, routes, settings).run(stop)

@@ -223,3 +223,15 @@ async def _until_ok(action: Callable[[], Any], timeout: float = 10) -> None:
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
             assert asyncio.get_running_loop().time() < deadline, "the database did not come back"
             await asyncio.sleep(0.2)
+
+
+async def test_a_backlog_goes_in_full_batches_read_ahead_in_order(pg_db: str, inbox: Inbox) -> None:
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 2501))
+        assert await _deliver(pool, _routes(inbox.url), RelaySettings(batch=1000)) == 2500
+        assert inbox.requests == 3  # 1000 + 1000 + 500
+        assert inbox.received == list(range(1, 2501))
+        assert {status for status, _, _ in (await _rows(pool)).values()} == {"delivered"}
+    finally:
+        await pool.close()
