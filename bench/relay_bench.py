@@ -1,11 +1,12 @@
 """Cross-deployment relay: events per second relayed and latency from A's asset event to B's.
 
-    .venv/bin/python -m bench.relay_bench --rate 50 --seconds 20 --burst 5000 --write
+    .venv/bin/python -m bench.relay_bench --rate 50 --seconds 20 --burst 50000 --write
 
 Deployment A is a migrated metadata database whose events are created through ``OutboxAssetManager``
 (the outbox row in the same transaction, as Airflow's own code paths do); deployment B is a real
-api-server with the inbox plugin on its own database. The relay (``dataset-bridge relay``) runs between
-them. Steady phase: ``--rate`` events/s, one transaction each, for ``--seconds``: latency = B's
+Airflow (api-server with the inbox plugin, scheduler, dag-processor, a consumer DAG on the asset and
+``dataset-bridge run`` for the reconciler) on its own database. The relay (``dataset-bridge relay``)
+runs between them. Steady phase: ``--rate`` events/s, one transaction each, for ``--seconds``: latency = B's
 ``asset_event.timestamp`` - A's (same host clock). Backlog phase: ``--burst`` events made while the relay
 is stopped; throughput = events / (relay start -> last event in B).
 """
@@ -69,8 +70,37 @@ def latencies(a_dsn: str, b_dsn: str, first_a_id: int) -> tuple[list[float], flo
     return values, min(a_times.values()), max(b_times[i] for i in a_times)
 
 
+CONSUMER = """
+import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
+from airflow.sdk import DAG, Asset
+
+USERS = Asset(name="warehouse://dds/h_user", uri="warehouse://dds/h_user")
+with DAG(dag_id="consume_users", schedule=[USERS], start_date=pendulum.datetime(2024, 1, 1),
+         catchup=False):
+    EmptyOperator(task_id="consume")
+"""
+
+
+def consumed_latencies(b_dsn: str) -> list[float]:
+    """Per consumed event in B: its consumer run's creation (queued_at) minus the event's timestamp."""
+    return sorted(float(r[0]) for r in rows(
+        b_dsn, "SELECT extract(epoch FROM dr.queued_at - e.timestamp) FROM dagrun_asset_event c "
+               "JOIN dag_run dr ON dr.id = c.dag_run_id JOIN asset_event e ON e.id = c.event_id"))
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def start_b(stack_b: AirflowStack) -> None:
+    """B: the asset, a consumer DAG scheduled on it, core Airflow and the bridge (reconciler, defaults)."""
+    add_asset_b(stack_b.config.database_dsn)
+    (stack_b.config.dags_folder / "consumer.py").write_text(CONSUMER)
+    stack_b.start_core()
+    stack_b.wait_for_dags(["consume_users"])
+    stack_b.unpause("consume_users")
+    stack_b.start_bridge()
 
 
 def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
@@ -92,10 +122,8 @@ def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
                                         json.dumps({"deployment_a": [URI]})})
         for folder in (config_a.dags_folder, config_b.dags_folder):
             folder.mkdir(parents=True, exist_ok=True)
-        add_asset_b(b_dsn)
         stack_b = AirflowStack(config_b)
-        stack_b.start_api_server()
-        stack_b.wait_healthy(["metadatabase"])
+        start_b(stack_b)
         routes = home / "routes.yaml"
         routes.write_text(f"source: deployment_a\ntargets:\n  deployment_b:\n"
                           f"    url: {config_b.api_url}/dataset-bridge/inbox\n"
@@ -119,6 +147,9 @@ def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
         wait_until(lambda: rows(b_dsn, "SELECT count(*) FROM asset_event")[0][0] >= total, 120,
                    "steady events in B", interval=0.2)
         steady, _, _ = latencies(a_dsn, b_dsn, 1)
+        wait_until(lambda: len(consumed_latencies(b_dsn)) >= total, 180, "B's consumer runs to consume them",
+                   interval=0.5)
+        consumed = consumed_latencies(b_dsn)
 
         console.print(f"backlog: {args.burst} events made while the relay is stopped, then drained")
         stack_a.retire(relay)
@@ -134,6 +165,8 @@ def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
                                  "->> 'source_event_id') FROM asset_event")[0][0]
         return {
             "steady_events": len(steady), "steady_p50": pct(steady, 0.5), "steady_p99": pct(steady, 0.99),
+            "consumed_p50": pct(consumed, 0.5), "consumed_p99": pct(consumed, 0.99),
+            "burst_made": args.burst // 100 * 100,
             "burst_events": len(burst), "burst_rate": len(burst) / (b_last - relay_started),
             "duplicates": int(duplicates),
         }
@@ -154,10 +187,13 @@ def main() -> int:
     args = parser.parse_args()
     with postgres_dsn() as server:
         result = run(args, server)
+    lost = result["burst_made"] - result["burst_events"]
     line = (f"steady {args.rate:.0f}/s x {result['steady_events']} events: A->B latency p50 "
-            f"{result['steady_p50']:.3f}s, p99 {result['steady_p99']:.3f}s; a backlog of "
-            f"{result['burst_events']} events relayed at {result['burst_rate']:.0f} events/s (relay start "
-            f"to the last event in B, process start-up included); duplicates in B: {result['duplicates']}")
+            f"{result['steady_p50']:.3f}s, p99 {result['steady_p99']:.3f}s; B event -> consumer run that "
+            f"consumed it p50 {result['consumed_p50']:.1f}s, p99 {result['consumed_p99']:.1f}s (scheduler, "
+            f"reconciler at defaults); a backlog of {result['burst_events']} events relayed at "
+            f"{result['burst_rate']:.0f} events/s (relay start to the last event in B, process start-up "
+            f"included); duplicates in B: {result['duplicates']}, lost: {lost}")
     console.print(line)
     if args.write:
         title = "Cross-deployment relay (outbox -> relay -> inbox, one host)"
