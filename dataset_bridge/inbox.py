@@ -126,15 +126,16 @@ def may_reference(allowed: frozenset[str], ref: str) -> bool:
     return "*" in allowed or ref in allowed
 
 
-_schema_ready = False
+# databases (by URL) where this process created or found the inbox table: checked once per database
+_schema_ready: set[str] = set()
 
 
 def _ensure_schema(session: Any) -> None:
-    global _schema_ready  # noqa: PLW0603 (once per process)
-    if _schema_ready:
+    database = session.connection().engine.url.render_as_string(hide_password=True)
+    if database in _schema_ready:
         return
     ddl.apply(session, SCHEMA_DDL)
-    _schema_ready = True
+    _schema_ready.add(database)
 
 
 def _resolve(session: Any, uri: str | None, name: str | None) -> Any:

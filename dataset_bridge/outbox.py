@@ -94,8 +94,8 @@ def routes_from(path: str) -> Routes:
 
 REGISTER_TARGET = "INSERT INTO dataset_bridge.relay_target (target) VALUES (:t) ON CONFLICT DO NOTHING"
 
-# routes whose targets this process saw committed: registering costs queries only until then
-_registered: set[Routes] = set()
+# (database URL, routes) whose targets this process saw committed: registering costs queries only until then
+_registered: set[tuple[str, Routes]] = set()
 
 
 def _outbox_exists(session: Session) -> bool:
@@ -122,11 +122,12 @@ def _targets_registered(session: Session, routes: Routes) -> bool:
 
 def record(session: Session, routes: Routes, event: Any, uri: str, name: str) -> int:
     """Outbox rows for one new asset event (in the caller's transaction); how many targets want it."""
-    if routes not in _registered:
+    seen = (session.connection().engine.url.render_as_string(hide_password=True), routes)
+    if seen not in _registered:
         # the first events this process sees, routed or not: routing is configured from here on, whether
         # or not the relay ever ran (rolled back with the event, so done again with the next one)
         if _targets_registered(session, routes):
-            _registered.add(routes)
+            _registered.add(seen)
         else:
             register_targets(session, routes)
     targets = routes.targets_for(uri, name)

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from dataset_bridge import inbox
 from dataset_bridge.inbox import InboxBatch, receive
 from tests.helpers.airflow_orm import use_airflow_db
 
@@ -26,7 +25,6 @@ def metadata(airflow_db: str) -> str:
     from airflow.utils.session import create_session
 
     use_airflow_db(airflow_db)
-    inbox._schema_ready = False  # a process has one metadata database; this test process has many
     with create_session() as session:
         session.add(DagBundleModel(name="dags-folder"))
         session.flush()

@@ -79,7 +79,6 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
     from dataset_bridge.routes import Routes
 
     use_airflow_db(airflow_db)
-    outbox._registered.clear()  # a process has one metadata database; this test process had another
     routes_file = tmp_path / "routes.yaml"
     routes_file.write_text(ROUTES)
     manager = OutboxAssetManager(routes=str(routes_file))
