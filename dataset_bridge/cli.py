@@ -26,8 +26,11 @@ def _positive(value: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataset-bridge",
-        description="Producer success -> exactly one asset event -> consumer DAG runs. Uses the usual "
-                    "Airflow configuration (AIRFLOW_HOME, AIRFLOW__... environment).")
+        description="Producer success -> exactly one asset event -> consumer DAG runs.",
+        epilog="Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, "
+               "AIRFLOW__SECTION__KEY); the metadata database must be PostgreSQL.\nExit codes: 0 ok, 1 "
+               "unexpected error (traceback), 2 invalid argument or file, 3 database unreachable, 4 "
+               "metadata database not PostgreSQL.", formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in (("run", "run the bridge: mapped task successes and the reconciler"),
                             ("status", "events emitted, backlog, held-back events, watermarks")):
@@ -62,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
                         help="also show status-table watermarks kept in this connection's database")
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    from triggerer.cli import add_common_arguments
+
+    for sub in commands.choices.values():
+        add_common_arguments(sub)
     return parser
 
 
@@ -98,31 +105,57 @@ def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int
     if args.json:
         print(json.dumps(result))
         return 0
+    render_status(result)
+    return 0
+
+
+def render_status(result: dict[str, Any]) -> None:
     console = Console()
     if not result.get("initialized"):
-        console.print("dataset bridge: not initialised in this database yet (run `dataset-bridge run`)")
-    table = Table("measure", "value", title="dataset bridge")
-    for key in ("emitted", "backlog", "held_back", "requeued", "reconciled", "watcher_events"):
-        if key in result:
-            table.add_row(key, str(result[key]))
-    console.print(table)
+        console.print("dataset bridge: not initialised in this database yet (run `dataset-bridge init` "
+                      "or `dataset-bridge run`)")
+    else:
+        console.print(_summary_table(result))
+    if result.get("emitted"):
+        emitted = Table("source", "events emitted", "bridging successes since", title="emitted by source")
+        for source, count in sorted(result["emitted"].items()):
+            emitted.add_row(source, str(count), result.get("horizons", {}).get(source, "-"))
+        console.print(emitted)
     if result.get("recent_decisions"):
         decisions = Table("event", "dag_id", "outcome", "why", "at", title="reconciler: latest decisions")
         for d in result["recent_decisions"]:
             decisions.add_row(str(d["event_id"]), d["dag_id"], d["outcome"], d["reason"] or "", d["at"])
         console.print(decisions)
-    if result["watermarks"]:
+    if result.get("watermarks"):
         marks = Table("conn_id", "status_table", "table_name", "last_id", "updated_at", title="watermarks")
         for w in result["watermarks"]:
             marks.add_row(*(str(w[k]) for k in ("conn_id", "status_table", "table_name", "last_id",
                                                 "updated_at")))
         console.print(marks)
-    return 0
+
+
+def _summary_table(result: dict[str, Any]) -> Table:
+    table = Table("measure", "value", title="dataset bridge")
+    reconciled = result.get("reconciled") or {}
+    rows = (
+        ("events emitted (task successes)", str(sum((result.get("emitted") or {}).values()))),
+        ("successes waiting to be bridged",
+         "-- (pass --mapping)" if result.get("backlog") is None else str(result["backlog"])),
+        ("events held back (not yet consumed)", str(result.get("held_back", 0))),
+        ("reconciler: re-queued / cleared / unconsumable",
+         " / ".join(str(reconciled.get(k, 0)) for k in ("requeued", "cleared", "unconsumable"))),
+        ("status-table watcher events",
+         "-- (no smart triggerer here)" if result.get("watcher_events") is None
+         else str(result["watcher_events"])),
+    )
+    for measure, value in rows:
+        table.add_row(measure, value)
+    return table
 
 
 def relay_command(args: argparse.Namespace) -> int:
     from dataset_bridge import relay
-    from dataset_bridge.routes import Routes, RoutesError
+    from dataset_bridge.routes import Routes
 
     if args.command == "relay-status":
         targets = asyncio.run(relay.relay_status())
@@ -135,13 +168,9 @@ def relay_command(args: argparse.Namespace) -> int:
                                                 "last_error")))
         Console().print(table)
         return 0
-    try:
-        routes = Routes.load(args.routes)
-        for target in routes.targets:
-            target.secret()
-    except RoutesError as err:
-        print(f"dataset-bridge: {err}", file=sys.stderr)
-        return 2
+    routes = Routes.load(args.routes)
+    for target in routes.targets:
+        target.secret()
     from dataset_bridge.retention import Retention
 
     settings = relay.RelaySettings(batch=args.batch, concurrency=args.concurrency,
@@ -152,13 +181,9 @@ def relay_command(args: argparse.Namespace) -> int:
 
 def init_command(args: argparse.Namespace) -> int:
     from dataset_bridge import relay, service
-    from dataset_bridge.routes import Routes, RoutesError
+    from dataset_bridge.routes import Routes
 
-    try:
-        routes = Routes.load(args.routes) if args.routes else None
-    except RoutesError as err:
-        print(f"dataset-bridge: {err}", file=sys.stderr)
-        return 2
+    routes = Routes.load(args.routes) if args.routes else None
     service.prepare(None)
     if routes is not None:
         relay.prepare(routes)
@@ -185,15 +210,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command in ("relay", "relay-status"):
-        return relay_command(args)
-    if args.command == "init":
-        return init_command(args)
+    from triggerer.errors import guarded
+
+    return guarded("dataset-bridge", args.verbose, lambda: dispatch(args))
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    from dataset_bridge.routes import RoutesError
+    from triggerer.errors import UserError, require_postgres
+
     try:
+        require_postgres()
+        if args.command in ("relay", "relay-status"):
+            return relay_command(args)
+        if args.command == "init":
+            return init_command(args)
         mapping = TaskMapping.load(args.mapping) if args.mapping else None
-    except MappingError as err:
-        print(f"dataset-bridge: {err}", file=sys.stderr)
-        return 2
+    except (MappingError, RoutesError) as err:
+        raise UserError(str(err)) from err
     if args.command == "status":
         return status_command(args, mapping)
     from dataset_bridge import service

@@ -91,10 +91,9 @@ def _target(source_file: str, name: Any, spec: Any) -> Target:
         raise RoutesError(f"{where}: url must be an http(s) URL, got {url!r}")
     if not isinstance(secret_env, str) or not secret_env:
         raise RoutesError(f"{where}: secret_env must name the environment variable holding the secret")
-    if isinstance(assets, str):
-        assets = [assets]
     if not isinstance(assets, list) or not assets or not all(isinstance(a, str) and a for a in assets):
-        raise RoutesError(f"{where}: assets must be a non-empty list of asset URIs or names")
+        hint = f" (write [{assets!r}])" if isinstance(assets, str) else ""
+        raise RoutesError(f"{where}: assets must be a non-empty list of asset URIs or names{hint}")
     attempts = spec.get("max_attempts", 10)
     if not isinstance(attempts, int) or attempts < 1:
         raise RoutesError(f"{where}: max_attempts must be a positive integer, got {attempts!r}")

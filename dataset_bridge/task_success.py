@@ -154,11 +154,12 @@ class TaskMapping:
             dag_id, dot, task_id = str(name).partition(".")
             if not dot or not dag_id or not task_id:
                 raise MappingError(f"{source}: {name!r} is not 'dag_id.task_id'")
-            assets = [value] if isinstance(value, str) else value
-            if not isinstance(assets, list) or not assets \
-                    or not all(a and isinstance(a, str) for a in assets):
-                raise MappingError(f"{source}: {name!r} must map to a non-empty list of asset URIs or names")
-            entries[(dag_id, task_id)] = tuple(assets)
+            if not isinstance(value, list) or not value or not all(a and isinstance(a, str) for a in value):
+                got = "" if isinstance(value, list) else f", got {type(value).__name__} {value!r}"
+                hint = f" (write [{value!r}])" if isinstance(value, str) else ""
+                raise MappingError(f"{source}: {name!r} must map to a non-empty list of asset URIs or names"
+                                   f"{got}{hint}")
+            entries[(dag_id, task_id)] = tuple(value)
         return cls(entries)
 
     def names(self) -> list[str]:

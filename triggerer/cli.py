@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from triggerer import __version__
 
@@ -26,11 +26,15 @@ def _port(value: str) -> int:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=_positive_int, default=None,
-                        help="declared capacity: the instance's weight in shard placement and the most "
-                             "triggers it runs (default: [triggerer] capacity)")
+                        help="the instance's weight in shard placement, relative to the other instances; it "
+                             "does not cap the triggers it runs (default: [triggerer] capacity)")
     parser.add_argument("--health-port", type=_port, default=None,
-                        help="serve GET /health and /metrics on 127.0.0.1:PORT; 0 picks a free port and "
-                             "logs it (default: [smart_triggerer] health_port, unset = no endpoint)")
+                        help="serve GET /health and /metrics on PORT; 0 picks a free port and logs it "
+                             "(default: [smart_triggerer] health_port, unset = no endpoint)")
+    parser.add_argument("--health-host", default=None,
+                        help="address the health endpoint binds (default: [smart_triggerer] health_host, "
+                             "127.0.0.1); any other address, e.g. 0.0.0.0 for Kubernetes probes, needs "
+                             "[smart_triggerer] health_token")
     parser.add_argument("--queues", default=None,
                         help="comma-separated trigger queues to serve (isolation from stock triggerers)")
     parser.add_argument("--skip-serve-logs", action="store_true",
@@ -41,26 +45,45 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="on an error, print the traceback as well as the one-line message")
+
+
+EPILOG = """Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, AIRFLOW__SECTION__KEY);
+the metadata database must be PostgreSQL. SMART_TRIGGERER_DSN is read only by `demo` (and the test
+suite): `run` and `status` always use [database] sql_alchemy_conn.
+Exit codes: 0 ok, 1 unexpected error (traceback), 2 invalid setting or argument, 3 database unreachable,
+4 metadata database not PostgreSQL, 5 shard count differs from the deployment's."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smart-triggerer",
-        description=(
-            "A deduplicating, sharded replacement for `airflow triggerer`. "
-            "Uses the usual Airflow configuration (AIRFLOW_HOME, AIRFLOW__... environment)."
-        ),
+        description="A deduplicating, sharded replacement for `airflow triggerer`.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_run_arguments(commands.add_parser("run", help="run one smart triggerer instance"))
-    status = commands.add_parser("status", help="instances, shards, waiters, groups, dedup ratio")
+    run = commands.add_parser("run", help="run one smart triggerer instance", epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(run)
+    status = commands.add_parser("status", help="instances, shards, waiters, groups, dedup ratio",
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_status_arguments(status)
-    demo = commands.add_parser("demo", help="run the demo: a whole deployment on a private PostgreSQL, the "
-                                            "example DAGs, a warehouse scenario and a summary")
+    demo = commands.add_parser(
+        "demo", help="run the demo: a whole deployment on a private PostgreSQL, the example DAGs, a "
+                     "warehouse scenario and a summary",
+        description="Runs on SMART_TRIGGERER_DSN (a PostgreSQL server URL) when set, else on 127.0.0.1:5432 "
+                    "when it accepts the postgres user, else on an embedded PostgreSQL it starts itself.")
     demo.add_argument("--quick", action="store_true", help="a smaller scenario (for CI)")
     demo.add_argument("--json", action="store_true",
-                      help="progress on stderr; the summary as one JSON object, the last line of stdout")
+                      help="progress on stderr; stdout is exactly the summary as one JSON object")
     demo.add_argument("--keep-running", action="store_true",
-                      help="leave the stack up after the summary and print the UI URL (Ctrl-C stops it)")
+                      help="leave the stack up after the summary, print the UI URL and the environment "
+                           "that points the CLIs at it (Ctrl-C stops it)")
+    for sub in (run, status, demo):
+        add_common_arguments(sub)
     return parser
 
 
@@ -73,6 +96,8 @@ def run_command(args: argparse.Namespace) -> int:
     settings = Settings.from_airflow()
     if args.health_port is not None:
         settings = replace(settings, health_port=args.health_port)
+    if getattr(args, "health_host", None):
+        settings = replace(settings, health_host=args.health_host)
     queues = {q.strip() for q in args.queues.split(",") if q.strip()} if args.queues else None
     return run(args.capacity, queues, settings, args.skip_serve_logs)
 
@@ -80,8 +105,11 @@ def run_command(args: argparse.Namespace) -> int:
 def status_command(args: argparse.Namespace) -> int:
     from triggerer import status
     from triggerer.config import Settings
+    from triggerer.errors import require_postgres
 
-    result = status.collect(Settings.from_airflow())
+    settings = Settings.from_airflow()
+    require_postgres()
+    result = status.collect(settings)
     if args.json:
         print(json.dumps(result))
     else:
@@ -101,14 +129,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from triggerer.config import ConfigError
+    from triggerer.errors import guarded
 
     handlers = {"run": run_command, "status": status_command, "demo": demo_command}
-    try:
-        return handlers[args.command](args)
-    except ConfigError as err:
-        print(f"smart-triggerer: {err}", file=sys.stderr)
-        return 2
+    return guarded("smart-triggerer", args.verbose, lambda: handlers[args.command](args))
+
+
+def provider_run(args: argparse.Namespace) -> None:
+    """``airflow smart-triggerer run``: the same errors, exit codes and messages as ``smart-triggerer``."""
+    _exit(guarded_command(run_command, args))
+
+
+def provider_status(args: argparse.Namespace) -> None:
+    _exit(guarded_command(status_command, args))
+
+
+def guarded_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from triggerer.errors import guarded
+
+    return guarded("airflow smart-triggerer", getattr(args, "verbose", False), lambda: command(args))
+
+
+def _exit(code: int) -> None:
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

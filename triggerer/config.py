@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConfigError(ValueError):
@@ -16,6 +30,10 @@ class Settings:
     dedup: bool = True
     dedup_classpaths: tuple[str, ...] = ()
     health_port: int | None = None
+    # 127.0.0.1 keeps /health private; 0.0.0.0 or a pod IP lets Kubernetes probes and Prometheus in
+    health_host: str = "127.0.0.1"
+    # required when health_host is not a loopback address: the endpoint then answers only to this bearer
+    health_token: str = ""
     # Airflow 3.3.2 fails a task resumed within ~5 s of its deferral (apache/airflow#71580 family):
     # an event for a member that deferred more recently than this is held back until it is old enough.
     resume_hold_seconds: float = 6.0
@@ -37,30 +55,61 @@ class Settings:
             )
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ConfigError(f"[smart_triggerer] health_port must be 0-65535, got {self.health_port}")
+        if self.health_port is not None and not is_loopback(self.health_host) and not self.health_token:
+            raise ConfigError(
+                f"[smart_triggerer] health_host is {self.health_host}, reachable from the network: set "
+                "[smart_triggerer] health_token (AIRFLOW__SMART_TRIGGERER__HEALTH_TOKEN) so that /health "
+                "and /metrics answer only requests with 'Authorization: Bearer <token>'"
+            )
         if self.resume_hold_seconds < 0:
             raise ConfigError("[smart_triggerer] resume_hold_seconds must be >= 0")
 
     @classmethod
     def from_airflow(cls) -> Settings:
-        from airflow.configuration import conf
+        port = _option("health_port", str, "")
+        return cls(
+            shards=_option("shards", int, cls.shards),
+            lease_seconds=_option("lease_seconds", float, cls.lease_seconds),
+            dedup=_option("dedup", _boolean, cls.dedup),
+            dedup_classpaths=_split(_option("dedup_classpaths", str, "")),
+            health_port=_number("health_port", port, int) if port.strip() else None,
+            health_host=_option("health_host", str, cls.health_host).strip() or cls.health_host,
+            health_token=_option("health_token", str, "").strip(),
+            resume_hold_seconds=_option("resume_hold_seconds", float, cls.resume_hold_seconds),
+            loop_seconds=_option("loop_seconds", float, cls.loop_seconds),
+        )
 
-        section = "smart_triggerer"
-        try:
-            port = conf.get(section, "health_port", fallback="")
-            return cls(
-                shards=conf.getint(section, "shards", fallback=cls.shards),
-                lease_seconds=conf.getfloat(section, "lease_seconds", fallback=cls.lease_seconds),
-                dedup=conf.getboolean(section, "dedup", fallback=cls.dedup),
-                dedup_classpaths=_split(conf.get(section, "dedup_classpaths", fallback="")),
-                health_port=int(port) if str(port).strip() else None,
-                resume_hold_seconds=conf.getfloat(section, "resume_hold_seconds",
-                                                  fallback=cls.resume_hold_seconds),
-                loop_seconds=conf.getfloat(section, "loop_seconds", fallback=cls.loop_seconds),
-            )
-        except ValueError as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"[smart_triggerer] has an invalid value: {err}") from err
+
+SECTION = "smart_triggerer"
+
+
+def _option(key: str, kind: Callable[[str], T], default: T) -> T:
+    from airflow.configuration import conf
+
+    raw = conf.get(SECTION, key, fallback=None)
+    if raw is None or str(raw).strip() == "":
+        return default
+    return _number(key, str(raw), kind)
+
+
+def _number(key: str, raw: str, kind: Callable[[str], T]) -> T:
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        wanted = {int: "an integer", float: "a number", _boolean: "true or false"}.get(kind, "a value")
+        raise ConfigError(
+            f"[{SECTION}] {key} must be {wanted}, got {raw!r} "
+            f"(set in airflow.cfg or AIRFLOW__{SECTION.upper()}__{key.upper()})"
+        ) from None
+
+
+def _boolean(raw: str) -> bool:
+    value = raw.lower()
+    if value in ("true", "t", "1", "yes", "on"):
+        return True
+    if value in ("false", "f", "0", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def _split(value: str) -> tuple[str, ...]:

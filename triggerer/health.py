@@ -1,17 +1,21 @@
-"""``GET /health`` and ``GET /metrics`` (Prometheus text) on 127.0.0.1, served by aiohttp in a thread.
+"""``GET /health`` and ``GET /metrics`` (Prometheus text), served by aiohttp in a thread.
 
-Bound to localhost only, so it needs no authentication: it exposes counts, never trigger kwargs.
+They expose counts, never trigger kwargs. On 127.0.0.1 (the default) they need no authentication; on any
+other address (Kubernetes probes, Prometheus) every request must carry ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 from aiohttp import web
+
+from triggerer.config import is_loopback
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -48,10 +52,16 @@ def is_healthy(snapshot: dict[str, Any], lease_seconds: float) -> bool:
 
 
 class HealthServer:
-    """Runs in a daemon thread; ``start()`` returns once the port is bound."""
+    """Runs in a daemon thread; ``start()`` returns once the port is bound.
 
-    def __init__(self, port: int, lease_seconds: float, host: str = "127.0.0.1") -> None:
+    ``token`` is required on a non-loopback ``host``: the endpoint is then reachable from the network.
+    """
+
+    def __init__(self, port: int, lease_seconds: float, host: str = "127.0.0.1", token: str = "") -> None:
+        if not is_loopback(host) and not token:
+            raise ValueError("a health endpoint on a non-loopback address needs a token")
         self.host, self.port, self.lease_seconds = host, port, lease_seconds
+        self._expected = f"Bearer {token}".encode() if token else b""
         self.snapshot: Snapshot = dict
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -60,7 +70,17 @@ class HealthServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._expected:
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, self._expected):
+                return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                         headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     def start(self) -> None:
         self._thread.start()
@@ -85,7 +105,7 @@ class HealthServer:
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)

@@ -9,22 +9,27 @@ def get_cli_commands() -> list[Any]:
     from airflow.cli.cli_config import ActionCommand, Arg, GroupCommand, lazy_load_command
 
     run_args = (
-        Arg(("--capacity",), type=int, default=None, help="declared capacity (weight in shard placement)"),
+        Arg(("--capacity",), type=int, default=None,
+            help="weight in shard placement; does not cap the triggers run"),
         Arg(("--health-port",), type=int, default=None,
-            help="serve GET /health and /metrics on 127.0.0.1:PORT (0 picks a free port)"),
+            help="serve GET /health and /metrics on PORT (0 picks a free port)"),
+        Arg(("--health-host",), default=None,
+            help="address of the health endpoint (default 127.0.0.1; others need health_token)"),
         Arg(("--queues",), default=None, help="comma-separated trigger queues to serve"),
         Arg(("--skip-serve-logs",), action="store_true", help="do not start the trigger log server"),
     )
-    status_args = (Arg(("--json",), action="store_true", help="print one JSON object"),)
+    verbose = Arg(("-v", "--verbose"), action="store_true", help="on an error, print the traceback too")
+    run_args = (*run_args, verbose)
+    status_args = (Arg(("--json",), action="store_true", help="print one JSON object"), verbose)
     return [
         GroupCommand(
             name="smart-triggerer",
             help="Deduplicating, sharded triggerer (airflow-smart-triggerer)",
             subcommands=(
                 ActionCommand(name="run", help="Run one smart triggerer instance",
-                              func=lazy_load_command("triggerer.cli.run_command"), args=run_args),
+                              func=lazy_load_command("triggerer.cli.provider_run"), args=run_args),
                 ActionCommand(name="status", help="Instances, shards, waiters, groups, dedup ratio",
-                              func=lazy_load_command("triggerer.cli.status_command"), args=status_args),
+                              func=lazy_load_command("triggerer.cli.provider_status"), args=status_args),
             ),
         )
     ]

@@ -29,7 +29,8 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         self.register_signals()
         health = None
         if self.settings.health_port is not None:
-            health = HealthServer(self.settings.health_port, self.settings.lease_seconds)
+            health = HealthServer(self.settings.health_port, self.settings.lease_seconds,
+                                  self.settings.health_host, self.settings.health_token)
             health.start()
         supervisor: SmartTriggerRunnerSupervisor | None = None
         try:
@@ -63,10 +64,23 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         log.info("smart triggerer stopped")
 
 
+def preflight(settings: Settings) -> None:
+    """Before anything starts: PostgreSQL, reachable, and the deployment's shard count."""
+    from airflow.utils.session import create_session
+
+    from triggerer.errors import require_postgres
+    from triggerer.store import Store
+
+    require_postgres()
+    with create_session() as session:
+        Store(session).check_shards(settings.shards)
+
+
 def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> int:
     from airflow.cli.commands.triggerer_command import _serve_logs
     from airflow.configuration import conf
 
+    preflight(settings)
     with _serve_logs(skip_serve_logs):
         runner = SmartTriggererJobRunner(
             Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings

@@ -108,14 +108,20 @@ class Store:
 
     def _pin_shards(self, shards: int) -> None:
         self._run("put_setting", key="shards", value=str(shards))
-        stored = int(self._run("get_setting", key="shards").scalar_one())
-        if stored != shards:
-            raise ShardCountMismatch(
-                f"[smart_triggerer] shards is {shards}, but this deployment was created with {stored}. "
-                "The shard count is fixed per deployment (identical waits must hash to one shard); "
-                f"set AIRFLOW__SMART_TRIGGERER__SHARDS={stored}."
-            )
+        self.check_shards(shards)
         self._run("create_shards", shards=shards, queues="")
+
+    def check_shards(self, shards: int) -> None:
+        """Refuse a shard count other than the one this deployment was created with (if it exists)."""
+        if not self.schema_exists():
+            return
+        stored = self._run("get_setting", key="shards").scalar()
+        if stored is not None and int(stored) != shards:
+            raise ShardCountMismatch(
+                f"[smart_triggerer] shards is {shards}, but this deployment was created with {stored}: "
+                f"set AIRFLOW__SMART_TRIGGERER__SHARDS={stored} (the shard count is fixed per deployment, "
+                "so that identical waits always hash to one shard)"
+            )
 
     def schema_exists(self) -> bool:
         """False until the first instance has migrated this database."""

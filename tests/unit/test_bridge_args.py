@@ -33,8 +33,8 @@ def test_status_trigger_rejects_bad_arguments_naming_them(kwargs: dict[str, obje
         TableStatusTrigger(**kwargs)  # type: ignore[arg-type]
 
 
-def test_mapping_parses_names_uris_and_single_strings() -> None:
-    mapping = TaskMapping.parse({"etl.load_users": ["warehouse://dds/h_user", "users"], "etl.load_x": "x"})
+def test_mapping_parses_names_and_uris() -> None:
+    mapping = TaskMapping.parse({"etl.load_users": ["warehouse://dds/h_user", "users"], "etl.load_x": ["x"]})
     assert mapping.entries == {("etl", "load_users"): ("warehouse://dds/h_user", "users"),
                                ("etl", "load_x"): ("x",)}
     assert mapping.names() == ["etl.load_users", "etl.load_x"]
@@ -46,6 +46,9 @@ def test_mapping_parses_names_uris_and_single_strings() -> None:
     ({"etl_load": ["a"]}, "'etl_load' is not 'dag_id.task_id'"),
     ({"etl.load": []}, "'etl.load' must map to a non-empty list"),
     ({"etl.load": [""]}, "'etl.load' must map to a non-empty list"),
+    # a comma-separated string would silently be one asset named "a, b"
+    ({"etl.load": "a, b"}, r"'etl.load' must map to a non-empty list .*got str 'a, b' \(write \['a, b'\]\)"),
+    ({"etl.load": {"uri": "a"}}, "'etl.load' must map to a non-empty list .*got dict"),
 ])
 def test_mapping_errors_name_the_entry(raw: object, message: str) -> None:
     with pytest.raises(MappingError, match=message):

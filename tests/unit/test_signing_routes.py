@@ -40,7 +40,7 @@ def test_missing_headers_are_refused() -> None:
 def test_routes_select_targets_by_uri_or_name() -> None:
     routes = Routes.parse({"source": "a", "targets": {
         "b": {"url": "https://b/inbox", "secret_env": "B", "assets": ["warehouse://x", "users"]},
-        "c": {"url": "http://c/inbox", "secret_env": "C", "assets": "warehouse://y", "max_attempts": 3}}})
+        "c": {"url": "http://c/inbox", "secret_env": "C", "assets": ["warehouse://y"], "max_attempts": 3}}})
     assert [t.name for t in routes.targets_for("warehouse://x", "x")] == ["b"]
     assert [t.name for t in routes.targets_for("other://z", "users")] == ["b"]
     assert routes.targets[1].max_attempts == 3 and routes.targets[1].assets == ("warehouse://y",)
@@ -54,6 +54,8 @@ def test_routes_select_targets_by_uri_or_name() -> None:
     ({"source": "a", "targets": {"b": {"url": "http://b", "assets": ["x"]}}}, "secret_env must name"),
     ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": []}}},
      "assets must be"),
+    ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": "x, y"}}},
+     r"assets must be a non-empty list .*\(write \['x, y'\]\)"),
     ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": ["x"],
                                        "max_attempts": 0}}}, "max_attempts"),
 ])

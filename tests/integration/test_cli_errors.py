@@ -1,0 +1,111 @@
+"""Errors a user can fix: exactly one line on stderr saying what and how, and a distinct exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triggerer.devstack import AirflowConfig
+from triggerer.errors import ExitCode
+from triggerer.pgserver import free_port
+
+BIN = Path(sys.executable).parent
+SMART = str(BIN / "smart-triggerer")
+BRIDGE = str(BIN / "dataset-bridge")
+
+
+def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False,
+                          start_new_session=True)
+
+
+def one_line(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    """The whole of stderr is one line naming the command, with every word, and the exit code is ``code``."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+    assert len(lines) == 1, result.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def config(airflow_config: AirflowConfig) -> AirflowConfig:
+    """A deployment with a migrated metadata database; each test breaks one thing in its environment."""
+    return airflow_config
+
+
+def env_with(config: AirflowConfig, **settings: str) -> dict[str, str]:
+    env = config.env()
+    env.update(settings)
+    return env
+
+
+def unreachable(config: AirflowConfig) -> dict[str, str]:
+    # a port nothing listens on: connection refused at once
+    return env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"postgresql://postgres@127.0.0.1:{free_port()}/x")
+
+
+@pytest.mark.parametrize("argv", [[SMART, "status"], [SMART, "run", "--skip-serve-logs"], [BRIDGE, "status"],
+                                  [BRIDGE, "relay-status"]])
+def test_an_unreachable_database_is_one_line(config: AirflowConfig, argv: list[str]) -> None:
+    line = one_line(run(argv, unreachable(config)), ExitCode.DATABASE_UNREACHABLE, "cannot reach the database",
+                    "Connection refused", "sql_alchemy_conn")
+    assert line.startswith(Path(argv[0]).name + ": error: ")
+
+
+def test_verbose_adds_the_traceback(config: AirflowConfig) -> None:
+    result = run([SMART, "status", "--verbose"], unreachable(config))
+    assert result.returncode == ExitCode.DATABASE_UNREACHABLE
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("smart-triggerer: error: cannot reach")
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("SHARDS", "abc", ("shards must be an integer", "'abc'", "AIRFLOW__SMART_TRIGGERER__SHARDS")),
+    ("DEDUP", "maybe", ("dedup must be true or false", "'maybe'")),
+    ("HEALTH_HOST", "0.0.0.0", ("health_token", "AIRFLOW__SMART_TRIGGERER__HEALTH_TOKEN")),
+])
+def test_an_invalid_setting_is_one_line(config: AirflowConfig, key: str, value: str,
+                                        words: tuple[str, ...]) -> None:
+    env = env_with(config, **{f"AIRFLOW__SMART_TRIGGERER__{key}": value,
+                              "AIRFLOW__SMART_TRIGGERER__HEALTH_PORT": "0"})
+    one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.CONFIG, *words)
+
+
+@pytest.mark.parametrize("argv", [[SMART, "run", "--skip-serve-logs"], [BRIDGE, "run"]])
+def test_a_sqlite_metadata_database_is_refused(config: AirflowConfig, tmp_path: Path, argv: list[str]) -> None:
+    env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path}/airflow.db")
+    one_line(run(argv, env), ExitCode.DATABASE_UNSUPPORTED, "is sqlite", "need PostgreSQL", "postgresql://")
+    assert not (tmp_path / "airflow.db").exists() or (tmp_path / "airflow.db").stat().st_size == 0
+
+
+def test_a_changed_shard_count_is_one_line_with_the_fix(config: AirflowConfig) -> None:
+    from airflow.utils.session import create_session
+
+    from tests.helpers.airflow_orm import use_airflow_db
+    from triggerer.store import Store
+
+    use_airflow_db(config.database_dsn)
+    with create_session() as session:
+        Store(session).migrate(32)
+    env = env_with(config, AIRFLOW__SMART_TRIGGERER__SHARDS="16")
+    one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.SHARD_COUNT,
+             "shards is 16", "created with 32", "AIRFLOW__SMART_TRIGGERER__SHARDS=32")
+
+
+def test_a_mapping_value_that_is_not_a_list_is_refused_when_read(config: AirflowConfig, tmp_path: Path) -> None:
+    mapping = tmp_path / "bridge.yaml"
+    mapping.write_text("etl.load_users: warehouse://dds/h_user, warehouse://dds/s_user\n")
+    one_line(run([BRIDGE, "run", "--mapping", str(mapping)], config.env()), ExitCode.CONFIG,
+             str(mapping), "'etl.load_users' must map to a non-empty list", "got str", "write [")
+
+
+def test_a_routes_file_error_is_one_line(config: AirflowConfig, tmp_path: Path) -> None:
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("source: a\ntargets:\n  b: {url: ftp://b, secret_env: B, assets: [x]}\n")
+    one_line(run([BRIDGE, "relay", "--routes", str(routes)], config.env()), ExitCode.CONFIG,
+             "url must be an http(s) URL")

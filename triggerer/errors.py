@@ -1,0 +1,124 @@
+"""Errors a user can fix: one line on stderr saying what is wrong and how to fix it, and an exit code each.
+
+``smart-triggerer`` and ``dataset-bridge`` share these; ``--verbose`` prints the traceback as well.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Documented in the README's Troubleshooting section; keep them stable."""
+
+    CONFIG = 2  # an invalid setting, argument or file
+    DATABASE_UNREACHABLE = 3  # the database cannot be reached or refuses the login
+    DATABASE_UNSUPPORTED = 4  # the metadata database is not PostgreSQL
+    SHARD_COUNT = 5  # [smart_triggerer] shards differs from the deployment's
+
+
+class UserError(Exception):
+    """An error whose message already says what to do; ``exit_code`` tells the kind."""
+
+    exit_code = ExitCode.CONFIG
+
+
+class UnsupportedDatabase(UserError):
+    exit_code = ExitCode.DATABASE_UNSUPPORTED
+
+
+class DatabaseUnreachable(UserError):
+    exit_code = ExitCode.DATABASE_UNREACHABLE
+
+
+def require_postgres() -> None:
+    """Refuse a metadata database other than PostgreSQL before anything touches it."""
+    from airflow.configuration import conf
+
+    url = conf.get("database", "sql_alchemy_conn", fallback="") or ""
+    scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme not in ("postgresql", "postgres"):
+        raise UnsupportedDatabase(
+            f"the metadata database is {scheme or 'not configured'}, but the smart triggerer and the dataset "
+            "bridge need PostgreSQL: set [database] sql_alchemy_conn (AIRFLOW__DATABASE__SQL_ALCHEMY_CONN) "
+            "to a postgresql:// URL"
+        )
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _connection_failure(err: BaseException) -> str | None:
+    """The driver's first line when ``err`` means 'cannot connect or log in', else None."""
+    import asyncpg
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    if isinstance(err, OperationalError) and err.orig is not None and _is_connect(err):
+        return _first_line(str(err.orig))
+    if isinstance(err, DBAPIError) and err.connection_invalidated:
+        return _first_line(str(err.orig))
+    if isinstance(err, asyncpg.exceptions.InvalidAuthorizationSpecificationError
+                  | asyncpg.exceptions.InvalidCatalogNameError | asyncpg.exceptions.CannotConnectNowError):
+        return _first_line(str(err))
+    if isinstance(err, ConnectionRefusedError):
+        # asyncpg says "[Errno 111] Connect call failed ('127.0.0.1', 5432)"
+        address = str(err).rpartition("failed")[2].strip(" ()").replace("'", "").replace(", ", ":")
+        return f"Connection refused by {address}" if address else "Connection refused"
+    if isinstance(err, ConnectionError | TimeoutError) or (isinstance(err, OSError) and err.errno):
+        return _first_line(str(err)) or type(err).__name__
+    return None
+
+
+def _is_connect(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in ("connect", "password", "authentication", "does not exist",
+                                         "could not translate host", "timeout", "refused"))
+
+
+def _first_line(text: str) -> str:
+    lines = (line.strip().removeprefix("connection failed: ") for line in text.strip().splitlines())
+    return next((line for line in lines if line), "")
+
+
+def explain(err: BaseException) -> tuple[str, int] | None:
+    """(message, exit code) for an error the user can fix; None for a bug (the traceback is wanted)."""
+    from triggerer.config import ConfigError
+    from triggerer.store import ShardCountMismatch
+
+    for link in _chain(err):
+        if isinstance(link, UserError):
+            return str(link), link.exit_code
+        if isinstance(link, ShardCountMismatch):
+            return str(link), ExitCode.SHARD_COUNT
+        if isinstance(link, ConfigError):
+            return str(link), ExitCode.CONFIG
+        reason = _connection_failure(link)
+        if reason is not None:
+            return (f"cannot reach the database ({reason}): is PostgreSQL running, and are the URL and "
+                    "credentials in [database] sql_alchemy_conn right?",
+                    ExitCode.DATABASE_UNREACHABLE)
+    return None
+
+
+def guarded(prog: str, verbose: bool, command: Callable[[], int]) -> int:
+    """Run ``command``; an error the user can fix becomes one line on stderr and its exit code."""
+    try:
+        return command()
+    except Exception as err:
+        found = explain(err)
+        if found is None:
+            raise
+        message, code = found
+        if verbose:
+            traceback.print_exc()
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return int(code)
