@@ -222,10 +222,12 @@ class AirflowStack:
 
     def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
                               health_port: int = 0, env: dict[str, str] | None = None,
-                              queues: str | None = None) -> Component:
+                              queues: str | None = None, health_host: str | None = None) -> Component:
         """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port."""
         argv = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
                 "--health-port", str(health_port)]
+        if health_host is not None:
+            argv += ["--health-host", health_host]
         if capacity is not None:
             argv += ["--capacity", str(capacity)]
         if queues is not None:

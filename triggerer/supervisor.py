@@ -16,7 +16,6 @@ only after it was stored; an event that cannot be stored fails its own members, 
 from __future__ import annotations
 
 import math
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -28,6 +27,7 @@ import structlog
 from airflow.jobs.triggerer_job_runner import TriggerEventEntry, TriggerRunnerSupervisor, messages
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
+from airflow.utils.net import get_hostname
 from airflow.utils.session import create_session
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -119,7 +119,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             store = Store(session)
             store.migrate(self.settings.shards)
             self._refuse_overlapping_queues(store)
-            store.register(self.job_id, socket.getfqdn(), self.capacity, self.queues_key,
+            store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
                            health_url=self.health_url, shards=self.settings.shards)
         self.publish_snapshot()
 

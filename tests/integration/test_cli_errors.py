@@ -50,10 +50,10 @@ def unreachable(config: AirflowConfig) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("argv", [[SMART, "status"], [SMART, "run", "--skip-serve-logs"], [BRIDGE, "status"],
-                                  [BRIDGE, "relay-status"]])
+                                  [BRIDGE, "run"]])
 def test_an_unreachable_database_is_one_line(config: AirflowConfig, argv: list[str]) -> None:
-    line = one_line(run(argv, unreachable(config)), ExitCode.DATABASE_UNREACHABLE, "cannot reach the database",
-                    "Connection refused", "sql_alchemy_conn")
+    line = one_line(run(argv, unreachable(config)), ExitCode.DATABASE_UNREACHABLE,
+                    "cannot reach the database", "Connection refused", "sql_alchemy_conn")
     assert line.startswith(Path(argv[0]).name + ": error: ")
 
 
@@ -77,7 +77,8 @@ def test_an_invalid_setting_is_one_line(config: AirflowConfig, key: str, value: 
 
 
 @pytest.mark.parametrize("argv", [[SMART, "run", "--skip-serve-logs"], [BRIDGE, "run"]])
-def test_a_sqlite_metadata_database_is_refused(config: AirflowConfig, tmp_path: Path, argv: list[str]) -> None:
+def test_a_sqlite_metadata_database_is_refused(config: AirflowConfig, tmp_path: Path,
+                                               argv: list[str]) -> None:
     env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path}/airflow.db")
     one_line(run(argv, env), ExitCode.DATABASE_UNSUPPORTED, "is sqlite", "need PostgreSQL", "postgresql://")
     assert not (tmp_path / "airflow.db").exists() or (tmp_path / "airflow.db").stat().st_size == 0
@@ -97,7 +98,8 @@ def test_a_changed_shard_count_is_one_line_with_the_fix(config: AirflowConfig) -
              "shards is 16", "created with 32", "AIRFLOW__SMART_TRIGGERER__SHARDS=32")
 
 
-def test_a_mapping_value_that_is_not_a_list_is_refused_when_read(config: AirflowConfig, tmp_path: Path) -> None:
+def test_a_mapping_value_that_is_not_a_list_is_refused_when_read(config: AirflowConfig,
+                                                                  tmp_path: Path) -> None:
     mapping = tmp_path / "bridge.yaml"
     mapping.write_text("etl.load_users: warehouse://dds/h_user, warehouse://dds/s_user\n")
     one_line(run([BRIDGE, "run", "--mapping", str(mapping)], config.env()), ExitCode.CONFIG,
