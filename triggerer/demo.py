@@ -14,10 +14,11 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,10 @@ FULL = Scenario(dags=20, tasks_per_dag=10, conditions=30, etl_seconds=30, poll_s
 QUICK = Scenario(dags=5, tasks_per_dag=8, conditions=10, etl_seconds=10, poll_seconds=2)
 
 
+# fewer than production's 64 so that two instances visibly split them; fixed once the database exists
+DEMO_SHARDS = 16
+
+
 @dataclass
 class Progress:
     phase: str = "starting"
@@ -168,7 +173,7 @@ class Demo:
             {
                 "AIRFLOW_CONN_WAREHOUSE": warehouse_dsn,
                 "AIRFLOW_CONN_SERVICE_API": config.api_url,
-                "AIRFLOW__SMART_TRIGGERER__SHARDS": "16",
+                "AIRFLOW__SMART_TRIGGERER__SHARDS": str(DEMO_SHARDS),
                 "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "3600",
             }
         )
@@ -244,11 +249,13 @@ class Demo:
     def render(self) -> Table:
         p = self.progress
         table = Table(title=f"smart-triggerer demo: {p.phase}", show_header=False, min_width=60)
-        table.add_row("sensor tasks", str(self.scenario.tasks))
+        table.add_row("sensor tasks (model DAGs)", str(self.scenario.tasks))
         table.add_row("waiting (deferred)", str(p.waiting))
         table.add_row("resumed", str(p.resumed))
-        table.add_row("identity groups (one poll each)", str(p.groups))
-        table.add_row("shards per instance", ", ".join(f"{k}: {v}" for k, v in p.shards.items()) or "-")
+        # the other example DAGs wait too: their groups count here, not in the summary's unique waits
+        table.add_row("identity groups, all DAGs (one coroutine each)", str(p.groups))
+        table.add_row(f"shards per instance (of {DEMO_SHARDS})",
+                      ", ".join(f"{k}: {v}" for k, v in p.shards.items()) or "-")
         table.add_row("status-table polls", str(p.polls))
         table.add_row("tables loaded by the ETL", f"{p.loaded_tables}/{len(self.scenario.tables()) + 2}")
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
@@ -438,9 +445,9 @@ def summary_table(summary: Summary) -> Table:
     table.add_column("value", justify="right")
     saved = (1 - summary.polls / summary.baseline_polls) * 100 if summary.baseline_polls else 0.0
     rows = [
-        ("sensor tasks", summary.tasks),
+        ("sensor tasks (model DAGs)", summary.tasks),
         ("resumed", summary.resumed),
-        ("unique waits", summary.unique_waits),
+        ("unique waits among them", summary.unique_waits),
         ("dedup ratio (tasks per poll loop)", f"{summary.dedup_ratio:.2f}"),
         ("polls made (status table scans)", summary.polls),
         (
@@ -475,24 +482,30 @@ def run_demo(*, quick: bool, as_json: bool, keep_running: bool, home: Path | Non
     console = Console(stderr=as_json)
     demo = Demo(scenario, console, (home or Path.cwd() / ".demo").resolve())
     _interrupt_on_sigterm()
-    summary: Summary | None = None
+    summaries: list[Summary] = []
+
+    def publish(summary: Summary) -> None:
+        summaries.append(summary)
+        if as_json:
+            print(json.dumps(asdict(summary)), flush=True)
+
     try:
-        summary = _run(demo, console, keep_running)
+        _run(demo, console, keep_running, publish)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: everything was stopped[/yellow]")
-        return 130
+        if not summaries:
+            return 130
     except (DemoError, StackError, PgServerError, psycopg2.Error) as err:
         # a step failed (database unreachable, migration, a component that exited): say which, stop
         console.print(f"[red]demo failed:[/red] {type(err).__name__}: {err}")
         console.print(f"component logs: {demo.home / 'airflow' / 'component-logs'}")
         return 1
-    if as_json:
-        print(json.dumps(asdict(summary)))
+    summary = summaries[0]
     ok = summary.resumed == summary.tasks and summary.failures == 0
     return 0 if ok else 1
 
 
-def _run(demo: Demo, console: Console, keep_running: bool) -> Summary:
+def _run(demo: Demo, console: Console, keep_running: bool, publish: Callable[[Summary], None]) -> None:
     where = (
         "SMART_TRIGGERER_DSN"
         if os.environ.get("SMART_TRIGGERER_DSN")
@@ -513,17 +526,37 @@ def _run(demo: Demo, console: Console, keep_running: bool) -> Summary:
                 summary = demo.run(live, stack, airflow_dsn, warehouse_dsn)
             console.print(summary_table(summary))
             if keep_running:
-                _keep_running(console, config)
-            return summary
+                _keep_running(console, config, lambda: publish(summary))
+            else:
+                publish(summary)
         finally:
             with console.status("stopping every process"):
                 stack.stop()
 
 
-def _keep_running(console: Console, config: AirflowConfig) -> None:
+def _keep_running(console: Console, config: AirflowConfig, ready: Callable[[], None]) -> None:
+    """Write the environment file, then say the stack is ready (``ready``), then wait for Ctrl-C."""
+    env_file = write_env_file(config)
     console.print(
         f"The stack keeps running. Airflow UI: {config.api_url}  (login: not needed, every user is an "
-        "admin in the demo)\nCtrl-C stops everything."
+        f"admin in the demo)\nPoint the CLIs at it from another shell:\n"
+        f"  source {env_file}\n  smart-triggerer status\n  dataset-bridge status\n"
+        "Ctrl-C stops everything."
     )
-    while True:
-        time.sleep(3600)
+    ready()
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        env_file.unlink(missing_ok=True)
+
+
+def write_env_file(config: AirflowConfig) -> Path:
+    """``export`` lines for the demo deployment's Airflow settings (0600: they hold its keys)."""
+    lines = [f"export {key}={shlex.quote(value)}" for key, value in sorted(config.env().items())
+             if key.startswith("AIRFLOW")]
+    path = config.home.parent / "env.sh"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text("# the kept-running demo deployment; removed when it stops\n" + "\n".join(lines) + "\n")
+    return path

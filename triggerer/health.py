@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -20,6 +20,7 @@ from triggerer.config import is_loopback
 log = structlog.get_logger(logger_name=__name__)
 
 Snapshot = Callable[[], dict[str, Any]]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 METRICS = (
     ("smart_triggerer_waiters", "gauge", "Deferred waiters (trigger rows) this instance runs", "waiters"),
@@ -74,7 +75,7 @@ class HealthServer:
         return f"http://{host}:{self.port}"
 
     @web.middleware
-    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._expected:
             given = request.headers.get("Authorization", "").encode("utf-8", "replace")
             if not hmac.compare_digest(given, self._expected):

@@ -8,6 +8,7 @@ from typing import Any
 def get_cli_commands() -> list[Any]:
     from airflow.cli.cli_config import ActionCommand, Arg, GroupCommand, lazy_load_command
 
+    verbose = Arg(("-v", "--verbose"), action="store_true", help="on an error, print the traceback too")
     run_args = (
         Arg(("--capacity",), type=int, default=None,
             help="weight in shard placement; does not cap the triggers run"),
@@ -17,9 +18,8 @@ def get_cli_commands() -> list[Any]:
             help="address of the health endpoint (default 127.0.0.1; others need health_token)"),
         Arg(("--queues",), default=None, help="comma-separated trigger queues to serve"),
         Arg(("--skip-serve-logs",), action="store_true", help="do not start the trigger log server"),
+        verbose,
     )
-    verbose = Arg(("-v", "--verbose"), action="store_true", help="on an error, print the traceback too")
-    run_args = (*run_args, verbose)
     status_args = (Arg(("--json",), action="store_true", help="print one JSON object"), verbose)
     return [
         GroupCommand(

@@ -55,12 +55,38 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "6",
                     },
                     "health_port": {
-                        "description": "Port of the health/metrics endpoint on 127.0.0.1; 0 picks a free "
-                        "port; empty: no endpoint.",
+                        "description": "Port of the health/metrics endpoint (GET /health, GET /metrics); 0 "
+                        "picks a free port; empty: no endpoint.",
                         "version_added": "0.1.0",
                         "type": "string",
                         "example": "8795",
                         "default": "",
+                    },
+                    "health_host": {
+                        "description": "Address the health endpoint binds. 127.0.0.1 needs no "
+                        "authentication; any other (0.0.0.0 for Kubernetes probes, Prometheus) needs "
+                        "health_token.",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "example": "0.0.0.0",  # noqa: S104 (an example value, not a bind)
+                        "default": "127.0.0.1",
+                    },
+                    "health_token": {
+                        "description": "Bearer token every request to a non-loopback health endpoint must "
+                        "carry (Authorization: Bearer <token>).",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "sensitive": True,
+                        "example": None,
+                        "default": "",
+                    },
+                    "loop_seconds": {
+                        "description": "Seconds between the supervisor's loads of new and finished waiters; "
+                        "lease_seconds must be at least three loops.",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "1",
                     },
                 },
             },

@@ -25,6 +25,11 @@ def test_version_and_help() -> None:
     helped = run([str(BIN / "smart-triggerer"), "--help"])
     assert helped.returncode == 0
     assert "run" in helped.stdout and "status" in helped.stdout
+    assert "SMART_TRIGGERER_DSN is read only by `demo`" in helped.stdout
+    dev = run([sys.executable, str(Path(__file__).parents[2] / "dev.py"), "--help"])
+    assert dev.returncode == 0
+    for job in ("demo [--quick] [--json] [--keep-running]", "test [PYTEST ARGS...]", "SMART_TRIGGERER_DSN"):
+        assert job in dev.stdout, dev.stdout
 
 
 def test_bad_arguments_name_the_argument() -> None:
@@ -41,6 +46,11 @@ def test_airflow_lists_the_provider_and_runs_status_through_it(airflow_config: A
     assert status.returncode == 0, status.stderr[-2000:]
     result = json.loads(status.stdout.strip().splitlines()[-1])
     assert result["instances"] == [] and result["dedup_ratio"] is None
+    # Airflow knows our settings' defaults (the provider declares them)
+    listed = run([airflow_config.airflow_bin(), "config", "list", "--section", "smart_triggerer",
+                  "--show-values"], env)
+    for line in ("shards = 64", "lease_seconds = 8", "health_host = 127.0.0.1", "resume_hold_seconds = 6"):
+        assert line in listed.stdout.splitlines(), listed.stdout
 
 
 def test_a_changed_shard_count_is_refused_with_the_fix(airflow_config: AirflowConfig) -> None:
