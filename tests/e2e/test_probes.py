@@ -31,8 +31,12 @@ def non_loopback_ipv4() -> str:
     raise AssertionError("this machine has no non-loopback IPv4 address; the test needs one")
 
 
-def jobs_check(stack: AirflowStack) -> subprocess.CompletedProcess[str]:
-    command = 'exec "$AIRFLOW_BIN" jobs check --job-type TriggererJob --hostname "$(hostname)"'
+BY_HOSTNAME = '--hostname "$(hostname)"'
+
+
+def jobs_check(stack: AirflowStack, where: str = BY_HOSTNAME) -> subprocess.CompletedProcess[str]:
+    """The chart's probe: ``--hostname $(hostname)`` (older charts) or ``--local`` (newer ones)."""
+    command = f'exec "$AIRFLOW_BIN" jobs check --job-type TriggererJob {where}'
     env = {**stack.config.env(), **HOST_ENV, "AIRFLOW_BIN": stack.config.airflow_bin()}
     return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True, timeout=120,
                           check=False)
@@ -68,8 +72,9 @@ def test_the_charts_probe_and_a_network_health_endpoint(airflow_stack: AirflowSt
         httpx.get(f"http://127.0.0.1:{url.rsplit(':', 1)[1]}/health", timeout=5)
 
     # the chart's liveness probe passes for the live instance ...
-    alive = jobs_check(airflow_stack)
-    assert alive.returncode == 0 and "Found one alive job" in alive.stdout, alive.stderr[-2000:]
+    for where in (BY_HOSTNAME, "--local"):
+        alive = jobs_check(airflow_stack, where)
+        assert alive.returncode == 0 and "Found one alive job" in alive.stdout, (where, alive.stderr[-2000:])
 
     # ... and fails once it is dead (no heartbeat for longer than the threshold)
     triggerer.signal(signal.SIGKILL)

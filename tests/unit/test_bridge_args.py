@@ -62,3 +62,23 @@ def test_mapping_file_errors_name_the_file(tmp_path: object) -> None:
 
 def test_success_key_names_every_part_of_a_try() -> None:
     assert success_key("etl", "load", "manual__1", -1, 2) == "task/etl/load/manual__1/-1/2"
+
+
+def test_status_prints_a_readable_table_not_python_values(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataset_bridge.cli import render_status
+
+    monkeypatch.setenv("COLUMNS", "200")
+
+    render_status({"initialized": True, "emitted": {}, "horizons": {}, "requeued": 0, "reconciled": {},
+                   "recent_decisions": [], "backlog": None, "held_back": 0, "watcher_events": None,
+                   "watermarks": []})
+    out = capsys.readouterr().out
+    assert "{}" not in out and "None" not in out
+    assert "successes waiting to be bridged" in out and "(pass --mapping)" in out
+    assert "reconciler: re-queued / cleared / unconsumable" in out and "0 / 0 / 0" in out
+    render_status({"initialized": True, "emitted": {"task_success": 3}, "horizons": {},
+                   "reconciled": {"requeued": 2, "cleared": 1}, "recent_decisions": [], "backlog": 4,
+                   "held_back": 1, "watcher_events": 7, "watermarks": []})
+    out = capsys.readouterr().out
+    assert "2 / 1 / 0" in out and "task_success" in out
