@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, "
                "AIRFLOW__SECTION__KEY); the metadata database must be PostgreSQL.\nExit codes: 0 ok, 1 "
                "unexpected error (traceback), 2 invalid argument or file, 3 database unreachable, 4 "
-               "metadata database not PostgreSQL.", formatter_class=argparse.RawDescriptionHelpFormatter)
+               "metadata database not PostgreSQL, 6 missing database privilege.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in (("run", "run the bridge: mapped task successes and the reconciler"),
                             ("status", "events emitted, backlog, held-back events, watermarks")):
@@ -117,10 +118,15 @@ def render_status(result: dict[str, Any]) -> None:
     else:
         console.print(_summary_table(result))
     if result.get("emitted"):
-        emitted = Table("source", "events emitted", "bridging successes since", title="emitted by source")
+        emitted = Table("source", "events emitted", title="emitted by source")
         for source, count in sorted(result["emitted"].items()):
-            emitted.add_row(source, str(count), result.get("horizons", {}).get(source, "-"))
+            emitted.add_row(source, str(count))
         console.print(emitted)
+    if result.get("horizons"):
+        horizons = Table("mapped task", "successes bridged from", title="task-success horizons")
+        for task, since in sorted(result["horizons"].items()):
+            horizons.add_row(task, since)
+        console.print(horizons)
     if result.get("recent_decisions"):
         decisions = Table("event", "dag_id", "outcome", "why", "at", title="reconciler: latest decisions")
         for d in result["recent_decisions"]:

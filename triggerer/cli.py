@@ -54,7 +54,8 @@ EPILOG = """Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflo
 the metadata database must be PostgreSQL. SMART_TRIGGERER_DSN is read only by `demo` (and the test
 suite): `run` and `status` always use [database] sql_alchemy_conn.
 Exit codes: 0 ok, 1 unexpected error (traceback), 2 invalid setting or argument, 3 database unreachable,
-4 metadata database not PostgreSQL, 5 shard count differs from the deployment's."""
+4 metadata database not PostgreSQL, 5 shard count differs from the deployment's, 6 missing database
+privilege."""
 
 
 def build_parser() -> argparse.ArgumentParser:

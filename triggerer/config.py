@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ class Settings:
     # 127.0.0.1 keeps /health private; 0.0.0.0 or a pod IP lets Kubernetes probes and Prometheus in
     health_host: str = "127.0.0.1"
     # required when health_host is not a loopback address: the endpoint then answers only to this bearer
-    health_token: str = ""
+    health_token: str = field(default="", repr=False)
     # Airflow 3.3.2 fails a task resumed within ~5 s of its deferral (apache/airflow#71580 family):
     # an event for a member that deferred more recently than this is held back until it is old enough.
     resume_hold_seconds: float = 6.0

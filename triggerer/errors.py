@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ class ExitCode(IntEnum):
     DATABASE_UNREACHABLE = 3  # the database cannot be reached or refuses the login
     DATABASE_UNSUPPORTED = 4  # the metadata database is not PostgreSQL
     SHARD_COUNT = 5  # [smart_triggerer] shards differs from the deployment's
+    DATABASE_PRIVILEGE = 6  # the database role lacks a privilege (e.g. CREATE on the database)
 
 
 class UserError(Exception):
@@ -54,7 +56,8 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         yield current
-        current = current.__cause__ or current.__context__
+        # only explicit causes: an error raised while handling another is a different error
+        current = current.__cause__
 
 
 def _connection_failure(err: BaseException) -> str | None:
@@ -69,19 +72,46 @@ def _connection_failure(err: BaseException) -> str | None:
     if isinstance(err, asyncpg.exceptions.InvalidAuthorizationSpecificationError
                   | asyncpg.exceptions.InvalidCatalogNameError | asyncpg.exceptions.CannotConnectNowError):
         return _first_line(str(err))
+    return _socket_failure(err)
+
+
+def _socket_failure(err: BaseException) -> str | None:
     if isinstance(err, ConnectionRefusedError):
         # asyncpg says "[Errno 111] Connect call failed ('127.0.0.1', 5432)"
         address = str(err).rpartition("failed")[2].strip(" ()").replace("'", "").replace(", ", ":")
         return f"Connection refused by {address}" if address else "Connection refused"
-    if isinstance(err, ConnectionError | TimeoutError) or (isinstance(err, OSError) and err.errno):
-        return _first_line(str(err)) or type(err).__name__
+    if isinstance(err, socket.gaierror):
+        return f"host name not found: {err}"
+    if isinstance(err, OSError) and "Connect call failed" in str(err):
+        # asyncio's "Multiple exceptions: [Errno 111] Connect call failed ..." (a name with several addresses)
+        return _first_line(str(err))
     return None
+
+
+# what libpq and PostgreSQL say when a connection or login fails (not when a statement fails)
+_CONNECT_FAILURES = (
+    "could not connect", "connection refused", "connection to server at", "connection to server on",
+    "password authentication failed", "no pg_hba.conf entry", "could not translate host name",
+    "timeout expired", "the database system is starting up", "the database system is shutting down",
+)
 
 
 def _is_connect(err: BaseException) -> bool:
     text = str(err).lower()
-    return any(word in text for word in ("connect", "password", "authentication", "does not exist",
-                                         "could not translate host", "timeout", "refused"))
+    unknown = "does not exist" in text and ('role "' in text or 'database "' in text)
+    return unknown or any(phrase in text for phrase in _CONNECT_FAILURES)
+
+
+def _privilege_failure(err: BaseException) -> str | None:
+    import asyncpg
+    from sqlalchemy.exc import ProgrammingError
+
+    if isinstance(err, asyncpg.exceptions.InsufficientPrivilegeError):
+        return _first_line(str(err))
+    if not isinstance(err, ProgrammingError):
+        return None
+    code = getattr(err.orig, "pgcode", None) or getattr(err.orig, "sqlstate", None)  # psycopg2 / psycopg
+    return _first_line(str(err.orig)) if code == "42501" else None  # insufficient_privilege
 
 
 def _first_line(text: str) -> str:
@@ -101,6 +131,11 @@ def explain(err: BaseException) -> tuple[str, int] | None:
             return str(link), ExitCode.SHARD_COUNT
         if isinstance(link, ConfigError):
             return str(link), ExitCode.CONFIG
+        denied = _privilege_failure(link)
+        if denied is not None:
+            return (f"the database role lacks a privilege ({denied}): see the README's Install section for "
+                    "the privileges the smart triggerer and the dataset bridge need",
+                    ExitCode.DATABASE_PRIVILEGE)
         reason = _connection_failure(link)
         if reason is not None:
             return (f"cannot reach the database ({reason}): is PostgreSQL running, and are the URL and "

@@ -67,11 +67,17 @@ class HealthServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
+        self._bind_error: OSError | None = None
         self._thread = threading.Thread(target=self._serve, name="smart-triggerer-health", daemon=True)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.host
+        if host in ("0.0.0.0", "::"):  # noqa: S104 (naming the wildcard, not binding it)
+            from airflow.utils.net import get_hostname
+
+            host = get_hostname()  # every address: publish one others can reach
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
 
     @web.middleware
@@ -87,6 +93,12 @@ class HealthServer:
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError(f"health endpoint could not bind {self.host}:{self.port}")
+        if self._bind_error is not None:
+            from triggerer.errors import UserError
+
+            raise UserError(f"cannot serve the health endpoint on {self.host}:{self.port} "
+                            f"({self._bind_error.strerror or self._bind_error}): choose another "
+                            "--health-port / --health-host") from self._bind_error
         log.info("health endpoint listening", url=self.url)
 
     def stop(self) -> None:
@@ -112,7 +124,13 @@ class HealthServer:
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.host, self.port)
-        self._loop.run_until_complete(site.start())
+        try:
+            self._loop.run_until_complete(site.start())
+        except OSError as err:  # port taken, address not on this host: reported by start()
+            self._bind_error = err
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._ready.set()
+            return
         server = site._server
         if server is not None and self.port == 0:
             self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]

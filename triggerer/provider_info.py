@@ -26,9 +26,9 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "64",
                     },
                     "lease_seconds": {
-                        "description": "How long a shard lease lasts without renewal.",
+                        "description": "How long a shard lease lasts without renewal (seconds).",
                         "version_added": "0.1.0",
-                        "type": "integer",
+                        "type": "float",
                         "example": None,
                         "default": "8",
                     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 def one_line(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
     """The whole of stderr is one line naming the command, with every word, and the exit code is ``code``."""
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+    errors = [line for line in result.stderr.splitlines() if "Error" in line][-3:]
+    assert result.returncode == code, (result.returncode, errors, result.stderr[-1000:])
     assert len(lines) == 1, result.stderr[-3000:]
     for word in words:
         assert word in lines[0], lines[0]
@@ -111,3 +113,22 @@ def test_a_routes_file_error_is_one_line(config: AirflowConfig, tmp_path: Path) 
     routes.write_text("source: a\ntargets:\n  b: {url: ftp://b, secret_env: B, assets: [x]}\n")
     one_line(run([BRIDGE, "relay", "--routes", str(routes)], config.env()), ExitCode.CONFIG,
              "url must be an http(s) URL")
+
+
+def test_a_missing_database_privilege_is_one_line(config: AirflowConfig) -> None:
+    from triggerer.pgserver import reader_dsn, sqlalchemy_url
+
+    # a role that can read Airflow's tables but neither write them nor create our schema
+    reader = sqlalchemy_url(reader_dsn(config.database_dsn))
+    env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=reader)
+    one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.DATABASE_PRIVILEGE,
+             "the database role lacks a privilege (permission denied", "README's Install section")
+
+
+def test_a_health_port_in_use_is_one_line(config: AirflowConfig) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line(run([SMART, "run", "--skip-serve-logs", "--health-port", str(port)], config.env()),
+                 ExitCode.CONFIG, f"cannot serve the health endpoint on 127.0.0.1:{port}", "--health-port")
