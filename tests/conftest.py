@@ -6,6 +6,7 @@ anything imports it: a private AIRFLOW_HOME and one Fernet key shared with every
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -38,8 +39,16 @@ def pytest_configure(config: pytest.Config) -> None:
     _config.append(config)
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+def _remove_session_home() -> None:
     shutil.rmtree(_SESSION_HOME, ignore_errors=True)
+
+
+# Last of all: Airflow code run during teardown (or at exit) may create files under AIRFLOW_HOME again.
+atexit.register(_remove_session_home)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _remove_session_home()
 
 
 @pytest.hookimpl(tryfirst=True)

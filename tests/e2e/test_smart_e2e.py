@@ -72,36 +72,31 @@ def test_thirty_sensors_on_four_targets_share_four_groups(airflow_stack: Airflow
     assert totals["events_total"] == 4 and totals["resumed_total"] == 30 and totals["failures_total"] == 0
 
 
-def test_bundled_example_time_delta_sensor_async(airflow_stack: AirflowStack) -> None:
+def test_bundled_example_and_triggers_that_fire_at_once(airflow_stack: AirflowStack) -> None:
+    """Airflow's own deferrable example, and sensors whose trigger fires as soon as it runs (one stack).
+
+    Airflow 3.3.2 fails a task resumed within ~5 s of its deferral (apache/airflow#71580 family). Every
+    ``fire_at_once`` sensor waits on a moment already past, so its trigger fires at once; the smart
+    triggerer holds each event until the deferral is old enough, and every task succeeds.
+    """
     import airflow.example_dags
 
     source = Path(airflow.example_dags.__file__).parent / "example_time_delta_sensor_async.py"
     airflow_stack.config.dags_folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(source, airflow_stack.config.dags_folder)
-    airflow_stack.start_core()
-    airflow_stack.start_smart_triggerer(env=ENV)
-    dag_id = "example_time_delta_sensor_async"
-    airflow_stack.wait_for_dags([dag_id])
-    airflow_stack.unpause(dag_id)
-    run_id = airflow_stack.trigger(dag_id)
-    assert airflow_stack.wait_for_run(dag_id, run_id, timeout=150) == "success"
-    assert airflow_stack.task_states(dag_id, run_id) == {"wait": "success", "finish": "success"}
-    assert airflow_stack.smart_status()["totals"]["resumed_total"] == 1
-
-
-def test_triggers_that_fire_at_once_resume_safely(airflow_stack: AirflowStack) -> None:
-    """Airflow 3.3.2 fails a task resumed within ~5 s of its deferral (apache/airflow#71580 family).
-
-    Every sensor here waits on a moment already past, so its trigger fires as soon as it runs; the
-    smart triggerer holds each event until the deferral is old enough, and every task succeeds.
-    """
     past = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)).isoformat()
     write_dag(airflow_stack.config.dags_folder, "fire_at_once", [past])
     airflow_stack.start_core()
     airflow_stack.start_smart_triggerer(env={**ENV, "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "5"})
-    airflow_stack.wait_for_dags(["fire_at_once"])
-    airflow_stack.unpause("fire_at_once")
-    run_id = airflow_stack.trigger("fire_at_once")
-    assert airflow_stack.wait_for_run("fire_at_once", run_id, timeout=180) == "success", \
-        airflow_stack.task_states("fire_at_once", run_id)
-    assert set(airflow_stack.task_states("fire_at_once", run_id).values()) == {"success"}
+    example = "example_time_delta_sensor_async"
+    airflow_stack.wait_for_dags([example, "fire_at_once"])
+    runs = {}
+    for dag_id in (example, "fire_at_once"):
+        airflow_stack.unpause(dag_id)
+        runs[dag_id] = airflow_stack.trigger(dag_id)
+    for dag_id, run_id in runs.items():
+        assert airflow_stack.wait_for_run(dag_id, run_id, timeout=180) == "success", \
+            airflow_stack.task_states(dag_id, run_id)
+    assert airflow_stack.task_states(example, runs[example]) == {"wait": "success", "finish": "success"}
+    assert set(airflow_stack.task_states("fire_at_once", runs["fire_at_once"]).values()) == {"success"}
+    assert airflow_stack.smart_status()["totals"]["resumed_total"] == 1 + 10

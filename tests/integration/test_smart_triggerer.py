@@ -167,7 +167,10 @@ def _owned_by(dsn: str, job_ids: set[int]) -> bool:
 
 
 def _job_of(url: str) -> int:
-    return int(httpx.get(f"{url}/health", timeout=5).json()["job_id"])
+    # the endpoint listens before the supervisor has started (it answers 503 without a job id until then)
+    body = wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json(), lambda b: "job_id" in b, 30,
+                    "the instance's job id")
+    return int(body["job_id"])
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
