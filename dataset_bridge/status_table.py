@@ -178,25 +178,30 @@ class StatusRowProducer(SharedStreamProducer):
         for item in batch:
             row_id = item.broker_payload[1]
             # A watcher that left (shard handover, shutdown) without emitting counts as "acked" upstream;
-            # only rows a watcher really turned into an event, stored, move the watermark.
-            emitted = not item.outcome.failed and subscribers.take_emitted(self.key, item.broker_payload)
+            # only rows a watcher really turned into an event, stored, move the watermark. The mark is
+            # taken whatever the outcome: a stale one must never vouch for a later emission that failed.
+            marked = subscribers.take_emitted(self.key, item.broker_payload)
+            emitted = marked and not item.outcome.failed
             held = self.blocked.get(table_name)
-            if held is not None:
-                if row_id != held or not emitted:
-                    continue  # nothing moves past a row not yet stored
-                del self.blocked[table_name]  # its second emission was stored
+            if held is not None and row_id != held:
+                continue  # nothing moves past a row not yet stored (the rows after it are read again)
             if not emitted:
-                # read this table again from its watermark, now, while it is watched: the row is emitted
-                # again (at least once into Airflow; its idempotency key keeps the asset event single)
-                self.blocked[table_name] = row_id
-                self.rewind.add(table_name)
-                subscribers.wake[self.key].set()
-                log.warning("status row not confirmed stored; reading it again", row_id=row_id,
-                            status_table=self.trigger.source.status_table, table_name=table_name)
+                self._read_again(table_name, row_id)  # its first emission, or its re-emission, failed
                 continue
+            if held is not None:
+                del self.blocked[table_name]  # its re-emission was stored
             stored.append(row_id)
         if stored:
             await self._store(table_name, max(stored))
+
+    def _read_again(self, table_name: str, row_id: int) -> None:
+        """Read this table again from its watermark, now, while it is watched: the row is emitted again
+        (at least once into Airflow; its idempotency key keeps the asset event single)."""
+        self.blocked[table_name] = row_id
+        self.rewind.add(table_name)
+        subscribers.wake[self.key].set()
+        log.warning("status row not confirmed stored; reading it again", row_id=row_id,
+                    status_table=self.trigger.source.status_table, table_name=table_name)
 
     async def _store(self, table_name: str, last_id: int) -> None:
         assert self.watermarks is not None

@@ -173,3 +173,36 @@ async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mar
     assert subscribers.take_emitted(key, (TABLE, 41))
     await events.aclose()  # cancelled while sitting on 42
     assert not subscribers.take_emitted(key, (TABLE, 42))
+
+
+async def test_a_row_whose_second_emission_fails_is_read_again_and_no_stale_mark_vouches_for_it(
+        warehouse: str) -> None:  # noqa: F811
+    trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
+    for _ in range(2):
+        await record(warehouse, TABLE, "SUCCESS")  # rows 1-2
+    producer = StatusRowProducer(trigger.serialize()[1])
+    subscribers.add(producer.key, TABLE)
+    stream = producer.open_stream()
+    failed = AdvanceOutcome(acked=0, failed=1)
+    try:
+        one, two = [(await _next(stream, 5))[1] for _ in range(2)]
+        subscribers.mark_emitted(producer.key, TABLE, 1)
+        await producer.advance([_stored(one)])
+        # row 2: emitted (marked) but its persist failed, twice in a row
+        for _ in range(2):
+            subscribers.mark_emitted(producer.key, TABLE, 2)
+            await producer.advance([AdvanceItem(two, failed)])
+            assert (await _next(stream, 5))[1] == two  # read again at once, each time
+        assert await _watermark(warehouse) == 1
+        # a watcher cancelled by a handover "acks" row 2 without emitting it: no mark left over from the
+        # failed emissions may count as stored
+        await producer.advance([_stored(two)])
+        assert await _watermark(warehouse) == 1
+        assert (await _next(stream, 5))[1] == two
+        subscribers.mark_emitted(producer.key, TABLE, 2)
+        await producer.advance([_stored(two)])  # stored at last
+        assert await _watermark(warehouse) == 2
+        assert not producer.blocked and not subscribers.emitted
+    finally:
+        await stream.aclose()
+        subscribers.remove(producer.key, TABLE)
