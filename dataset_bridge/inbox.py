@@ -10,10 +10,11 @@ Each source may create events only for the assets ``[dataset_bridge] inbox_allow
 (JSON: source -> [asset URI or name, ...], ``"*"`` for any); a source not listed may create none.
 
 Answers: 401 bad or missing signature, 413 body over 1 MiB (checked while reading, also for chunked
-bodies), 400 not JSON, 422 not the expected shape, 403 an asset the source may not use, 503 not or
-mis-configured (an empty secret is refused: it would make signatures forgeable); else
-200 with one result per event: ``created``, ``duplicate`` (this source's event id was received before:
-nothing is created) or ``unknown_asset`` (no asset with that URI or name in B; the relay dead-letters it).
+bodies), 400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused:
+it would make signatures forgeable); else 200 with one result per event: ``created``, ``duplicate`` (this
+source's event id was received before: nothing is created), ``forbidden`` (the source may not use that
+asset) or ``unknown_asset`` (no asset with that URI or name in B). The relay dead-letters a ``forbidden``
+or ``unknown_asset`` event alone, with the reason; the rest of its batch is delivered.
 Each event is resolved by URI first, then by name, and created through Airflow's asset manager together
 with its inbox row, in one transaction.
 """
@@ -183,9 +184,11 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
                 assets[event.uri, event.name] = _resolve(
                     session, event.uri if may_reference(allowed, event.uri) else None,
                     event.name if may_reference(allowed, event.name) else None)
-        known = [e.id for e in batch.events if assets[e.uri, e.name] is not None]
+        denied = {e.id for e in batch.events
+                  if not may_reference(allowed, e.uri) and not may_reference(allowed, e.name)}
+        known = [e.id for e in batch.events if assets[e.uri, e.name] is not None and e.id not in denied]
         claimed = set(session.execute(text(CLAIM_MANY), {"source": batch.source, "ids": known}).scalars())
-        results, to_create = _outcomes(batch, assets, claimed)
+        results, to_create = _outcomes(batch, assets, claimed, denied)
         by_asset: dict[int, list[InboxEvent]] = {}
         for event in to_create:
             by_asset.setdefault(assets[event.uri, event.name].id, []).append(event)
@@ -198,13 +201,17 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
     return results
 
 
-def _outcomes(batch: InboxBatch, assets: dict[tuple[str, str], Any],
-              claimed: set[int]) -> tuple[list[dict[str, Any]], list[InboxEvent]]:
+def _outcomes(batch: InboxBatch, assets: dict[tuple[str, str], Any], claimed: set[int],
+              denied: set[int]) -> tuple[list[dict[str, Any]], list[InboxEvent]]:
     """One result per event (in order) and the events to create: the first of each claimed id."""
     results: list[dict[str, Any]] = []
     to_create: list[InboxEvent] = []
     for event in batch.events:
-        if assets[event.uri, event.name] is None:
+        if event.id in denied:
+            results.append({"id": event.id, "status": "forbidden",
+                            "error": f"source {batch.source!r} may not create events for {event.uri!r} "
+                                     "(see [dataset_bridge] inbox_allowed_assets)"})
+        elif assets[event.uri, event.name] is None:
             results.append({"id": event.id, "status": "unknown_asset",
                             "error": f"no active asset with uri {event.uri!r} or name {event.name!r}"})
         elif event.id in claimed:
@@ -305,10 +312,10 @@ async def inbox(request: Request) -> JSONResponse:
         batch = authenticated_batch(secrets, {k.lower(): v for k, v in request.headers.items()}, body)
         refused = forbidden(batch, allowed.get(batch.source, frozenset()))
         if refused:
-            log.warning("inbox batch refused: assets not allowed for this source", source=batch.source,
-                        assets=len(refused))
-            raise Refused(403, f"source {batch.source!r} may not create events for {refused[:10]} "
-                               "(see [dataset_bridge] inbox_allowed_assets)")
+            # refused one by one (results): one asset missing from the allow-list must not hold back the
+            # allowed events of its batch
+            log.warning("inbox events refused: assets not allowed for this source", source=batch.source,
+                        assets=refused[:10])
     except Refused as err:
         return _error(err.status, err.detail)
     results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))

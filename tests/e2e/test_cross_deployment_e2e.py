@@ -103,11 +103,13 @@ def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
     non_ascii = {**signing.sign("deployment_a", secret, good), "X-Bridge-Signature": "sha256=\u00e9"}
     assert httpx.post(inbox_url, content=good, timeout=30, headers={
         k: v.encode("latin-1") for k, v in non_ascii.items()}).status_code == 401
-    # a well-signed event for an asset this source is not allowed: 403, naming it
+    # a well-signed event for an asset this source is not allowed: refused alone, naming it
     payroll = json.dumps({"source": "deployment_a", "events": [{**event, "uri": "warehouse://dds/payroll",
                                                                 "name": "payroll"}]}).encode()
     not_allowed = _post(inbox_url, payroll, signing.sign("deployment_a", secret, payroll))
-    assert not_allowed.status_code == 403 and "payroll" in not_allowed.json()["detail"]
+    assert not_allowed.status_code == 200, not_allowed.text
+    [refusal] = not_allowed.json()["results"]
+    assert refusal["status"] == "forbidden" and "payroll" in refusal["error"]
     assert _b_events(b_dsn) == before  # nothing created by any of them
 
 

@@ -75,3 +75,22 @@ def test_unknown_assets_are_reported_and_the_rest_created(metadata: str) -> None
         {"id": 2, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)}]}))
     assert [r["status"] for r in results] == ["unknown_asset", "created"]
     assert _all("SELECT source_event_id FROM dataset_bridge.inbox") == [(2,)]  # an unknown one is not claimed
+
+
+def test_an_event_the_source_may_not_use_is_refused_alone(metadata: str) -> None:
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        session.add_all([AssetModel(name="payroll", uri="warehouse://dds/payroll"),
+                         AssetActive(name="payroll", uri="warehouse://dds/payroll")])
+    batch = InboxBatch.model_validate({"source": "deployment_a", "events": [
+        {"id": 1, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
+        {"id": 2, "uri": "warehouse://dds/payroll", "name": "payroll", "timestamp": dt.datetime.now(dt.UTC)},
+        {"id": 3, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)}]})
+    results = receive(batch, frozenset({URI}))
+    assert [r["status"] for r in results] == ["created", "forbidden", "created"]
+    assert "may not create events for 'warehouse://dds/payroll'" in results[1]["error"]
+    assert _all("SELECT source_event_id FROM dataset_bridge.inbox ORDER BY 1") == [(1,), (3,)]
+    # allowed later: the same event id is then created (a forbidden one was never claimed)
+    assert [r["status"] for r in receive(batch, frozenset({"*"}))] == ["duplicate", "created", "duplicate"]
