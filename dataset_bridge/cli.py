@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -21,6 +21,22 @@ def _positive(value: str) -> float:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return number
+
+
+MAX_BATCH = 1000  # the inbox's most events per request
+
+
+def _whole(low: int, high: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"must be {low}-{high}, got {number}")
+        return number
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
              "task successes older than this are not bridged any more (default 30)")
     relay = commands.add_parser("relay", help="relay the outbox to other deployments' inboxes")
     relay.add_argument("--routes", required=True, help="YAML/JSON routes file (source, targets)")
-    relay.add_argument("--concurrency", type=int, default=4, help="targets delivered at once (default 4)")
-    relay.add_argument("--batch", type=int, default=1000,
+    relay.add_argument("--concurrency", type=_whole(1, 64), default=4,
+                       help="targets delivered at once, 1-64 (default 4)")
+    relay.add_argument("--batch", type=_whole(1, MAX_BATCH), default=MAX_BATCH,
                        help="events per request, at most the inbox's 1000 (default 1000; a batch the inbox "
                             "finds too large is split)")
     relay.add_argument("--backoff-cap", type=_positive, default=60.0,

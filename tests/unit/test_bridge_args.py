@@ -82,3 +82,19 @@ def test_status_prints_a_readable_table_not_python_values(capsys: pytest.Capture
                    "held_back": 1, "watcher_events": 7, "watermarks": []})
     out = capsys.readouterr().out
     assert "2 / 1 / 0" in out and "task_success" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--batch", "1001"], "--batch: must be 1-1000, got 1001"),
+    (["--batch", "0"], "--batch: must be 1-1000, got 0"),
+    (["--concurrency", "0"], "--concurrency: must be 1-64, got 0"),
+    (["--concurrency", "x"], "--concurrency: must be a whole number, got 'x'"),
+])
+def test_relay_options_that_would_dead_letter_or_hang_are_refused(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataset_bridge.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["relay", "--routes", "routes.yaml", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
