@@ -123,6 +123,7 @@ def is_permanent(exc: BaseException) -> bool:
         asyncpg.InvalidPasswordError,
         asyncpg.InvalidAuthorizationSpecificationError,
         asyncpg.ReadOnlySQLTransactionError,  # a check that writes: it will write on every retry too
+        asyncpg.InvalidTransactionStateError,  # a check that changes its transaction's mode: likewise
     )
     return isinstance(exc, (*permanent, SourceError))
 

@@ -15,7 +15,7 @@ import asyncpg
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from triggers.identity import DedupableTrigger
-from triggers.pg import read_only, shared_pool, target_for
+from triggers.pg import SourceError, read_only, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 STATEMENT_TIMEOUT = 60.0
@@ -24,13 +24,26 @@ STATEMENT_TIMEOUT = 60.0
 async def sql_condition(source: asyncpg.Connection | asyncpg.Pool, sql: str, parameters: Sequence[Any],
                         failure_sql: str | None, failure_parameters: Sequence[Any]) -> dict[str, Any] | None:
     async def reads(conn: asyncpg.Connection) -> dict[str, Any] | None:
-        if failure_sql and await conn.fetchval(failure_sql, *failure_parameters, timeout=STATEMENT_TIMEOUT):
-            return {"status": "failed", "message": "the failure condition holds"}
+        if failure_sql:
+            # Two statements of the author's in one transaction: the first must not be able to end it
+            # (COMMIT) or turn it read-write (SET TRANSACTION READ WRITE works only before the first query,
+            # so one runs first) and so let the second write.
+            await conn.fetchval("SELECT 1", timeout=STATEMENT_TIMEOUT)
+            failed = await conn.fetchval(failure_sql, *failure_parameters, timeout=STATEMENT_TIMEOUT)
+            _still_in_transaction(conn, "failure_sql")
+            if failed:
+                return {"status": "failed", "message": "the failure condition holds"}
         if await conn.fetchval(sql, *parameters, timeout=STATEMENT_TIMEOUT):
             return {"status": "success", "message": "the condition holds"}
         return None
 
     return await read_only(source, reads)
+
+
+def _still_in_transaction(conn: asyncpg.Connection, argument: str) -> None:
+    if not conn.is_in_transaction():
+        raise SourceError(f"{argument} ended the read-only transaction (COMMIT, ROLLBACK): a sensor's SQL "
+                          "may only read")
 
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):

@@ -97,3 +97,16 @@ async def test_a_check_that_writes_fails_the_task_and_changes_nothing(warehouse:
         assert await conn.fetchval("SELECT count(*) FROM loads") == 0
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("first", ["COMMIT", "ROLLBACK", "SET TRANSACTION READ WRITE"])
+async def test_failure_sql_cannot_open_the_way_for_a_write(warehouse: str, first: str) -> None:
+    """failure_sql runs first: it must not end the read-only transaction or turn it read-write."""
+    trigger = SqlConditionTrigger("warehouse", WRITING_CHECK, failure_sql=first, poll_interval=1)
+    event = await first_event(trigger)
+    assert event["status"] == "error", event
+    conn = await asyncpg.connect(warehouse)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM loads") == 0
+    finally:
+        await conn.close()
