@@ -98,6 +98,11 @@ def reader_role(dbname: str) -> str:
     return f"{dbname[:55]}_reader"
 
 
+# the tables the metadata-DB sensors read (AssetEventSensor, ExternalDagSensor(latest_run=True)); not
+# connection, variable or the user tables, which any DAG could otherwise read through airflow_db
+READER_TABLES = ("asset", "asset_event", "dag_run")
+
+
 def reader_dsn(dsn: str) -> str:
     """A DSN for ``dsn``'s database through a role that can only read it (created once): what the
     ``airflow_db`` connection of metadata-DB sensors should use. The statements are the README's."""
@@ -117,7 +122,7 @@ def reader_dsn(dsn: str) -> str:
                 sql.Identifier(role), sql.Literal(password)))
             for statement in ("GRANT CONNECT ON DATABASE {db} TO {role}",
                               "GRANT USAGE ON SCHEMA public TO {role}",
-                              "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}"):
+                              f"GRANT SELECT ON {', '.join(READER_TABLES)} TO {{role}}"):
                 cur.execute(sql.SQL(statement).format(db=sql.Identifier(dbname), role=sql.Identifier(role)))
     finally:
         conn.close()

@@ -97,5 +97,10 @@ async def test_a_metadata_connection_that_can_write_is_refused(
     reader = await asyncpg.connect(reader_dsn(airflow_db))
     try:
         await refuse_writable_role(reader, "airflow_db")  # no error
+        for table in ("asset", "asset_event", "dag_run"):
+            await reader.fetchval(f"SELECT count(*) FROM {table}")
+        for secret_table in ("connection", "variable"):  # what DAG code must never read through it
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await reader.fetchval(f"SELECT count(*) FROM {secret_table}")
     finally:
         await reader.close()
