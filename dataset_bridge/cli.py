@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     init = commands.add_parser("init", help="create the bridge's tables and register the routes' targets "
                                             "(run once when you configure routing, before any event)")
     init.add_argument("--routes", help="YAML/JSON routes file: its targets' events are relayed from now on")
+    replay = commands.add_parser("relay-replay", help="requeue a target's dead letters (once the cause is "
+                                                      "fixed: a secret, an allow-list, an asset in B)")
+    replay.add_argument("--target", action="append", required=True, metavar="NAME",
+                        help="target whose dead letters go back into the queue (repeatable)")
     relay_status = commands.add_parser("relay-status", help="per target: backlog, delivered, dead-lettered")
     relay_status.add_argument("--json", action="store_true", help="print one JSON object")
     status = commands.choices["status"]
@@ -180,6 +184,11 @@ def relay_command(args: argparse.Namespace) -> int:
     from dataset_bridge import relay
     from dataset_bridge.routes import Routes
 
+    if args.command == "relay-replay":
+        counts = asyncio.run(relay.replay(args.target))
+        for target in args.target:
+            print(f"dataset-bridge: {counts.get(target, 0)} dead letter(s) of {target} requeued")
+        return 0
     if args.command == "relay-status":
         targets = asyncio.run(relay.relay_status())
         if args.json:
@@ -244,7 +253,7 @@ def dispatch(args: argparse.Namespace) -> int:
 
     try:
         require_postgres()
-        if args.command in ("relay", "relay-status"):
+        if args.command in ("relay", "relay-status", "relay-replay"):
             return relay_command(args)
         if args.command == "init":
             return init_command(args)

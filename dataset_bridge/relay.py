@@ -379,3 +379,31 @@ async def relay_status() -> list[dict[str, Any]]:
     return [{"target": r["target"], "backlog": r["backlog"], "delivered": r["delivered"], "dead": r["dead"],
              "next_attempt": r["next_attempt"].isoformat() if r["next_attempt"] else None,
              "last_error": r["last_error"]} for r in rows]
+
+
+# Dead letters back into the queue, from their first attempt: their ids are older than the pending rows,
+# so the relay sends them first and per-target order is kept.
+REPLAY = """
+UPDATE dataset_bridge.outbox SET status = 'pending', attempts = 0, next_attempt_at = now()
+WHERE status = 'dead' AND target = ANY($1::text[]) RETURNING target
+"""
+
+
+async def replay_dead(conn: asyncpg.Connection, targets: Sequence[str]) -> dict[str, int]:
+    """Requeue the dead letters of ``targets`` (after fixing what refused them); count per target."""
+    rows = await conn.fetch(REPLAY, list(targets))
+    await conn.execute("SELECT pg_notify($1, '')", CHANNEL)  # a running relay picks them up at once
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["target"]] = counts.get(row["target"], 0) + 1
+    return counts
+
+
+async def replay(targets: Sequence[str]) -> dict[str, int]:
+    conn = await asyncpg.connect(metadata_dsn())
+    try:
+        if not await conn.fetchval("SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL"):
+            return {}
+        return await replay_dead(conn, targets)
+    finally:
+        await conn.close()

@@ -20,7 +20,8 @@ Why a watermark poller over ``task_instance`` (and not a listener or a custom as
 - Each (try, asset) pair is claimed on its own: an asset that no DAG declares yet gets its events for
   earlier tries once one does.
 - Each mapped task has a horizon: the time the bridge first saw it in the mapping. Successes before it are
-  history and are not replayed; any success after it is, however long the bridge was down.
+  history and are not replayed; any success after it is, however long the bridge was down, as long as it
+  is younger than the retention (``--retention-days``, 30).
 
 Map a task here only if it does not already declare the asset as an outlet (Airflow would emit it too).
 """

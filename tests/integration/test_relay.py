@@ -235,3 +235,24 @@ async def test_a_backlog_goes_in_full_batches_read_ahead_in_order(pg_db: str, in
         assert {status for status, _, _ in (await _rows(pool)).values()} == {"delivered"}
     finally:
         await pool.close()
+
+
+async def test_dead_letters_can_be_replayed_once_the_cause_is_fixed(pg_db: str, inbox: Inbox) -> None:
+    from dataset_bridge.relay import replay_dead
+
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 3))
+        inbox.fail_with = 403  # e.g. the assets are not yet in B's allow-list
+        assert await _deliver(pool, _routes(inbox.url, max_attempts=1)) == 0
+        assert {row[0] for row in (await _rows(pool)).values()} == {"dead"}
+        await _add(pool, range(3, 4))  # a later event, still pending
+        inbox.fail_with = None  # fixed in B
+        async with pool.acquire() as conn:
+            assert await replay_dead(conn, ["b", "other"]) == {"b": 2}
+        assert {k: v[:2] for k, v in (await _rows(pool)).items()} == {
+            1: ("pending", 0), 2: ("pending", 0), 3: ("pending", 0)}
+        assert await _deliver(pool, _routes(inbox.url)) == 3
+        assert inbox.received == [1, 2, 3]  # the replayed ones first: order kept
+    finally:
+        await pool.close()
