@@ -42,13 +42,15 @@ PENDING = """
 SELECT id, asset_event_id, asset_uri, asset_name, extra, event_timestamp, attempts, next_attempt_at
 FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' AND id > $3 ORDER BY id LIMIT $2
 """
+# Only pending rows change: with two relays overlapping (a rolling deploy) one's late failure must not turn
+# the other's delivery into a dead letter.
 MARK_DELIVERED = """
 UPDATE dataset_bridge.outbox SET status = 'delivered', delivered_at = now(), attempts = attempts + 1,
-last_error = NULL WHERE id = ANY($1::bigint[])
+last_error = NULL WHERE id = ANY($1::bigint[]) AND status = 'pending'
 """
 MARK_DEAD = """
 UPDATE dataset_bridge.outbox SET status = 'dead', attempts = attempts + 1, last_error = $2
-WHERE id = ANY($1::bigint[])
+WHERE id = ANY($1::bigint[]) AND status = 'pending'
 """
 # Each row counts its own attempts (rows join a batch at different times): a row that reached
 # max_attempts is dead-lettered, the others wait for the retry.
@@ -56,7 +58,7 @@ MARK_RETRY = """
 UPDATE dataset_bridge.outbox SET attempts = attempts + 1, last_error = $2,
 next_attempt_at = now() + make_interval(secs => $3),
 status = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE status END
-WHERE id = ANY($1::bigint[])
+WHERE id = ANY($1::bigint[]) AND status = 'pending'
 RETURNING id, status, attempts
 """
 

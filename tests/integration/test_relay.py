@@ -256,3 +256,20 @@ async def test_dead_letters_can_be_replayed_once_the_cause_is_fixed(pg_db: str, 
         assert inbox.received == [1, 2, 3]  # the replayed ones first: order kept
     finally:
         await pool.close()
+
+
+async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(pg_db: str,
+                                                                             inbox: Inbox) -> None:
+    from dataset_bridge.relay import MARK_DEAD, MARK_RETRY
+
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 2))
+        assert await _deliver(pool, _routes(inbox.url)) == 1
+        ids = [r["id"] for r in await pool.fetch("SELECT id FROM dataset_bridge.outbox")]
+        # a second relay that read the row before the first marked it now reports its own failure
+        assert await pool.fetch(MARK_RETRY, ids, "HTTP 503", 1.0, 1) == []
+        await pool.execute(MARK_DEAD, ids, "refused")
+        assert (await _rows(pool))[1][:2] == ("delivered", 1)
+    finally:
+        await pool.close()
