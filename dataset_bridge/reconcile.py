@@ -43,7 +43,9 @@ from sqlalchemy.orm import Session
 CANDIDATES = """
 WITH ours AS (
     SELECT e.id, e.asset_id, e.timestamp FROM asset_event e
-    WHERE e.timestamp < now() - make_interval(secs => :grace)
+    -- from the window's first event id on (a primary-key range: no scan of older events by timestamp)
+    WHERE e.id >= :from_id
+      AND e.timestamp < now() - make_interval(secs => :grace)
       AND e.timestamp > now() - make_interval(secs => :lookback)
       AND (CAST(e.extra AS jsonb) ? 'idempotency_key'
            OR CAST(e.extra AS jsonb) -> 'payload' ? 'idempotency_key')
@@ -90,6 +92,16 @@ ORDER BY o.id, c.dag_id
 LIMIT 500
 """
 
+# The first event id inside the lookback window, found from the previous one by the primary key: ids
+# follow insertion, so the window's start only moves forward (an index range scan of the events that
+# left the window since the last pass).
+WINDOW_START = """
+SELECT coalesce(
+    (SELECT id FROM asset_event WHERE id >= :from_id AND timestamp > now() - make_interval(secs => :lookback)
+     ORDER BY id LIMIT 1),
+    (SELECT coalesce(max(id), 0) + 1 FROM asset_event))
+"""
+
 REQUEUE = """
 INSERT INTO asset_dag_run_queue (asset_id, target_dag_id, created_at)
 VALUES (:asset_id, :dag_id, now())
@@ -117,17 +129,28 @@ def decide(row: Any) -> tuple[str, str]:
     return REQUEUED, "no run consumed it and none was queued (held back, apache/airflow#54659, or paused)"
 
 
-def held_back(session: Session, *, grace_seconds: float, lookback_seconds: float) -> list[Any]:
+def window_start(session: Session, *, lookback_seconds: float, from_id: int = 0) -> int:
+    """The first event id inside the lookback window (``from_id``: a previous answer, to start from)."""
+    found = session.execute(text(WINDOW_START), {"from_id": from_id, "lookback": lookback_seconds}).scalar()
+    return int(found or 0)
+
+
+def held_back(session: Session, *, grace_seconds: float, lookback_seconds: float,
+              from_id: int = 0) -> list[Any]:
     """Pairs still to decide: every candidate, with what ``decide`` needs."""
-    return list(session.execute(text(CANDIDATES), {"grace": grace_seconds,
-                                                   "lookback": lookback_seconds}).all())
+    start = window_start(session, lookback_seconds=lookback_seconds, from_id=from_id)
+    return list(session.execute(text(CANDIDATES), {"grace": grace_seconds, "lookback": lookback_seconds,
+                                                   "from_id": start}).all())
 
 
-def requeue(session: Session, *, grace_seconds: float = 15.0, lookback_seconds: float = 86400.0) -> int:
+def requeue(session: Session, *, grace_seconds: float = 15.0, lookback_seconds: float = 86400.0,
+            from_id: int = 0) -> int:
     """Queue consumer runs for held-back events of ours; returns how many (event, DAG) pairs were queued.
-    Every pair looked at is recorded once with its outcome and why (``dataset-bridge status`` shows them)."""
+    Every pair looked at is recorded once with its outcome and why (``dataset-bridge status`` shows them).
+    ``from_id``: an earlier ``window_start``, so that finding the window reads only what left it since."""
     queued = 0
-    for row in held_back(session, grace_seconds=grace_seconds, lookback_seconds=lookback_seconds):
+    for row in held_back(session, grace_seconds=grace_seconds, lookback_seconds=lookback_seconds,
+                         from_id=from_id):
         outcome, reason = decide(row)
         if outcome == REQUEUED:
             session.execute(text(REQUEUE), {"asset_id": row.asset_id, "dag_id": row.dag_id})

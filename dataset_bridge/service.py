@@ -79,10 +79,17 @@ def emit_pending(mapping: TaskMapping, keep: Retention = DEFAULT_RETENTION) -> i
     return created
 
 
+# where the reconciler's lookback window started last time (the next search starts there)
+_window = {"from_id": 0}
+
+
 def reconcile_once(settings: BridgeSettings) -> int:
     with _session() as session:
+        start = reconcile.window_start(session, lookback_seconds=settings.lookback_seconds,
+                                       from_id=_window["from_id"])
         requeued = reconcile.requeue(session, grace_seconds=settings.grace_seconds,
-                                     lookback_seconds=settings.lookback_seconds)
+                                     lookback_seconds=settings.lookback_seconds, from_id=start)
+    _window["from_id"] = start
     if requeued:
         log.info("held-back asset events queued again for their consumers", pairs=requeued)
     return requeued

@@ -162,3 +162,27 @@ def test_consumers_by_name_reference_and_by_alias_are_covered(seeded: dict[str, 
     assert _requeued_for(seeded) == [("ours_unconsumed", "by_alias", "requeued"),
                                      ("ours_unconsumed", "by_name", "requeued"),
                                      ("watcher_unconsumed", "by_name", "requeued")]
+
+
+def test_the_window_starts_at_its_first_event_id_and_only_moves_forward(seeded: dict[str, Any]) -> None:
+    """The reconciler finds its lookback window by event id (the primary key), not by scanning timestamps."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+
+    events = seeded["events"]
+    first = min(events.values())
+    with create_session() as session:
+        old = [AssetEvent(asset_id=seeded["asset_id"], extra={"idempotency_key": f"old{i}"},
+                          timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=3)) for i in range(3)]
+        session.add_all(old)
+        session.flush()
+        # events older than the window with ids before and after the window's first event
+        session.execute(text("UPDATE asset_event SET id = id + 1000 WHERE id = :id"), {"id": old[2].id})
+    with create_session() as session:
+        assert reconcile.window_start(session, lookback_seconds=86400) == first
+        assert reconcile.window_start(session, lookback_seconds=86400, from_id=first) == first
+        # nothing younger than the lookback: the window starts after the newest event
+        newest = session.execute(text("SELECT max(id) FROM asset_event")).scalar()
+        assert reconcile.window_start(session, lookback_seconds=0.001) == newest + 1
+        held = reconcile.held_back(session, grace_seconds=15, lookback_seconds=86400, from_id=first)
+    assert {r.event_id for r in held} == {events["ours_unconsumed"], events["watcher_unconsumed"]}
