@@ -77,12 +77,19 @@ class RelaySettings:
 
 
 class DeliveryError(Exception):
-    """The target did not take the batch; ``permanent`` when retrying the same request cannot help."""
+    """The target did not take the batch; ``permanent`` when retrying the same request cannot help.
 
-    def __init__(self, message: str, *, permanent: bool = False, status: int | None = None) -> None:
+    Only a refusal (a 4xx other than 408/429, a reply that is not the inbox's) counts toward a target's
+    ``max_attempts``: an unreachable or failing target (connection error, timeout, 5xx, 408, 429) is
+    retried without end, backing off, so that an outage of B never dead-letters A's events.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False, status: int | None = None,
+                 refusal: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.status = status
+        self.refusal = refusal or (status is not None and 400 <= status < 500 and status not in (408, 429))
 
 
 def backoff(attempts: int, base: float, cap: float) -> float:
@@ -136,7 +143,8 @@ class Relay:
         except DeliveryError as err:
             if err.status == 413 and len(rows) > 1:
                 return await self._split(session, target, rows)
-            await self._failed(target, rows, str(err), permanent=err.permanent or err.status == 413)
+            await self._failed(target, rows, str(err), permanent=err.permanent or err.status == 413,
+                               counts=err.refusal)
             return 0
         refused = {int(r["id"]): str(r.get("error", r.get("status"))) for r in results
                    if r.get("status") not in ("created", "duplicate")}
@@ -177,7 +185,8 @@ class Relay:
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err
 
-    async def _failed(self, target: Target, rows: Sequence[Any], error: str, *, permanent: bool) -> None:
+    async def _failed(self, target: Target, rows: Sequence[Any], error: str, *, permanent: bool,
+                      counts: bool = True) -> None:
         ids = [row["id"] for row in rows]
         if permanent:
             await self.pool.execute(MARK_DEAD, ids, error)
@@ -185,7 +194,8 @@ class Relay:
             return
         # the head row decides when the batch is tried again (later rows cannot overtake it)
         delay = backoff(rows[0]["attempts"] + 1, self.settings.backoff_base, self.settings.backoff_cap)
-        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, target.max_attempts)
+        limit = target.max_attempts if counts else 2**31 - 1  # a transient failure never dead-letters
+        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, limit)
         dead = [r["id"] for r in marked if r["status"] == "dead"]
         if dead:
             log.error("events dead-lettered", target=target.name, events=len(dead),
@@ -310,10 +320,12 @@ def _results(reply: Any, body: bytes, status: int) -> list[dict[str, Any]]:
     sent = {event["id"] for event in json.loads(body)["events"]}
     results = reply.get("results") if isinstance(reply, dict) else None
     if not isinstance(results, list) or not all(isinstance(r, dict) and "id" in r for r in results):
-        raise DeliveryError(f"HTTP {status} without per-event results: not a dataset-bridge inbox?")
+        raise DeliveryError(f"HTTP {status} without per-event results: not a dataset-bridge inbox?",
+                            refusal=True)
     answered = {r["id"] for r in results}
     if not sent <= answered:
-        raise DeliveryError(f"HTTP {status}: the reply has no result for {len(sent - answered)} event(s)")
+        raise DeliveryError(f"HTTP {status}: the reply has no result for {len(sent - answered)} event(s)",
+                            refusal=True)
     return list(results)
 
 

@@ -111,14 +111,28 @@ def _secret(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_each_row_counts_its_own_attempts(pg_db: str, inbox: Inbox) -> None:
     pool = await _outbox(pg_db)
     try:
-        await _add(pool, range(1, 2), attempts=4)  # the head has failed 4 times already
+        await _add(pool, range(1, 2), attempts=4)  # the head was refused 4 times already
         await _add(pool, range(2, 3))  # joined the queue just now
-        inbox.fail_with = 503
+        inbox.fail_with = 401  # a refusal (a rotated secret not yet rolled out, say)
         assert await _deliver(pool, _routes(inbox.url, max_attempts=5)) == 0
         rows = await _rows(pool)
         assert rows[1][:2] == ("dead", 5)
         assert rows[2][:2] == ("pending", 1)  # one failure of its own: it is retried, not dead-lettered
-        assert "HTTP 503" in str(rows[2][2])
+        assert "HTTP 401" in str(rows[2][2])
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("status", [503, 500, 429, 408, None])
+async def test_an_unreachable_or_failing_target_never_dead_letters(pg_db: str, inbox: Inbox,
+                                                                   status: int | None) -> None:
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 2), attempts=9)  # one attempt left by max_attempts
+        inbox.fail_with = status
+        url = inbox.url if status is not None else f"http://127.0.0.1:{free_port()}/inbox"  # nothing listens
+        assert await _deliver(pool, _routes(url, max_attempts=10)) == 0
+        assert (await _rows(pool))[1][:2] == ("pending", 10)  # retried later, not dead-lettered
     finally:
         await pool.close()
 
