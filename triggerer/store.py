@@ -145,8 +145,12 @@ class Store:
         return db_now
 
     def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
+        return [member for member, _lapses_in in self.live_members_lapsing(lease_seconds, queues)]
+
+    def live_members_lapsing(self, lease_seconds: float, queues: str | None) -> list[tuple[Member, float]]:
+        """Live members and the seconds until each one's membership lapses unless it is renewed."""
         rows = self._run("live_instances", lease_seconds=lease_seconds, queues=queues)
-        return [Member(job_id=r.job_id, capacity=r.capacity) for r in rows]
+        return [(Member(job_id=r.job_id, capacity=r.capacity), float(r.lapses_in)) for r in rows]
 
     def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float,
                      queues: str | None) -> set[int]:

@@ -42,6 +42,9 @@ from triggerer.store import Store, WaitingTrigger
 
 log = structlog.get_logger(logger_name=__name__)
 
+# after a member's membership lapses, its leases (renewed just before its heartbeat) have expired too
+LAPSE_MARGIN_SECONDS = 0.05
+
 
 @dataclass
 class Held:
@@ -143,8 +146,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
             self._db_step("cleanup", self.clean_unused)
-            since_load = 0.0
-        self._service_subprocess(self.settings.loop_seconds - since_load)
+        # until the next load: a loop after the last one, or sooner when a member's membership lapses
+        self._service_subprocess(max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0))
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
         self._db_step("events", self.handle_events)
@@ -210,7 +213,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         with create_session() as session:
             store = Store(session)
             store.heartbeat(self.job_id, **self._counters())
-            members = store.live_members(self.settings.lease_seconds, self.queues_key)
+            lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
+            members = [member for member, _ in lapsing]
+            self._wake_at_lapse([left for member, left in lapsing if member.job_id != self.job_id])
             if all(m.job_id != self.job_id for m in members):
                 members.append(Member(self.job_id, self.capacity))
             desired = shards_of(self.job_id, assign(self.settings.shards, members))
@@ -227,6 +232,15 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             log.info("took shards", count=len(gained))
         self.owned = claimed
         self.gained = gained
+
+    def _wake_at_lapse(self, lapses_in: list[float]) -> None:
+        """Load again right when another member's membership lapses (it stopped renewing: crashed or
+        paused), not up to a loop later: its shards, whose leases expire with it, are taken at once."""
+        soonest = min((left for left in lapses_in if left < self.settings.loop_seconds), default=None)
+        if soonest is not None:
+            # the next load runs once loop_seconds have passed since last_load: move last_load back
+            due = time.monotonic() + max(soonest, 0.0) + LAPSE_MARGIN_SECONDS
+            self.last_load = min(self.last_load, due - self.settings.loop_seconds)
 
     def _drop_shards(self, shards: set[int]) -> None:
         """Forget every waiter of these shards and cancel their coroutines without on_kill."""

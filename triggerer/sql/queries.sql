@@ -41,8 +41,11 @@ WHERE job_id = :job_id
 RETURNING now() AS db_now;
 
 -- name: live_instances
--- Instances whose membership has not lapsed: the rendezvous hashing input.
-SELECT job_id, capacity FROM smart_triggerer.instance
+-- Instances whose membership has not lapsed: the rendezvous hashing input; lapses_in: seconds until each
+-- one's membership lapses unless renewed (a crashed instance's shards are free from then on).
+SELECT job_id, capacity,
+       extract(epoch FROM heartbeat_at + make_interval(secs => :lease_seconds) - now()) AS lapses_in
+FROM smart_triggerer.instance
 WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds)
   AND coalesce(queues, '') = coalesce(:queues, '');
 
