@@ -7,6 +7,7 @@ from typing import Any
 
 from deferrables.sql_condition import SqlConditionSensor
 from triggers.pg import SourceError, refuse_writable_role, target_for
+from triggers.sql_condition import SqlConditionTrigger
 
 # Parameterised: $1 is the asset's URI or name, $2 the time as text (templates render to text).
 ASSET_EVENT_SQL = (
@@ -48,6 +49,14 @@ class AssetEventSensor(SqlConditionSensor):
         finally:
             await conn.close()
         return await super().check()
+
+    def trigger(self) -> SqlConditionTrigger:
+        # also when the task starts in the triggerer (start_from_trigger): no worker step checks the role
+        return SqlConditionTrigger(
+            self.conn_id, self.sql, parameters=self.parameters, failure_sql=self.failure_sql,
+            failure_parameters=self.failure_parameters, poll_interval=self.poke_interval,
+            notify_channel=self.notify_channel, read_only_role=True,
+        )
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         super().render_template_fields(context, jinja_env)

@@ -77,7 +77,7 @@ SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
 """
 
 
-async def refuse_writable_role(conn: asyncpg.Connection, conn_id: str) -> None:
+async def refuse_writable_role(conn: asyncpg.Connection | asyncpg.Pool, conn_id: str) -> None:
     """SourceError when ``conn_id`` logs in as a role that can write: a metadata-DB connection that DAG
     code may use must be read-only (see the README's read-only role)."""
     if await conn.fetchval(WRITABLE_ROLE_SQL):

@@ -15,7 +15,7 @@ import asyncpg
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from triggers.identity import DedupableTrigger
-from triggers.pg import SourceError, read_only, shared_pool, target_for
+from triggers.pg import SourceError, read_only, refuse_writable_role, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 STATEMENT_TIMEOUT = 60.0
@@ -49,7 +49,7 @@ def _still_in_transaction(conn: asyncpg.Connection, argument: str) -> None:
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
-    execution_merge = {"notify_channel": "union"}
+    execution_merge = {"notify_channel": "union", "read_only_role": "any"}
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("sql", "parameters", "failure_sql", "failure_parameters")
 
@@ -63,9 +63,12 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
         failure_parameters: Sequence[Any] = (),
         poll_interval: float = 60.0,
         notify_channel: str | Sequence[str] | None = None,
+        read_only_role: bool = False,
     ) -> None:
         super().__init__()
         self.conn_id, self.sql, self.failure_sql = conn_id, sql, failure_sql
+        # the connection reaches Airflow's metadata database: refuse a login that could write there
+        self.read_only_role = bool(read_only_role)
         self.parameters, self.failure_parameters = list(parameters), list(failure_parameters)
         self.poll_interval = float(poll_interval)
         self.notify_channel = one_or_many(channel_names(notify_channel))
@@ -75,14 +78,21 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
             "conn_id": self.conn_id, "sql": self.sql, "parameters": self.parameters,
             "failure_sql": self.failure_sql, "failure_parameters": self.failure_parameters,
             "poll_interval": self.poll_interval, "notify_channel": self.notify_channel,
+            "read_only_role": self.read_only_role,
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await target_for(self.conn_id)
+        role_checked = not self.read_only_role
 
         async def check() -> dict[str, Any] | None:
-            return await sql_condition(await shared_pool(target), self.sql, self.parameters,
-                                       self.failure_sql, self.failure_parameters)
+            nonlocal role_checked
+            pool = await shared_pool(target)
+            if not role_checked:  # once per trigger: a SourceError ends the wait with the cause
+                await refuse_writable_role(pool, self.conn_id)
+                role_checked = True
+            return await sql_condition(pool, self.sql, self.parameters, self.failure_sql,
+                                       self.failure_parameters)
 
         async with listening(target, self.notify_channel) as hint:
             payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)

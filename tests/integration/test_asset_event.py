@@ -92,6 +92,10 @@ async def test_a_metadata_connection_that_can_write_is_refused(
                               since="2026-01-01T00:00:00+00:00")
     refused = await sensor.check()
     assert refused is not None and refused["status"] == "error" and "read-only role" in refused["message"]
+    # started in the triggerer (start_from_trigger): no worker step, the trigger refuses it itself
+    sensor.render_template_fields({})
+    event = await asyncio.wait_for(sensor.trigger().run().__anext__(), 30)
+    assert event.payload["status"] == "error" and "read-only role" in event.payload["message"]
     with pytest.raises(SourceError, match="can write"):
         await latest_run_id("airflow_db", "any_dag")
     reader = await asyncpg.connect(reader_dsn(airflow_db))
