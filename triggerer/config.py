@@ -38,8 +38,6 @@ class Settings:
     # an event for a member that deferred more recently than this is held back until it is old enough.
     resume_hold_seconds: float = 6.0
     loop_seconds: float = 1.0
-    # every N loops the full membership of owned shards is re-read (departures); new rows every loop
-    reconcile_every: int = 5
     # coroutines started per loop (Airflow builds each workload with a few queries)
     max_new_per_loop: int = 250
     # task instances resumed in one transaction (bounds lock time and the cost of one refused batch)

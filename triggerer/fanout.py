@@ -95,15 +95,16 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     return len(locked)
 
 
-def timeout(session: Session, shards: Sequence[int], queues: Sequence[str] | None) -> int:
-    """Time out deferred members of these (fenced) shards whose own ``trigger_timeout`` passed."""
+def timeout(session: Session, shards: Sequence[int], queues: Sequence[str] | None) -> list[int]:
+    """Time out deferred members of these (fenced) shards whose own ``trigger_timeout`` passed; returns
+    the ids of their triggers."""
     if not shards:
-        return 0
+        return []
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_TIMEOUT.value})
     result = session.execute(text(queries()["timeout_members"]),
                              {"shards": list(shards), "queues": list(queues) if queues else None,
                               "next_kwargs": next_kwargs})
-    return len(result.all())
+    return [int(row[0]) for row in result]
 
 
 def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent) -> None:

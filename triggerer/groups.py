@@ -55,20 +55,32 @@ class Group:
 
 @dataclass
 class Groups:
-    """All groups of one instance, indexed by identity hash, member and runner id."""
+    """All groups of one instance, indexed by identity hash, member and runner id.
+
+    Kept so that a loop in which nothing changed costs nothing per group: the groups waiting for a
+    coroutine are indexed, the count of groups with members is kept, and ``version`` changes whenever
+    the set of runner ids does (the supervisor asks the runner for coroutines only then).
+    """
 
     by_hash: dict[int, Group] = field(default_factory=dict)
     hash_of_member: dict[int, int] = field(default_factory=dict)
     hash_of_runner: dict[int, int] = field(default_factory=dict)
+    unstarted: dict[int, Group] = field(default_factory=dict)  # groups with members and no coroutine
+    version: int = 0
+    _with_members: int = 0
 
     def join(self, trigger_id: int, identity_hash: int,
              execution: Mapping[str, Sequence[Any]] | None = None) -> Group:
         group = self.by_hash.get(identity_hash)
         if group is None:
             group = self.by_hash[identity_hash] = Group(identity_hash)
+        if group.empty:
+            self._with_members += 1
         group.members.add(trigger_id)
         group.merge_settings(execution or {})
         self.hash_of_member[trigger_id] = identity_hash
+        if group.runner_id is None:
+            self.unstarted[identity_hash] = group
         return group
 
     def leave(self, trigger_id: int) -> Group | None:
@@ -79,6 +91,9 @@ class Groups:
         group = self.by_hash[identity_hash]
         group.members.discard(trigger_id)
         group.unstartable.discard(trigger_id)
+        if group.empty:
+            self._with_members -= 1
+            self.unstarted.pop(identity_hash, None)
         return group
 
     def start(self, group: Group, runner: int | None = None) -> int | None:
@@ -92,6 +107,8 @@ class Groups:
         group.runner_id = runner
         group.running_settings = dict(group.settings)
         self.hash_of_runner[runner] = group.identity_hash
+        self.unstarted.pop(group.identity_hash, None)
+        self.version += 1
         return runner
 
     def restart(self, group: Group, runner: int) -> int | None:
@@ -109,13 +126,21 @@ class Groups:
             self.hash_of_runner.pop(group.runner_id, None)
         for member in group.members:
             self.hash_of_member.pop(member, None)
-        self.by_hash.pop(group.identity_hash, None)
+        if self.by_hash.get(group.identity_hash) is group:
+            del self.by_hash[group.identity_hash]
+            if not group.empty:
+                self._with_members -= 1
+        self.unstarted.pop(group.identity_hash, None)
+        self.version += 1
 
     def stop_runner(self, group: Group) -> None:
         """The coroutine stopped but the group keeps waiting (e.g. it needs a restart)."""
         if group.runner_id is not None:
             self.hash_of_runner.pop(group.runner_id, None)
         group.runner_id = None
+        if not group.empty and self.by_hash.get(group.identity_hash) is group:
+            self.unstarted[group.identity_hash] = group
+        self.version += 1
 
     def members(self) -> set[int]:
         return set(self.hash_of_member)
@@ -130,4 +155,5 @@ class Groups:
         return len(self.hash_of_member)
 
     def group_count(self) -> int:
-        return sum(1 for _ in self.waiting())
+        """Groups with members (kept, not counted: this runs for every heartbeat and /metrics)."""
+        return self._with_members

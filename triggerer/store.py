@@ -51,11 +51,14 @@ def migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
+# the change feed's triggers (queries.sql, install_*): created, deleted trigger rows; new asset watchers
+FEED_TRIGGERS = ("install_feed_created", "install_feed_deleted", "install_feed_watched")
+
 # what a group merges: kwarg -> [rule, value] (see triggers.identity.MERGE_RULES)
 Execution = dict[str, list[Any]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WaitingTrigger:
     trigger_id: int
     identity_hash: int
@@ -64,6 +67,16 @@ class WaitingTrigger:
     has_task: bool
     execution: Execution
     hold_left: float = 0.0  # seconds until an event may resume it (see resume_hold_seconds)
+    error: str | None = None  # its kwargs could not be read: its tasks fail with this cause
+    timeout_in: float | None = None  # seconds until its deferred task's trigger_timeout
+
+
+@dataclass(frozen=True, slots=True)
+class FeedPosition:
+    """Where a read of the change feed got to (a snapshot xmin) and how many new rows have no identity."""
+
+    xmin: str
+    unhashed: int
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class Store:
             self._run("record_migration", version=version, name=name)
             done.append(version)
         self._pin_shards(shards)
+        self.ensure_feed()
         return done
 
     def _pin_shards(self, shards: int) -> None:
@@ -140,8 +154,10 @@ class Store:
         rows = self._run("live_queue_sets", lease_seconds=lease_seconds)
         return [r[0] for r in rows]
 
-    def heartbeat(self, job_id: int, **counters: Any) -> dt.datetime:
-        db_now: dt.datetime = self._run("heartbeat_instance", job_id=job_id, **counters).scalar_one()
+    def heartbeat(self, job_id: int, *, feed_xmin: str | None = None, **counters: Any) -> dt.datetime:
+        """Renew membership; ``feed_xmin``: how far this instance has read the change feed."""
+        db_now: dt.datetime = self._run("heartbeat_instance", job_id=job_id, feed_xmin=feed_xmin,
+                                        **counters).scalar_one()
         return db_now
 
     def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
@@ -175,7 +191,7 @@ class Store:
     # --- identities ---
 
     def unhashed_triggers(self, queues: Sequence[str] | None, limit: int) -> list[tuple[int, str, str]]:
-        rows = self._run("unhashed_triggers", queues=list(queues) if queues else None, limit=limit)
+        rows = self._run("unhashed_triggers", queues=_queues(queues), limit=limit)
         return [(r.id, r.classpath, r.kwargs) for r in rows]
 
     def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
@@ -195,18 +211,63 @@ class Store:
         xmin: str = self._run("snapshot_xmin").scalar_one()
         return xmin
 
-    def waiting_triggers(self, shards: Iterable[int], queues: Sequence[str] | None, *, after_xid: str = "0",
+    def waiting_triggers(self, shards: Iterable[int], queues: Sequence[str] | None, *,
                          hold_seconds: float = 0.0) -> list[WaitingTrigger]:
-        rows = self._run("waiting_triggers", shards=sorted(shards), after_xid=after_xid,
-                         queues=list(queues) if queues else None, hold_seconds=hold_seconds)
-        return [WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.has_task,
-                               dict(r.execution or {}), float(r.hold_left)) for r in rows]
+        """Every waiter of these shards (a full read)."""
+        if not shards:
+            return []
+        rows = self._run("waiting_triggers", shards=sorted(shards), queues=_queues(queues),
+                         hold_seconds=hold_seconds)
+        return [_waiting(r) for r in rows]
 
-    def failed_identities(self, shards: Iterable[int],
-                          queues: Sequence[str] | None) -> list[tuple[int, int, str]]:
-        rows = self._run("failed_identities", shards=sorted(shards), queues=list(queues) if queues else None)
-        return [(r.trigger_id, r.shard, r.error) for r in rows]
+    def changed_waiters(self, shards: Iterable[int], queues: Sequence[str] | None, *, after_xid: str,
+                        hold_seconds: float = 0.0) -> list[WaitingTrigger]:
+        """Waiters of these shards that arrived (or were watched anew) since ``after_xid``."""
+        if not shards:
+            return []
+        rows = self._run("changed_waiters", shards=sorted(shards), queues=_queues(queues),
+                         after_xid=after_xid, hold_seconds=hold_seconds)
+        return [_waiting(r) for r in rows]
+
+    def deleted_triggers(self, after_xid: str) -> set[int]:
+        """Trigger rows deleted since ``after_xid`` (nothing waits on them any more)."""
+        return {r[0] for r in self._run("deleted_triggers", after_xid=after_xid)}
+
+    def feed_position(self, after_xid: str, queues: Sequence[str] | None) -> FeedPosition:
+        row = self._run("feed_position", after_xid=after_xid, queues=_queues(queues)).one()
+        return FeedPosition(row.xmin, int(row.unhashed))
+
+    def sweep_position(self, queues: Sequence[str] | None) -> FeedPosition:
+        row = self._run("sweep_position", queues=_queues(queues)).one()
+        return FeedPosition(row.xmin, int(row.unhashed))
+
+    def unhashed_changed(self, after_xid: str, queues: Sequence[str] | None,
+                         limit: int) -> list[tuple[int, str, str]]:
+        rows = self._run("unhashed_changed", after_xid=after_xid, queues=_queues(queues), limit=limit)
+        return [(r.id, r.classpath, r.kwargs) for r in rows]
+
+    def prune_feed(self, lease_seconds: float) -> int:
+        """Drop change-feed rows every live instance has read; returns how many."""
+        return int(self._run("prune_feed", lease_seconds=lease_seconds).rowcount)
+
+    def ensure_feed(self) -> bool:
+        """Install the change feed's triggers on Airflow's tables if any is missing; True if it was."""
+        if self._run("feed_triggers_present").scalar_one() == len(FEED_TRIGGERS):
+            return False
+        for name in FEED_TRIGGERS:
+            self._run(name)
+        return True
 
     def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))
 
+
+
+def _queues(queues: Sequence[str] | None) -> list[str] | None:
+    return list(queues) if queues else None
+
+
+def _waiting(r: Any) -> WaitingTrigger:
+    return WaitingTrigger(r.trigger_id, r.identity_hash, r.shard, r.dedupable, r.has_task,
+                          dict(r.execution or {}), float(r.hold_left), r.error,
+                          None if r.timeout_in is None else float(r.timeout_in))

@@ -1,8 +1,10 @@
 """The smart supervisor: Airflow's ``TriggerRunnerSupervisor`` with identity groups and shard leases.
 
 Each loop it (1) renews its membership and the leases of the shards rendezvous hashing gives it,
-(2) computes the identity of new trigger rows once, (3) loads the waiters of its shards into identity
-groups and asks Airflow's runner subprocess for one coroutine per group, (4) fans every event out to all
+(2) computes the identity of new trigger rows once, (3) reads the waiters that arrived or left since the
+last loop from the change feed (``sql/0005_change_feed.sql``; every waiter only of a shard just taken),
+keeps them in identity groups and asks Airflow's runner subprocess for one coroutine per group (so a loop
+in which nothing changed reads no rows and costs nothing per waiter), (4) fans every event out to all
 members of the group in one transaction, holding it back for members that deferred too recently, and
 (5) fails every member when the group's trigger fails. Everything else (the runner, trigger logs,
 connections, the task-SDK comms) is Airflow's.
@@ -15,6 +17,7 @@ only after it was stored; an event that cannot be stored fails its own members, 
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import defaultdict
@@ -44,6 +47,20 @@ log = structlog.get_logger(logger_name=__name__)
 
 # after a member's membership lapses, its leases (renewed just before its heartbeat) have expired too
 LAPSE_MARGIN_SECONDS = 0.05
+# Airflow's clean_unused (how departures reach the change feed: it deletes unused trigger rows) and feed
+# pruning run this often, not every loop: a departed waiter's coroutine may poll a few seconds longer,
+# but a resume or timeout never reaches a task that is not deferred any more
+CLEANUP_SECONDS = 5.0
+PRUNE_SECONDS = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """What the loop needs to know of a member (its row's other fields are not kept)."""
+
+    shard: int
+    has_task: bool
+    dedupable: bool
 
 
 @dataclass
@@ -79,12 +96,22 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     groups: Groups = attrs.field(factory=Groups, init=False)
     owned: set[int] = attrs.field(factory=set, init=False)
-    member_info: dict[int, WaitingTrigger] = attrs.field(factory=dict, init=False)
+    member_info: dict[int, MemberInfo] = attrs.field(factory=dict, init=False)
     young_until: dict[int, float] = attrs.field(factory=dict, init=False)
     held: dict[int, Held] = attrs.field(factory=dict, init=False)
     user_cancels: set[int] = attrs.field(factory=set, init=False)
     gained: set[int] = attrs.field(factory=set, init=False)
-    last_xmin: str = attrs.field(default="0", init=False)
+    # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
+    load_xmin: str | None = attrs.field(default=None, init=False)
+    hash_xmin: str | None = attrs.field(default=None, init=False)
+    # members' trigger_timeout as (time.monotonic(), trigger id), soonest first
+    deadlines: list[tuple[float, int]] = attrs.field(factory=list, init=False)
+    unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
+    requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
+    runner_changes: int = attrs.field(default=0, init=False)
+    last_cleanup: float = attrs.field(default=-math.inf, init=False)
+    last_prune: float = attrs.field(default=-math.inf, init=False)
+    published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
     last_load: float = attrs.field(default=-math.inf, init=False)
@@ -145,7 +172,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.loops += 1
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
-            self._db_step("cleanup", self.clean_unused)
+            self._db_step("cleanup", self._housekeeping)
         # until the next load: a loop after the last one, or sooner when a member's membership lapses
         self._service_subprocess(max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0))
         # lease checks run before writes: shards that may have lapsed while we waited stop first
@@ -198,21 +225,52 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- leases ---
 
     def load_triggers(self) -> None:
+        """What changed since the last loop, read from the change feed: nothing changed, nothing read."""
         self._renew_leases()
         self._hash_new_triggers()
         self._load_waiters()
         self._timeout_members()
         self._fail_unreadable()
         self._start_groups()
-        # publish this loop's counters, so `status` agrees with /metrics once the groups run
+        # publish this loop's counters when they changed, so `status` agrees with /metrics
+        if self._counters() != self.published_counters:
+            self._heartbeat_counters()
+
+    def _heartbeat_counters(self) -> None:
+        counters = self._counters()
         with create_session() as session:
-            Store(session).heartbeat(self.job_id, **self._counters())
+            Store(session).heartbeat(self.job_id, feed_xmin=self._feed_xmin(), **counters)
+        self.published_counters = counters
+
+    def _feed_xmin(self) -> str | None:
+        """How far this instance has read the change feed (rows before it may be pruned)."""
+        if self.load_xmin is None or self.hash_xmin is None:
+            return None
+        return min(self.load_xmin, self.hash_xmin, key=int)
+
+    def _housekeeping(self) -> None:
+        """Airflow's clean_unused (its deletions are how waiters leave) and pruning the change feed, each
+        every few seconds rather than every loop: neither is urgent, both scan."""
+        now = time.monotonic()
+        if now - self.last_cleanup >= CLEANUP_SECONDS:
+            self.clean_unused()
+            self.last_cleanup = now
+        if now - self.last_prune >= PRUNE_SECONDS:
+            with create_session() as session:
+                Store(session).prune_feed(self.settings.lease_seconds)
+            self.last_prune = now
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
+        if started - self.last_renewal > self.settings.lease_seconds * 0.5:
+            # Our membership may have lapsed meanwhile, and with it our claim on the change feed (others
+            # prune what every live instance has read): read everything again, once.
+            self.load_xmin = self.hash_xmin = None
         with create_session() as session:
             store = Store(session)
-            store.heartbeat(self.job_id, **self._counters())
+            counters = self._counters()
+            store.heartbeat(self.job_id, feed_xmin=self._feed_xmin(), **counters)
+            self.published_counters = counters
             lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
             members = [member for member, _ in lapsing]
             self._wake_at_lapse([left for member, left in lapsing if member.job_id != self.job_id])
@@ -259,34 +317,55 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- identities and membership ---
 
     def _hash_new_triggers(self) -> None:
+        """Store the identity of every trigger row the change feed reports as new (of every row without
+        one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
+        another instance is hashing, a row beyond this loop's limit)."""
+        sweep = self.hash_xmin is None
         with create_session() as session:
             store = Store(session)
-            rows = store.unhashed_triggers(self.queue_list, limit=self.settings.max_new_per_loop * 4)
+            if self.hash_xmin is None:
+                position = store.sweep_position(self.queue_list)
+            else:
+                position = store.feed_position(self.hash_xmin, self.queue_list)
+            if position.unhashed == 0:
+                self.hash_xmin = position.xmin
+                return
+            limit = self.settings.max_new_per_loop * 4
+            if self.hash_xmin is None:
+                rows = store.unhashed_triggers(self.queue_list, limit=limit)
+            else:
+                rows = store.unhashed_changed(self.hash_xmin, self.queue_list, limit=limit)
             if rows:
                 store.insert_identities(compute_identities(rows, self.settings))
+        if sweep:
+            log.info("hashing trigger rows the change feed does not cover", rows=len(rows))
 
     def _load_waiters(self) -> None:
-        """New waiters by transaction id since the last read (a late commit is never skipped); gained
-        shards and, every ``reconcile_every`` loops, all owned shards in full (departures)."""
-        gained = self.gained
-        full = self.loops % self.settings.reconcile_every == 0
+        """Arrivals and departures since the last read, from the change feed; every waiter of shards just
+        taken (or of all owned shards when the feed position was lost) in full."""
+        full = set(self.owned) if self.load_xmin is None else self.gained & self.owned
         hold = self.settings.resume_hold_seconds
+        gone: set[int] = set()
         with create_session() as session:
             store = Store(session)
             xmin = store.snapshot_xmin()
-            if full:
-                rows = store.waiting_triggers(self.owned, self.queue_list, hold_seconds=hold)
-            else:
-                rows = store.waiting_triggers(self.owned - gained, self.queue_list, after_xid=self.last_xmin,
+            rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
+            if self.load_xmin is not None:
+                rows += store.changed_waiters(self.owned - full, self.queue_list, after_xid=self.load_xmin,
                                               hold_seconds=hold)
-                rows += store.waiting_triggers(gained & self.owned, self.queue_list, hold_seconds=hold)
-            fenced = self._fence(session)
-            new = [r.trigger_id for r in rows if r.trigger_id not in self.member_info and r.shard in fenced]
+                gone = store.deleted_triggers(self.load_xmin)
+            new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
             if new:
-                store.claim_triggers(self.job_id, new)
-        self.last_xmin = xmin
-        if full:
+                fenced = self._fence(session)
+                store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
+        reconcile = self.load_xmin is None
+        self.load_xmin = xmin
+        if reconcile:
             self._reconcile({r.trigger_id for r in rows})
+        for trigger_id in gone:
+            self.held.pop(trigger_id, None)
+            if trigger_id in self.member_info:
+                self._forget_member(trigger_id, user_action=True)
         for row in rows:
             self._join(row)
 
@@ -295,9 +374,15 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             return
         if row.shard not in self.owned:
             return
-        self.member_info[row.trigger_id] = row
+        if row.error is not None:
+            self.unreadable[row.trigger_id] = (row.shard, row.error)
+            return
+        self.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
+        now = time.monotonic()
         if row.hold_left > 0:
-            self.young_until[row.trigger_id] = time.monotonic() + row.hold_left
+            self.young_until[row.trigger_id] = now + row.hold_left
+        if row.timeout_in is not None:
+            heapq.heappush(self.deadlines, (now + row.timeout_in, row.trigger_id))
         dedup = row.dedupable and self.settings.dedup
         key = group_key(row.trigger_id, row.identity_hash, dedup)
         group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
@@ -327,28 +412,49 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self.groups.finish(group)
 
     def _timeout_members(self) -> None:
-        """Time out deferred members one by one (as the scheduler does), precisely, each loop."""
+        """Time out deferred members one by one (as the scheduler does) when one's trigger_timeout is due,
+        by the database clock; a member still waiting after that (its row was locked) is looked at again
+        next loop."""
+        now = time.monotonic()
+        if not self.deadlines or self.deadlines[0][0] > now:
+            return
         with create_session() as session:
             fenced = self._fence(session)
-            if fenced:
-                fanout.timeout(session, sorted(fenced), self.queue_list)
+            timed_out = fanout.timeout(session, sorted(fenced), self.queue_list) if fenced else []
+        for trigger_id in timed_out:
+            if trigger_id in self.member_info:
+                self._forget_member(trigger_id, user_action=True)
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _due, trigger_id = heapq.heappop(self.deadlines)
+            if trigger_id in self.member_info:
+                heapq.heappush(self.deadlines, (now + self.settings.loop_seconds, trigger_id))
 
     def _fail_unreadable(self) -> None:
         """Tasks whose trigger kwargs could not be read fail at once with the cause, alone."""
+        if not self.unreadable:
+            return
         with create_session() as session:
             fenced = self._fence(session)
-            for trigger_id, _shard, error in Store(session).failed_identities(fenced, self.queue_list):
+            for trigger_id, (shard, error) in sorted(self.unreadable.items()):
+                if shard not in fenced:
+                    continue
                 log.error("failing the tasks of an unreadable trigger", trigger_id=trigger_id, error=error)
-                fanout.fail(session, [trigger_id], [f"smart-triggerer: {error}\n"])
+                self.failures_total += fanout.fail(session, [trigger_id], [f"smart-triggerer: {error}\n"])
+        # failed, or on a shard another instance holds now (it reads the row when it takes the shard)
+        self.unreadable = {}
 
     def _start_groups(self) -> None:
         # Building a workload costs Airflow a few queries per trigger: start a bounded number per loop so
         # every loop stays short and renews its leases in time (stock Airflow takes 50 per loop).
-        pending = [g for g in self.groups.waiting() if g.runner_id is None]
-        for group in pending[: self.settings.max_new_per_loop]:
+        for group in list(self.groups.unstarted.values())[: self.settings.max_new_per_loop]:
             self.groups.start(group)
+        # ask the runner only when the coroutines wanted or running changed (idle loops cost nothing);
         # a leader that cannot start hands over to the next member at once (bounded passes)
         for _ in range(3):
+            state = (self.groups.version, self.runner_changes)
+            if state == self.requested:
+                break
+            self.requested = state
             if not self._request_runners():
                 break
 
@@ -607,6 +713,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
         super()._handle_request(msg, log, req_id)
         if isinstance(msg, messages.TriggerStateChanges):
+            if msg.finished or msg.events or msg.failures:
+                self.runner_changes += 1  # what the runner runs changed: compare with the groups again
             for trigger_id in msg.finished or ():
                 self.user_cancels.discard(trigger_id)
 

@@ -111,3 +111,34 @@ def test_runner_must_be_a_member() -> None:
     group = groups.join(1, 42)
     with pytest.raises(ValueError, match="not a member"):
         groups.start(group, runner=9)
+
+
+def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
+    """group_count, unstarted and version are kept, not computed: check them against the groups."""
+    import random
+
+    rng = random.Random(7)
+    groups = Groups()
+    last_runners, last_version = groups.runner_ids(), groups.version
+    for _ in range(5000):
+        action = rng.random()
+        trigger_id = rng.randrange(200)
+        if action < 0.4:
+            if trigger_id not in groups.hash_of_member:
+                groups.join(trigger_id, rng.randrange(30))
+        elif action < 0.6:
+            groups.leave(trigger_id)
+        elif action < 0.75 and groups.unstarted:
+            groups.start(rng.choice(list(groups.unstarted.values())))
+        elif action < 0.85 and groups.hash_of_runner:
+            group = groups.by_runner(rng.choice(sorted(groups.hash_of_runner)))
+            assert group is not None
+            groups.stop_runner(group)
+        elif groups.by_hash:
+            groups.finish(rng.choice(list(groups.by_hash.values())))
+        assert groups.group_count() == sum(1 for g in groups.by_hash.values() if not g.empty)
+        assert {id(g) for g in groups.unstarted.values()} == {
+            id(g) for g in groups.by_hash.values() if not g.empty and g.runner_id is None}
+        if groups.runner_ids() != last_runners:
+            assert groups.version != last_version
+        last_runners, last_version = groups.runner_ids(), groups.version

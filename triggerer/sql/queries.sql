@@ -25,18 +25,20 @@ SELECT :queues, generate_series(0, :shards - 1)
 ON CONFLICT (queues, shard) DO NOTHING;
 
 -- name: register_instance
--- Joins the membership (a restarted job id starts afresh).
-INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url)
-VALUES (:job_id, :hostname, :capacity, :queues, :health_url)
+-- Joins the membership (a restarted job id starts afresh). feed_xmin: from here on the change feed is kept
+-- for this instance (it reads everything before that once, when it starts).
+INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url, feed_xmin)
+VALUES (:job_id, :hostname, :capacity, :queues, :health_url, pg_snapshot_xmin(pg_current_snapshot()))
 ON CONFLICT (job_id) DO UPDATE SET hostname = EXCLUDED.hostname, capacity = EXCLUDED.capacity,
-    queues = EXCLUDED.queues, health_url = EXCLUDED.health_url, heartbeat_at = now(), stopped_at = NULL;
+    queues = EXCLUDED.queues, health_url = EXCLUDED.health_url, heartbeat_at = now(), stopped_at = NULL,
+    feed_xmin = EXCLUDED.feed_xmin;
 
 -- name: heartbeat_instance
 -- Renews membership on the database clock and publishes this instance's counters.
 UPDATE smart_triggerer.instance
 SET heartbeat_at = now(), runner_alive = :runner_alive, waiters = :waiters, groups = :groups,
     events_total = :events_total, resumed_total = :resumed_total, failures_total = :failures_total,
-    health_url = :health_url
+    health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin)
 WHERE job_id = :job_id
 RETURNING now() AS db_now;
 
@@ -118,29 +120,97 @@ ON CONFLICT (trigger_id) DO NOTHING;
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 
 -- name: waiting_triggers
--- Triggers of the given shards and queues that something still waits on (a deferred task, an asset, a
--- callback); with :after_xid only those whose identity was stored by a transaction at or after it.
--- hold_left: seconds until a member is old enough to resume (database clock; identities are stored
--- after the deferral committed, so this never releases early).
-SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution,
+-- Every waiter of the given shards and queues: a trigger something still waits on (a deferred task, an
+-- asset, a callback). Read for shards this instance just took and after it lost track of the feed.
+-- error: its kwargs could not be read (its tasks are failed with the cause). hold_left: seconds until a
+-- member is old enough to resume (database clock; identities are stored after the deferral committed, so
+-- this never releases early). timeout_in: seconds until its deferred task's trigger_timeout, if any.
+SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, i.error,
        greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
-       EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task
+       EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task,
+       (SELECT extract(epoch FROM min(ti.trigger_timeout) - clock_timestamp()) FROM task_instance ti
+        WHERE ti.trigger_id = t.id AND ti.state = 'deferred')::float AS timeout_in
 FROM smart_triggerer.trigger_identity i
 JOIN trigger t ON t.id = i.trigger_id
-WHERE i.shard = ANY(:shards) AND i.error IS NULL AND i.xid >= CAST(:after_xid AS xid8)
+WHERE i.shard = ANY(:shards)
   AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
   AND (EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
-       OR EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
-       OR EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
+       OR i.error IS NULL AND EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+       OR i.error IS NULL AND EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
 
--- name: failed_identities
--- Triggers whose identity could not be computed (undecryptable kwargs) and whose tasks still wait.
-SELECT i.trigger_id, i.shard, i.error
-FROM smart_triggerer.trigger_identity i
+-- name: changed_waiters
+-- As waiting_triggers, for the waiters whose identity was stored, or that the change feed reports as new
+-- or newly watched, by a transaction at or after :after_xid (the previous read's snapshot xmin: a row that
+-- commits late is never skipped). Index reads of what changed: nothing changed, nothing read.
+WITH changed AS (
+    SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE xid >= CAST(:after_xid AS xid8)
+    UNION
+    SELECT trigger_id FROM smart_triggerer.trigger_change WHERE created AND xid >= CAST(:after_xid AS xid8)
+)
+SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, i.error,
+       greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
+       EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task,
+       (SELECT extract(epoch FROM min(ti.trigger_timeout) - clock_timestamp()) FROM task_instance ti
+        WHERE ti.trigger_id = t.id AND ti.state = 'deferred')::float AS timeout_in
+FROM changed c
+JOIN smart_triggerer.trigger_identity i ON i.trigger_id = c.trigger_id
 JOIN trigger t ON t.id = i.trigger_id
-JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
-WHERE i.error IS NOT NULL AND i.shard = ANY(:shards)
-  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]));
+WHERE i.shard = ANY(:shards)
+  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+  AND (EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+       OR i.error IS NULL AND EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+       OR i.error IS NULL AND EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
+
+-- name: deleted_triggers
+-- Trigger rows deleted (Airflow's clean_unused: nothing waits on them any more) by a transaction at or
+-- after :after_xid.
+SELECT DISTINCT trigger_id FROM smart_triggerer.trigger_change
+WHERE NOT created AND xid >= CAST(:after_xid AS xid8);
+
+-- name: feed_position
+-- This statement's snapshot xmin, and how many rows the feed reports as new since :after_xid that have no
+-- identity yet (those a concurrent instance is hashing count too): none, and hashing may move on to xmin.
+WITH s AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)
+SELECT s.xmin::text AS xmin,
+       (SELECT count(*) FROM smart_triggerer.trigger_change c
+        JOIN trigger t ON t.id = c.trigger_id
+        LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = c.trigger_id
+        WHERE c.created AND c.xid >= CAST(:after_xid AS xid8) AND i.trigger_id IS NULL
+          AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))) AS unhashed
+FROM s;
+
+-- name: sweep_position
+-- As feed_position, over every trigger row (at start, and after this instance lost track of the feed):
+-- rows without an identity that the feed will not report from this statement's xmin on.
+WITH s AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)
+SELECT s.xmin::text AS xmin,
+       (SELECT count(*) FROM trigger t
+        LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
+        WHERE i.trigger_id IS NULL
+          AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+          AND NOT EXISTS (SELECT 1 FROM smart_triggerer.trigger_change c
+                          WHERE c.trigger_id = t.id AND c.created AND c.xid >= s.xmin)) AS unhashed
+FROM s;
+
+-- name: unhashed_changed
+-- As unhashed_triggers, among the rows the feed reports as new since :after_xid.
+SELECT t.id, t.classpath, t.kwargs
+FROM (SELECT DISTINCT trigger_id FROM smart_triggerer.trigger_change
+      WHERE created AND xid >= CAST(:after_xid AS xid8)) c
+JOIN trigger t ON t.id = c.trigger_id
+LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
+WHERE i.trigger_id IS NULL
+  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+ORDER BY t.id
+LIMIT :limit
+FOR UPDATE OF t SKIP LOCKED;
+
+-- name: prune_feed
+-- Drops feed rows every live instance has read (each publishes its position with its heartbeat; one whose
+-- membership lapsed re-reads everything when it comes back, see Supervisor._renew_leases).
+DELETE FROM smart_triggerer.trigger_change
+WHERE xid < (SELECT min(feed_xmin) FROM smart_triggerer.instance
+             WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds));
 
 -- name: claim_triggers
 -- Marks the triggers this instance runs as its own (the UI and trigger-log paths read triggerer_id).
@@ -182,10 +252,11 @@ SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwar
 WHERE id = ANY(CAST(:ids AS uuid[]));
 
 -- name: timeout_members
--- Times out deferred members of these (fenced) shards one by one, exactly as the scheduler does; rows
--- locked in id order like every other writer of ours, rows someone else holds are left to the next loop.
+-- Times out deferred members of these (fenced) shards one by one, exactly as the scheduler does, and
+-- returns their trigger ids; rows locked in id order like every other writer of ours, rows someone else
+-- holds are left to the next loop.
 WITH due AS (
-    SELECT ti.id FROM task_instance ti
+    SELECT ti.id, ti.trigger_id FROM task_instance ti
     JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id
     JOIN trigger t ON t.id = ti.trigger_id
     WHERE ti.state = 'deferred' AND ti.trigger_timeout < clock_timestamp() AND i.shard = ANY(:shards)
@@ -198,7 +269,7 @@ SET state = 'scheduled', next_method = '__fail__', next_kwargs = CAST(:next_kwar
     trigger_id = NULL, scheduled_dttm = now()
 FROM due
 WHERE ti.id = due.id
-RETURNING ti.id;
+RETURNING due.trigger_id;
 
 -- name: claim_asset_event_key
 -- Returns a row only for the first claimant; a concurrent claimant waits on the unique index until the
@@ -207,3 +278,27 @@ INSERT INTO smart_triggerer.asset_event_key (asset_id, idempotency_key, trigger_
 VALUES (:asset_id, :key, :trigger_id)
 ON CONFLICT DO NOTHING
 RETURNING asset_id;
+
+-- name: feed_triggers_present
+-- How many of the change feed's three triggers exist (Airflow recreating a table would drop them).
+SELECT count(*) FROM pg_trigger
+WHERE tgname IN ('smart_triggerer_feed_created', 'smart_triggerer_feed_deleted', 'smart_triggerer_feed_watched')
+  AND NOT tgisinternal;
+
+-- name: install_feed_created
+-- New trigger rows go into the feed (statement level: one insert per Airflow statement).
+DROP TRIGGER IF EXISTS smart_triggerer_feed_created ON public.trigger;
+CREATE TRIGGER smart_triggerer_feed_created AFTER INSERT ON public.trigger
+REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_created();
+
+-- name: install_feed_deleted
+-- Deleted trigger rows (Airflow's clean_unused) go into the feed: their waiters left.
+DROP TRIGGER IF EXISTS smart_triggerer_feed_deleted ON public.trigger;
+CREATE TRIGGER smart_triggerer_feed_deleted AFTER DELETE ON public.trigger
+REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_deleted();
+
+-- name: install_feed_watched
+-- A trigger row an asset watcher now refers to is read again (it may be waited on only from now).
+DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
+CREATE TRIGGER smart_triggerer_feed_watched AFTER INSERT ON public.asset_watcher
+REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_watched();

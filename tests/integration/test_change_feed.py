@@ -1,0 +1,216 @@
+"""The change feed (issue 13): each loop reads what changed among trigger rows, never every waiter.
+
+Driven step by step in this process against a real PostgreSQL, as in test_supervisor_faults: the test
+plays the runner and calls the supervisor's loop steps, then checks what the database and the supervisor
+hold. Every fault is one the old full reload covered and the feed must cover by itself: a late commit, a
+hasher that dies holding row locks, a trigger an asset watcher starts to use, a departure, a timeout, an
+instance that lost track of the feed while the others pruned it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg2
+import pytest
+
+from tests.helpers.airflow_orm import use_airflow_db
+from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.waiting import rows, ti_states
+from tests.integration.test_supervisor_faults import AT_TIME, LATER, load, make_supervisor
+from triggerer.devstack import AirflowConfig
+from triggerer.store import Store
+
+
+@pytest.fixture
+def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
+    use_airflow_db(airflow_config.database_dsn)
+    yield airflow_config
+
+
+def seed(config: AirflowConfig, count: int, **kw: Any) -> Seeded:
+    return seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
+                         kwargs_for=lambda i: {"moment": LATER}, **kw)
+
+
+class Reads:
+    """Counts the waiter rows the supervisor's store returns (full reads and incremental ones)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = 0
+        self.changed = 0
+        full, changed = Store.waiting_triggers, Store.changed_waiters
+
+        def count_full(store: Store, *args: Any, **kwargs: Any) -> Any:
+            found = full(store, *args, **kwargs)
+            self.full += len(found)
+            return found
+
+        def count_changed(store: Store, *args: Any, **kwargs: Any) -> Any:
+            found = changed(store, *args, **kwargs)
+            self.changed += len(found)
+            return found
+
+        monkeypatch.setattr(Store, "waiting_triggers", count_full)
+        monkeypatch.setattr(Store, "changed_waiters", count_changed)
+
+
+def test_a_loop_in_which_nothing_changed_reads_no_waiter(env: AirflowConfig,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    supervisor = make_supervisor()
+    seeded = seed(env, 30)
+    reads = Reads(monkeypatch)
+    load(supervisor)  # the first load reads everything once
+    assert reads.full == 30 and set(supervisor.member_info) == set(seeded.trigger_ids)
+    reads.full = reads.changed = 0
+    for _ in range(5):
+        load(supervisor)
+    assert (reads.full, reads.changed) == (0, 0)
+    more = seed(env, 3)
+    load(supervisor)
+    assert (reads.full, reads.changed) == (0, 3)
+    assert set(supervisor.member_info) == set(seeded.trigger_ids) | set(more.trigger_ids)
+
+
+def test_a_departure_is_read_from_the_feed(env: AirflowConfig) -> None:
+    """A task cleared while deferred: Airflow's clean_unused deletes its trigger row; the next load
+    forgets the member (its coroutine is cancelled with on_kill, as stock Airflow does)."""
+    from airflow.models.trigger import Trigger
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    gone = seeded.trigger_ids[0]
+    rows(dsn, "UPDATE task_instance SET state = 'success' WHERE trigger_id = %s RETURNING 1", gone)
+    Trigger.clean_unused()
+    load(supervisor)
+    assert set(supervisor.member_info) == {seeded.trigger_ids[1]}
+    assert supervisor.groups.waiter_count() == 1
+
+
+def test_a_hasher_that_dies_holding_new_rows_loses_none(env: AirflowConfig) -> None:
+    """Another instance locked the new rows to hash them and died before committing: the feed position
+    must not move past them, so they are hashed (and waited on) once the lock is gone."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    load(supervisor)
+    seeded = seed(env, 3)
+    other = psycopg2.connect(dsn)
+    try:
+        other.cursor().execute("SELECT id FROM trigger WHERE id = ANY(%s) FOR UPDATE", (seeded.trigger_ids,))
+        load(supervisor)
+        load(supervisor)
+        assert supervisor.member_info == {}
+    finally:
+        other.close()  # dies: its transaction rolls back, nothing was hashed
+    load(supervisor)
+    load(supervisor)
+    assert set(supervisor.member_info) == set(seeded.trigger_ids)
+
+
+def test_a_trigger_an_asset_watcher_starts_to_use_is_loaded(env: AirflowConfig) -> None:
+    """Airflow may point a new asset watcher at an existing trigger row: no row is inserted into trigger,
+    yet the row is waited on from now."""
+    from airflow.models.asset import AssetModel, AssetWatcherModel
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    from tests.helpers.triggers import AtTimeTrigger
+
+    supervisor = make_supervisor()
+    with create_session() as session:
+        row = Trigger.from_object(AtTimeTrigger(moment=LATER))
+        session.add(row)
+        session.flush()
+        trigger_id = int(row.id)
+    load(supervisor)
+    load(supervisor)
+    assert trigger_id not in supervisor.member_info  # hashed, but nothing waits on it yet
+    with create_session() as session:
+        asset = AssetModel(name="late", uri="test://late", group="asset")
+        session.add(asset)
+        session.flush()
+        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=trigger_id))
+    load(supervisor)
+    assert trigger_id in supervisor.member_info
+
+
+def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
+    """Timeouts are kept from the load (no query per loop) and fire when due, by the database clock."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 2, trigger_timeout=dt.timedelta(seconds=2))
+    load(supervisor)
+    supervisor._timeout_members()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
+    time.sleep(2.2)
+    supervisor._timeout_members()
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+    assert supervisor.member_info == {}
+
+
+def test_an_instance_that_lost_track_of_the_feed_reads_everything_again(env: AirflowConfig) -> None:
+    """Paused past its membership (SIGSTOP, a long GC), it no longer holds back pruning: the others
+    prune the feed meanwhile. Back, it must read every waiter again, not trust a position whose rows are
+    gone."""
+    from airflow.models.trigger import Trigger
+
+    dsn = env.database_dsn
+    paused = make_supervisor()
+    seeded = seed(env, 3)
+    load(paused)
+    # while it sleeps: one waiter leaves, three arrive, its membership lapses, and a live instance (of
+    # another queue set, so that it takes none of these shards) that has read everything prunes the feed
+    rows(dsn, "UPDATE task_instance SET state = 'success' WHERE trigger_id = %s RETURNING 1",
+         seeded.trigger_ids[0])
+    Trigger.clean_unused()
+    arrived = seed(env, 3)
+    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
+              "WHERE job_id = %s RETURNING 1", paused.job_id)
+    rows(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, feed_xmin) "
+              "VALUES (-1, 'other', 1, 'elsewhere', pg_snapshot_xmin(pg_current_snapshot())) RETURNING 1")
+    with _session() as session:
+        assert Store(session).prune_feed(6.0) > 0
+    assert rows(dsn, "SELECT count(*) FROM smart_triggerer.trigger_change")[0][0] == 0
+    paused.last_renewal = time.monotonic() - 60  # it wakes up
+    load(paused)
+    assert set(paused.member_info) == set(seeded.trigger_ids[1:]) | set(arrived.trigger_ids)
+
+
+def test_pruning_keeps_what_a_live_instance_has_not_read(env: AirflowConfig) -> None:
+    supervisor = make_supervisor()
+    load(supervisor)
+    seed(env, 2)
+    with _session() as session:
+        assert Store(session).prune_feed(6.0) == 0  # its published position is before the new rows
+    load(supervisor)
+    load(supervisor)  # hashed, loaded, and the position published with the next heartbeat
+    load(supervisor)
+    with _session() as session:
+        assert Store(session).prune_feed(6.0) > 0
+
+
+def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None:
+    """`airflow db` commands that recreate a table drop our triggers with it: each start puts them back."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    load(supervisor)
+    rows(dsn, "DROP TRIGGER smart_triggerer_feed_created ON trigger; SELECT 1")
+    with _session() as session:
+        assert Store(session).ensure_feed() is True  # what every start runs (Store.migrate)
+    with _session() as session:
+        assert Store(session).ensure_feed() is False
+    seeded = seed(env, 2)
+    load(supervisor)
+    load(supervisor)
+    assert set(supervisor.member_info) == set(seeded.trigger_ids)
+
+
+def _session() -> Any:
+    from airflow.utils.session import create_session
+
+    return create_session()
