@@ -3,11 +3,18 @@
     .venv/bin/python -m bench.triggerer_bench --waiters 5000 --duplicates 0.4 --interval 5 --instances 2
 
 For each mode: a fresh metadata database, N deferred task instances polling an HTTP source (that counts
-every poll, server side), ``--instances`` triggerers. Measured: polls per interval at steady state,
-triggerer CPU seconds and peak RSS over the process trees, time from the condition flip to each task
-instance leaving DEFERRED (its ``scheduled_dttm``), failover time after SIGKILL and after SIGTERM of one
-instance (until every waiting trigger row belongs to the survivor). Prints a table with ratios and
-appends it to bench/RESULTS.md with --write.
+every poll, server side), ``--instances`` triggerers (both without the trigger log server). Measured:
+
+- steady state (``--steady-seconds`` of pure waiting, after start-up settled): polls, CPU of the
+  supervisors and of the runner subprocesses, memory PSS of the process trees, metadata-DB statements
+  and the rows they returned (counted in each triggerer process by ``bench/statement_counter``), and
+  the database's own transactions and rows scanned (``pg_stat_database``), all per 30 s;
+- the burst: time from the condition flip to each task instance leaving DEFERRED (its
+  ``scheduled_dttm``), CPU seconds and peak RSS from start to the last resume;
+- failover after SIGKILL and after SIGTERM of one instance (until every waiting trigger row belongs to
+  the survivor), and how long the SIGTERMed process took to exit.
+
+Prints a table with ratios and appends it to bench/RESULTS.md with --write.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import datetime as dt
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,8 +59,29 @@ POLL_TRIGGER = "bench.triggers.PollTrigger"
 
 
 @dataclass
+class Steady:
+    """Per 30 s of pure waiting."""
+
+    seconds: float = 0.0
+    polls: float = 0.0
+    cpu_supervisors: float = 0.0
+    cpu_runners: float = 0.0
+    pss_mb: float = 0.0
+    statements: float = 0.0
+    rows_returned: float = 0.0
+    db_transactions: float = 0.0
+    db_rows_scanned: float = 0.0
+
+    @property
+    def cpu(self) -> float:
+        return self.cpu_supervisors + self.cpu_runners
+
+
+@dataclass
 class Result:
     mode: str
+    steady: Steady = field(default_factory=Steady)
+    term_exit: float | None = None
     polls_per_interval: float = 0.0
     unique: int = 0
     waiters: int = 0
@@ -104,6 +133,15 @@ class TreeSampler:
     def cpu_seconds(self) -> float:
         return sum(self.cpu.values())
 
+    def pss(self) -> int:
+        """Proportional set size of every process in the trees now (shared pages counted once)."""
+        total = 0
+        for component in self.components:
+            for proc in component.tree():
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                    total += proc.memory_full_info().pss
+        return total
+
     def split(self) -> tuple[float, float]:
         """CPU seconds so far of the supervisors (the roots) and of everything below them."""
         roots = {c.pid for c in self.components}
@@ -130,11 +168,15 @@ def assigned_to(dsn: str, job_ids: list[int], trigger_ids: list[int]) -> int:
                     trigger_ids, job_ids)[0][0])
 
 
+STATEMENT_COUNTER = ROOT / "bench" / "statement_counter"
+
+
 def start_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> tuple[Component, int]:
     """Start one triggerer of ``mode`` and return it with the id of the job row it created."""
     dsn = stack.config.database_dsn
     known = set(triggerer_jobs(dsn))
-    env = {"PYTHONPATH": str(ROOT)}
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{STATEMENT_COUNTER}",
+           "BENCH_STATEMENTS_DIR": str(statements_dir(stack))}
     if mode == "stock":
         argv = [stack.config.airflow_bin(), "triggerer", "--skip-serve-logs", "--capacity", str(capacity)]
         component = Component(name, argv, stack.log_dir / f"{name}.log")
@@ -144,6 +186,12 @@ def start_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> 
         component = stack.start_smart_triggerer(name, capacity=capacity, env=env)
     wait_until(lambda: bool(set(triggerer_jobs(dsn)) - known), 90, f"{name} job row", interval=0.2)
     return component, (set(triggerer_jobs(dsn)) - known).pop()
+
+
+def statements_dir(stack: AirflowStack) -> Path:
+    folder = stack.config.home / "statements"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *, prefix: str,
@@ -163,18 +211,101 @@ def resume_latencies(dsn: str, dag_id: str, flipped_at: float) -> list[float]:
 
 
 def measure_failover(stack: AirflowStack, instances: list[tuple[Component, int]], trigger_ids: list[int],
-                     how: signal.Signals) -> float:
+                     how: signal.Signals) -> tuple[float, float | None]:
+    """Seconds until the survivors own every waiting trigger, and until the victim's process exited."""
     victim = instances[0][0]
     survivors = [job for _, job in instances[1:]]
     dsn = stack.config.database_dsn
     wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids), 300,
                "failover batch assigned")
+    exited: list[float] = []
+    process = victim.process
+    assert process is not None
+    waiter = threading.Thread(target=lambda: (process.wait(), exited.append(time.monotonic())), daemon=True)
     started = time.monotonic()
+    waiter.start()
     os.killpg(victim.pid, how)
     took = wait_until(lambda: assigned_to(dsn, survivors, trigger_ids) == len(trigger_ids), 180,
                       f"takeover after {how.name}")
-    console.print(f"  {how.name}: every waiting trigger owned by the survivor after {took:.1f}s")
-    return time.monotonic() - started
+    waiter.join(60)
+    exit_after = exited[0] - started if exited else None
+    console.print(f"  {how.name}: every waiting trigger owned by the survivor after {took:.1f}s; process "
+                  f"exited after {'-' if exit_after is None else f'{exit_after:.1f}s'}")
+    return time.monotonic() - started, exit_after
+
+
+def statement_totals(folder: Path) -> tuple[int, int]:
+    """Statements and returned rows so far, over every instrumented process (bench/statement_counter)."""
+    statements = rows_returned = 0
+    for path in folder.glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            a, b = path.read_text().split()
+            statements, rows_returned = statements + int(a), rows_returned + int(b)
+    return statements, rows_returned
+
+
+def database_totals(dsn: str) -> tuple[int, int]:
+    """Transactions and rows scanned (tup_returned) of this database so far, by the server's counters."""
+    found = rows(dsn, "SELECT xact_commit + xact_rollback, tup_returned FROM pg_stat_database "
+                      "WHERE datname = current_database()")[0]
+    return int(found[0]), int(found[1])
+
+
+def start_profiles(component: Component, seconds: float, folder: Path,
+                   mode: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy on one instance's supervisor and runner for the steady window (collapsed stacks)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).with_name("py-spy")
+    started = []
+    for role, proc in zip(("supervisor", "runner"), component.tree()[:2], strict=False):
+        out = folder / f"{mode}-{role}.txt"
+        started.append(subprocess.Popen(
+            [str(spy), "record", "--pid", str(proc.pid), "--duration", str(int(seconds)), "--rate", "50",
+             "--format", "raw", "--nonblocking", "--output", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return started
+
+
+def summarize_profile(path: Path, top: int = 12) -> str:
+    """The functions with the most samples (inclusive), from py-spy's collapsed stacks."""
+    if not path.exists():
+        return f"{path.name}: no profile"
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        for frame in set(stack.split(";")):
+            inclusive[frame] = inclusive.get(frame, 0) + int(count)
+    ranked = sorted(inclusive.items(), key=lambda item: -item[1])[:top]
+    lines = [f"{path.name}: {total} samples"]
+    lines += [f"  {100 * n / max(total, 1):5.1f}%  {frame}" for frame, n in ranked]
+    return "\n".join(lines)
+
+
+def measure_steady(sampler: TreeSampler, source: PollSource, dsn: str, folder: Path,
+                   seconds: float) -> Steady:
+    """Pure waiting: nothing changes in the database and no condition flips."""
+    cpu0, stmt0, db0, polls0 = sampler.split(), statement_totals(folder), database_totals(dsn), source.polls
+    started = time.monotonic()
+    time.sleep(seconds)
+    cpu1, stmt1, db1, polls1 = sampler.split(), statement_totals(folder), database_totals(dsn), source.polls
+    per30 = 30.0 / (time.monotonic() - started)
+    steady = Steady(
+        seconds=seconds, polls=(polls1 - polls0) * per30,
+        cpu_supervisors=(cpu1[0] - cpu0[0]) * per30, cpu_runners=(cpu1[1] - cpu0[1]) * per30,
+        pss_mb=sampler.pss() / 2**20,
+        statements=(stmt1[0] - stmt0[0]) * per30, rows_returned=(stmt1[1] - stmt0[1]) * per30,
+        # minus the two transactions of our own reads of the counters
+        db_transactions=(db1[0] - db0[0] - 2) * per30, db_rows_scanned=(db1[1] - db0[1]) * per30,
+    )
+    console.print(f"  steady, per 30 s: cpu supervisors {steady.cpu_supervisors:.2f}s runners "
+                  f"{steady.cpu_runners:.2f}s; pss {steady.pss_mb:.0f}MB; {steady.statements:.0f} statements "
+                  f"returning {steady.rows_returned:.0f} rows; db: {steady.db_transactions:.0f} "
+                  f"transactions, {steady.db_rows_scanned:.0f} rows scanned")
+    return steady
 
 
 def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str) -> Result:
@@ -203,11 +334,17 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             wait_until(lambda: len(source.per_key) >= unique, 120, "every identity polled", interval=0.5)
             result.steady_after = time.monotonic() - t0
             phases = [("start", sampler.split())]
-            console.print(f"  steady after {result.steady_after:.1f}s; counting polls for 3 intervals")
-            time.sleep(args.interval)  # let start-up bursts pass
-            before = source.polls
-            time.sleep(3 * args.interval)
-            result.polls_per_interval = (source.polls - before) / 3
+            console.print(f"  steady after {result.steady_after:.1f}s; measuring {args.steady_seconds:g}s of "
+                          "pure waiting")
+            time.sleep(2 * args.interval)  # let start-up bursts pass
+            spies = (start_profiles(instances[0][0], args.steady_seconds, Path(args.profile), mode)
+                     if args.profile else [])
+            result.steady = measure_steady(sampler, source, dsn, statements_dir(stack), args.steady_seconds)
+            for spy in spies:
+                spy.wait(30)
+            for role in ("supervisor", "runner") if args.profile else ():
+                console.print(summarize_profile(Path(args.profile) / f"{mode}-{role}.txt"))
+            result.polls_per_interval = result.steady.polls * args.interval / 30
             phases.append(("steady", sampler.split()))
             flipped_at = source.flip("k")
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
@@ -227,11 +364,11 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
                       f"rss {result.peak_rss_mb:.0f}MB")
         batch = seed(config, source, args.failover_waiters, args.failover_waiters // 2, prefix="f",
                      interval=args.interval)
-        result.failover_term = measure_failover(stack, instances, batch, signal.SIGTERM)
+        result.failover_term, result.term_exit = measure_failover(stack, instances, batch, signal.SIGTERM)
         # A fresh partner for the survivor, given time to take its share, then the survivor crashes.
         extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
         time.sleep(3 * args.interval)
-        result.failover_kill = measure_failover(stack, [instances[1], extra], batch, signal.SIGKILL)
+        result.failover_kill, _ = measure_failover(stack, [instances[1], extra], batch, signal.SIGKILL)
     finally:
         stack.stop()
         with contextlib.suppress(Exception):
@@ -267,13 +404,22 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     add("unique identities", lambda r: r.unique, "{:.0f}")
     add("polls per interval (server side)", lambda r: r.polls_per_interval, "{:.0f}")
     add("polls / unique identities", lambda r: r.polls_per_interval / r.unique, "{:.2f}")
-    add("triggerer CPU seconds", lambda r: r.cpu_seconds, "{:.1f}")
+    add("waiting: CPU s per 30 s, all", lambda r: r.steady.cpu, "{:.2f}")
+    add("waiting: CPU s per 30 s, supervisors", lambda r: r.steady.cpu_supervisors, "{:.2f}")
+    add("waiting: CPU s per 30 s, runners", lambda r: r.steady.cpu_runners, "{:.2f}")
+    add("waiting: memory PSS (MB)", lambda r: r.steady.pss_mb, "{:.0f}")
+    add("waiting: DB statements per 30 s", lambda r: r.steady.statements, "{:.0f}")
+    add("waiting: rows returned per 30 s", lambda r: r.steady.rows_returned, "{:.0f}")
+    add("waiting: DB transactions per 30 s", lambda r: r.steady.db_transactions, "{:.0f}")
+    add("waiting: DB rows scanned per 30 s", lambda r: r.steady.db_rows_scanned, "{:.0f}")
+    add("triggerer CPU seconds, start to last resume", lambda r: r.cpu_seconds, "{:.1f}")
     add("peak RSS of triggerer trees (MB)", lambda r: r.peak_rss_mb, "{:.0f}")
     add("resume p50 (s)", lambda r: r.pct(0.5), "{:.2f}")
     add("resume p99 (s)", lambda r: r.pct(0.99), "{:.2f}")
     add("resume max (s)", lambda r: max(r.resume) if r.resume else None, "{:.2f}")
     add("failover after SIGKILL (s)", lambda r: r.failover_kill, "{:.1f}")
     add("handover after SIGTERM (s)", lambda r: r.failover_term, "{:.1f}")
+    add("process exit after SIGTERM (s)", lambda r: r.term_exit, "{:.1f}")
     add("time to steady state (s)", lambda r: r.steady_after, "{:.1f}")
     console.print(table)
     return "\n".join(lines)
@@ -286,6 +432,9 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--failover-waiters", type=int, default=500)
+    parser.add_argument("--steady-seconds", type=float, default=30.0, help="pure waiting measured")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="py-spy the first instance's supervisor and runner while waiting (needs root)")
     parser.add_argument("--modes", default="stock,smart")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()

@@ -182,8 +182,21 @@ class Store:
     def release_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> None:
         self._run("release_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
 
-    def stop_instance(self, job_id: int) -> None:
+    def stop_instance(self, job_id: int, lease_seconds: float) -> bool:
+        """Leave the membership and release every lease; the last live instance to stop also removes
+        the change feed's triggers from Airflow's tables (returns True then). Under the schema lock, so
+        that an instance starting at the same time either sees this one live or installs them again."""
+        self._run("lock_schema")
         self._run("stop_instance", job_id=job_id)
+        if self._run("live_others", job_id=job_id, lease_seconds=lease_seconds).scalar_one():
+            return False
+        self._run("remove_feed")
+        return True
+
+    def ensure_feed_locked(self) -> bool:
+        """``ensure_feed`` under the schema lock (see ``stop_instance``)."""
+        self._run("lock_schema")
+        return self.ensure_feed()
 
     def instances(self, lease_seconds: float) -> list[dict[str, Any]]:
         return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds)]
@@ -232,6 +245,11 @@ class Store:
     def deleted_triggers(self, after_xid: str) -> set[int]:
         """Trigger rows deleted since ``after_xid`` (nothing waits on them any more)."""
         return {r[0] for r in self._run("deleted_triggers", after_xid=after_xid)}
+
+    def feed_probe(self, load_after: str, hash_after: str) -> tuple[str, bool]:
+        """A snapshot xmin, and whether anything changed since the two read positions (one statement)."""
+        row = self._run("feed_probe", load_after=load_after, hash_after=hash_after).one()
+        return row.xmin, bool(row.changed)
 
     def feed_position(self, after_xid: str, queues: Sequence[str] | None) -> FeedPosition:
         row = self._run("feed_position", after_xid=after_xid, queues=_queues(queues)).one()

@@ -227,14 +227,27 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def load_triggers(self) -> None:
         """What changed since the last loop, read from the change feed: nothing changed, nothing read."""
         self._renew_leases()
-        self._hash_new_triggers()
-        self._load_waiters()
+        if not self._nothing_changed():
+            self._hash_new_triggers()
+            self._load_waiters()
         self._timeout_members()
         self._fail_unreadable()
         self._start_groups()
         # publish this loop's counters when they changed, so `status` agrees with /metrics
         if self._counters() != self.published_counters:
             self._heartbeat_counters()
+
+    def _nothing_changed(self) -> bool:
+        """One statement: True (and both feed positions moved on) when no waiter arrived or left since
+        the last read and no shard was taken: the common loop of a waiting deployment."""
+        if self.load_xmin is None or self.hash_xmin is None or self.gained:
+            return False
+        with create_session() as session:
+            xmin, changed = Store(session).feed_probe(self.load_xmin, self.hash_xmin)
+        if changed:
+            return False
+        self.load_xmin = self.hash_xmin = xmin
+        return True
 
     def _heartbeat_counters(self) -> None:
         counters = self._counters()
@@ -311,8 +324,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def release_all(self) -> None:
         """Graceful stop: release every lease and leave the membership at once."""
         with create_session() as session:
-            Store(session).stop_instance(self.job_id)
+            removed = Store(session).stop_instance(self.job_id, self.settings.lease_seconds)
         self.owned = set()
+        if removed:
+            log.info("last instance stopped: removed the change feed's triggers from Airflow's tables")
 
     # --- identities and membership ---
 
@@ -321,6 +336,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
         another instance is hashing, a row beyond this loop's limit)."""
         sweep = self.hash_xmin is None
+        if sweep:
+            self._ensure_feed()
         with create_session() as session:
             store = Store(session)
             if self.hash_xmin is None:
@@ -339,6 +356,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 store.insert_identities(compute_identities(rows, self.settings))
         if sweep:
             log.info("hashing trigger rows the change feed does not cover", rows=len(rows))
+
+    def _ensure_feed(self) -> None:
+        """Before reading everything again: the last instance to stop removes the feed's triggers, and
+        this one may have been taken for stopped while it was paused."""
+        with create_session() as session:
+            if Store(session).ensure_feed_locked():
+                log.warning("installed the change feed's triggers again (an instance stopped while this one "
+                            "was paused, or a table of Airflow's was recreated)")
 
     def _load_waiters(self) -> None:
         """Arrivals and departures since the last read, from the change feed; every waiter of shards just

@@ -58,17 +58,37 @@ class Reads:
         monkeypatch.setattr(Store, "changed_waiters", count_changed)
 
 
-def test_a_loop_in_which_nothing_changed_reads_no_waiter(env: AirflowConfig,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def statements() -> Iterator[list[str]]:
+    """The first words of every statement this process runs while the test does."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    seen: list[str] = []
+
+    def after(conn: Any, cursor: Any, statement: str, *_rest: Any) -> None:
+        seen.append(" ".join(statement.split()[:4]))
+
+    event.listen(Engine, "after_cursor_execute", after)
+    yield seen
+    event.remove(Engine, "after_cursor_execute", after)
+
+
+def test_a_loop_in_which_nothing_changed_reads_no_waiter(env: AirflowConfig, monkeypatch: pytest.MonkeyPatch,
+                                                          statements: list[str]) -> None:
     supervisor = make_supervisor()
     seeded = seed(env, 30)
     reads = Reads(monkeypatch)
     load(supervisor)  # the first load reads everything once
     assert reads.full == 30 and set(supervisor.member_info) == set(seeded.trigger_ids)
     reads.full = reads.changed = 0
+    load(supervisor)  # the positions catch up with the first load's own writes
+    statements.clear()
     for _ in range(5):
         load(supervisor)
     assert (reads.full, reads.changed) == (0, 0)
+    # renewal (heartbeat, live members, leases) and one probe of the feed: nothing per waiter
+    assert len(statements) == 5 * 4, statements
     more = seed(env, 3)
     load(supervisor)
     assert (reads.full, reads.changed) == (0, 3)
@@ -208,6 +228,47 @@ def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None
     load(supervisor)
     load(supervisor)
     assert set(supervisor.member_info) == set(seeded.trigger_ids)
+
+
+def feed_triggers(dsn: str) -> int:
+    return int(rows(dsn, "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'smart_triggerer_feed_%%'")[0][0])
+
+
+def test_the_last_instance_to_stop_takes_the_feed_off_airflows_tables(env: AirflowConfig) -> None:
+    """Back to the stock triggerer, nothing should keep writing a feed nobody reads."""
+    dsn = env.database_dsn
+    first, second = make_supervisor(), make_supervisor()
+    load(first)
+    load(second)
+    first.release_all()
+    assert feed_triggers(dsn) == 3  # another instance still reads it
+    second.release_all()
+    assert feed_triggers(dsn) == 0
+    assert rows(dsn, "SELECT count(*) FROM smart_triggerer.trigger_change")[0][0] == 0
+    seeded = seed(env, 2)  # deferred while no smart triggerer runs: no feed rows
+    third = make_supervisor()
+    assert feed_triggers(dsn) == 3
+    load(third)
+    assert set(third.member_info) == set(seeded.trigger_ids)
+
+
+def test_an_instance_paused_while_the_last_other_stopped_puts_the_feed_back(env: AirflowConfig) -> None:
+    dsn = env.database_dsn
+    paused, other = make_supervisor(), make_supervisor()
+    load(paused)
+    load(other)
+    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
+              "WHERE job_id = %s RETURNING 1", paused.job_id)
+    other.release_all()  # `paused` looks stopped: the feed goes
+    assert feed_triggers(dsn) == 0
+    early = seed(env, 2)
+    paused.last_renewal = time.monotonic() - 60  # it wakes up
+    load(paused)
+    assert feed_triggers(dsn) == 3
+    late = seed(env, 2)
+    load(paused)
+    load(paused)
+    assert set(paused.member_info) == set(early.trigger_ids) | set(late.trigger_ids)
 
 
 def _session() -> Any:

@@ -68,8 +68,9 @@ def load(supervisor: Any) -> None:
     """One load step without starting coroutines (the test plays the runner)."""
     supervisor.loops += 1
     supervisor._renew_leases()
-    supervisor._hash_new_triggers()
-    supervisor._load_waiters()
+    if not supervisor._nothing_changed():
+        supervisor._hash_new_triggers()
+        supervisor._load_waiters()
 
 
 def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None) -> Any:

@@ -167,6 +167,17 @@ WHERE i.shard = ANY(:shards)
 SELECT DISTINCT trigger_id FROM smart_triggerer.trigger_change
 WHERE NOT created AND xid >= CAST(:after_xid AS xid8);
 
+-- name: feed_probe
+-- The one statement of a loop in which nothing happened: this statement's snapshot xmin, and whether an
+-- identity was stored since :load_after or the feed has a row since the older of :load_after and
+-- :hash_after (the two read positions). Nothing: both positions move to xmin.
+WITH s AS (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin)
+SELECT s.xmin::text AS xmin,
+       EXISTS (SELECT 1 FROM smart_triggerer.trigger_identity WHERE xid >= CAST(:load_after AS xid8))
+       OR EXISTS (SELECT 1 FROM smart_triggerer.trigger_change
+                  WHERE xid >= least(CAST(:load_after AS xid8), CAST(:hash_after AS xid8))) AS changed
+FROM s;
+
 -- name: feed_position
 -- This statement's snapshot xmin, and how many rows the feed reports as new since :after_xid that have no
 -- identity yet (those a concurrent instance is hashing count too): none, and hashing may move on to xmin.
@@ -302,3 +313,17 @@ REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_
 DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
 CREATE TRIGGER smart_triggerer_feed_watched AFTER INSERT ON public.asset_watcher
 REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_watched();
+
+-- name: live_others
+-- Instances other than this one (of any queue set) whose membership has not lapsed.
+SELECT count(*) FROM smart_triggerer.instance
+WHERE job_id <> :job_id AND stopped_at IS NULL
+  AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
+
+-- name: remove_feed
+-- The last instance stopped: nothing reads the feed any more, so Airflow's tables lose its triggers (the
+-- next instance to start installs them again, then reads every trigger row once).
+DROP TRIGGER IF EXISTS smart_triggerer_feed_created ON public.trigger;
+DROP TRIGGER IF EXISTS smart_triggerer_feed_deleted ON public.trigger;
+DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
+DELETE FROM smart_triggerer.trigger_change;
