@@ -182,16 +182,29 @@ class Store:
     def release_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> None:
         self._run("release_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
 
-    def stop_instance(self, job_id: int, lease_seconds: float) -> bool:
-        """Leave the membership and release every lease; the last live instance to stop also removes
-        the change feed's triggers from Airflow's tables (returns True then). Under the schema lock, so
-        that an instance starting at the same time either sees this one live or installs them again."""
-        self._run("lock_schema")
+    def stop_instance(self, job_id: int) -> None:
+        """Leave the membership and release every lease."""
         self._run("stop_instance", job_id=job_id)
-        if self._run("live_others", job_id=job_id, lease_seconds=lease_seconds).scalar_one():
+
+    def remove_feed_if_last(self, job_id: int, lease_seconds: float) -> bool:
+        """The last live instance reading the change feed removes its triggers from Airflow's tables
+        (True then). Under the schema lock, so that an instance starting at the same time either sees this
+        one live or installs them again; bounded waits (a lock it cannot get within a second is left)."""
+        self._run("short_lock_timeout")
+        self._run("lock_schema")
+        if self._run("live_feed_readers", job_id=job_id, lease_seconds=lease_seconds).scalar_one():
             return False
         self._run("remove_feed")
         return True
+
+    def feed_present(self) -> bool:
+        return bool(self._run("feed_triggers_present").scalar_one() == len(FEED_TRIGGERS))
+
+    def not_waited_on(self, shards: Iterable[int]) -> set[int]:
+        """Triggers of these shards whose row exists although nothing waits on it."""
+        if not shards:
+            return set()
+        return {r[0] for r in self._run("not_waited_on", shards=sorted(shards))}
 
     def ensure_feed_locked(self) -> bool:
         """``ensure_feed`` under the schema lock (see ``stop_instance``)."""
@@ -270,8 +283,9 @@ class Store:
 
     def ensure_feed(self) -> bool:
         """Install the change feed's triggers on Airflow's tables if any is missing; True if it was."""
-        if self._run("feed_triggers_present").scalar_one() == len(FEED_TRIGGERS):
+        if self.feed_present():
             return False
+        self._run("short_lock_timeout")
         for name in FEED_TRIGGERS:
             self._run(name)
         return True

@@ -52,6 +52,7 @@ LAPSE_MARGIN_SECONDS = 0.05
 # but a resume or timeout never reaches a task that is not deferred any more
 CLEANUP_SECONDS = 5.0
 PRUNE_SECONDS = 30.0
+LINGERING_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     runner_changes: int = attrs.field(default=0, init=False)
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
     last_prune: float = attrs.field(default=-math.inf, init=False)
+    last_lingering: float = attrs.field(factory=time.monotonic, init=False)
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
@@ -244,9 +246,21 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             return False
         with create_session() as session:
             xmin, changed = Store(session).feed_probe(self.load_xmin, self.hash_xmin)
-        if changed:
+        if self._went_back(xmin) or changed:
             return False
         self.load_xmin = self.hash_xmin = xmin
+        return True
+
+    def _went_back(self, xmin: str) -> bool:
+        """A snapshot older than a position already read means the database went back in time (a
+        failover to a replica that had not received the last transactions, crash recovery): transaction
+        ids may be handed out again below what was read. Read everything again."""
+        read = [int(x) for x in (self.load_xmin, self.hash_xmin) if x is not None]
+        if not read or int(xmin) >= max(read):
+            return False
+        log.warning("the database's transaction ids went back; reading every waiter again",
+                    position=max(read), now=int(xmin))
+        self.load_xmin = self.hash_xmin = None
         return True
 
     def _heartbeat_counters(self) -> None:
@@ -270,8 +284,24 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.last_cleanup = now
         if now - self.last_prune >= PRUNE_SECONDS:
             with create_session() as session:
-                Store(session).prune_feed(self.settings.lease_seconds)
+                store = Store(session)
+                store.prune_feed(self.settings.lease_seconds)
+                present = store.feed_present()
+            if not present:
+                self.load_xmin = self.hash_xmin = None  # the next loop installs it and reads everything
             self.last_prune = now
+        if now - self.last_lingering >= LINGERING_SECONDS:
+            self._forget_lingering()
+            self.last_lingering = now
+
+    def _forget_lingering(self) -> None:
+        """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while
+        deferred): their coroutines stop, as the stock triggerer's do once the row is deleted."""
+        with create_session() as session:
+            lingering = Store(session).not_waited_on(self.owned)
+        for trigger_id in lingering & set(self.member_info):
+            self.held.pop(trigger_id, None)
+            self._forget_member(trigger_id, user_action=True)
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
@@ -322,10 +352,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self._forget_member(trigger_id, user_action=False)
 
     def release_all(self) -> None:
-        """Graceful stop: release every lease and leave the membership at once."""
+        """Graceful stop: release every lease and leave the membership at once; the last instance also
+        takes the change feed off Airflow's tables (best effort: the next start prunes what is left)."""
         with create_session() as session:
-            removed = Store(session).stop_instance(self.job_id, self.settings.lease_seconds)
+            Store(session).stop_instance(self.job_id)
         self.owned = set()
+        try:
+            with create_session() as session:
+                removed = Store(session).remove_feed_if_last(self.job_id, self.settings.lease_seconds)
+        except SQLAlchemyError as err:
+            log.warning("could not remove the change feed's triggers; the next instance to start uses them",
+                        error=_cause(err))
+            return
         if removed:
             log.info("last instance stopped: removed the change feed's triggers from Airflow's tables")
 
@@ -344,6 +382,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 position = store.sweep_position(self.queue_list)
             else:
                 position = store.feed_position(self.hash_xmin, self.queue_list)
+            if self._went_back(position.xmin):
+                return
             if position.unhashed == 0:
                 self.hash_xmin = position.xmin
                 return
@@ -383,6 +423,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             if new:
                 fenced = self._fence(session)
                 store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
+        if self._went_back(xmin):
+            return
         reconcile = self.load_xmin is None
         self.load_xmin = xmin
         if reconcile:
@@ -441,6 +483,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         by the database clock; a member still waiting after that (its row was locked) is looked at again
         next loop."""
         now = time.monotonic()
+        self._drop_stale_deadlines()
         if not self.deadlines or self.deadlines[0][0] > now:
             return
         with create_session() as session:
@@ -453,6 +496,20 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             _due, trigger_id = heapq.heappop(self.deadlines)
             if trigger_id in self.member_info:
                 heapq.heappush(self.deadlines, (now + self.settings.loop_seconds, trigger_id))
+
+    def _drop_stale_deadlines(self) -> None:
+        """Deadlines of members that left (resumed, handed over) stay in the heap until due or rebuilt:
+        drop them from its top, and rebuild it when they outnumber the members (a deferrable sensor's
+        default timeout is 7 days: a busy deployment would keep every resumed task's for a week)."""
+        while self.deadlines and self.deadlines[0][1] not in self.member_info:
+            heapq.heappop(self.deadlines)
+        if len(self.deadlines) > 2 * len(self.member_info) + 1000:
+            soonest: dict[int, float] = {}
+            for due, trigger_id in self.deadlines:
+                if trigger_id in self.member_info:
+                    soonest[trigger_id] = min(due, soonest.get(trigger_id, due))
+            self.deadlines = [(due, trigger_id) for trigger_id, due in soonest.items()]
+            heapq.heapify(self.deadlines)
 
     def _fail_unreadable(self) -> None:
         """Tasks whose trigger kwargs could not be read fail at once with the cause, alone."""
@@ -479,8 +536,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             state = (self.groups.version, self.runner_changes)
             if state == self.requested:
                 break
+            retry = self._request_runners()
             self.requested = state
-            if not self._request_runners():
+            if not retry:
                 break
 
     def _request_runners(self) -> bool:
@@ -550,6 +608,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         stored fails its own members with the cause. A database outage leaves the events queued.
         """
         self._adopt_orphans()
+        if self.events:
+            self.runner_changes += 1  # runner ids leave the events queue: what to run may differ now
         while self.events:
             chunk = self._front_chunk()
             try:
@@ -567,6 +627,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         being cancelled or gone (its shard is another instance's now: the new owner fires its own)."""
         if not self.orphans:
             return
+        self.runner_changes += 1
         back, waiting = [], []
         alive = self.running_triggers - self.cancelling_triggers
         for entry in self.orphans:
@@ -720,6 +781,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                     continue
                 tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
                 self.failures_total += fanout.fail(session, tasks, exc)
+        self.runner_changes += 1
         for _ in entries:
             self.failed_triggers.popleft()
         for _runner_id, _exc, group in plans:
@@ -736,9 +798,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         return super().send_msg(msg, request_id, error, **dump_opts)
 
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
+        handing_out = bool(self.creating_triggers)
         super()._handle_request(msg, log, req_id)
         if isinstance(msg, messages.TriggerStateChanges):
-            if msg.finished or msg.events or msg.failures:
+            if msg.finished or msg.events or msg.failures or handing_out:
                 self.runner_changes += 1  # what the runner runs changed: compare with the groups again
             for trigger_id in msg.finished or ():
                 self.user_cancels.discard(trigger_id)

@@ -240,6 +240,9 @@ def test_the_last_instance_to_stop_takes_the_feed_off_airflows_tables(env: Airfl
     first, second = make_supervisor(), make_supervisor()
     load(first)
     load(second)
+    # an instance of an older version, live, that neither reads nor prunes the feed: it does not count
+    rows(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues) "
+              "VALUES (-2, 'old-version', 1, 'elsewhere') RETURNING 1")
     first.release_all()
     assert feed_triggers(dsn) == 3  # another instance still reads it
     second.release_all()
@@ -269,6 +272,77 @@ def test_an_instance_paused_while_the_last_other_stopped_puts_the_feed_back(env:
     load(paused)
     load(paused)
     assert set(paused.member_info) == set(early.trigger_ids) | set(late.trigger_ids)
+
+
+def test_positions_ahead_of_the_database_mean_it_went_back(env: AirflowConfig) -> None:
+    """A failover to a replica that missed the last transactions hands out transaction ids again below
+    what was read: rows committed there must not be skipped."""
+    supervisor = make_supervisor()
+    load(supervisor)
+    ahead = str(10**12)
+    supervisor.load_xmin = supervisor.hash_xmin = ahead
+    seeded = seed(env, 2)
+    load(supervisor)
+    load(supervisor)
+    assert set(supervisor.member_info) == set(seeded.trigger_ids)
+
+
+def test_a_watcher_coroutine_that_ended_with_its_event_is_started_again(env: AirflowConfig) -> None:
+    """Watchers keep waiting after an event: a coroutine that ended after yielding one is started again
+    once its event is stored, even when nothing else changes (the runner is asked only on changes)."""
+    from airflow.models.asset import AssetModel, AssetWatcherModel
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    from tests.helpers.triggers import AtTimeTrigger
+    from tests.integration.test_supervisor_faults import event_entry
+
+    supervisor = make_supervisor()
+    with create_session() as session:
+        asset = AssetModel(name="again", uri="test://again", group="asset")
+        session.add(asset)
+        row = Trigger.from_object(AtTimeTrigger(moment=LATER))
+        session.add(row)
+        session.flush()
+        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=row.id))
+        watcher = int(row.id)
+    load(supervisor)
+    supervisor._start_groups()
+    assert [w.id for w in supervisor.creating_triggers] == [watcher]
+    # the runner takes it, the coroutine yields an event and ends; the next load comes before the event
+    # is stored (as run_once orders its steps)
+    supervisor.creating_triggers.clear()
+    supervisor.events.append(event_entry(watcher, {"moment": LATER}))
+    supervisor.runner_changes += 1
+    supervisor._start_groups()
+    assert not supervisor.creating_triggers
+    supervisor.handle_events()
+    supervisor._start_groups()
+    assert [w.id for w in supervisor.creating_triggers] == [watcher]
+
+
+def test_deadlines_of_members_that_left_do_not_pile_up(env: AirflowConfig) -> None:
+    supervisor = make_supervisor()
+    seeded = seed(env, 2, trigger_timeout=dt.timedelta(days=7))
+    load(supervisor)
+    supervisor.deadlines.extend((time.monotonic() + 3600 + i, -i) for i in range(1, 5000))
+    supervisor._timeout_members()
+    assert sorted(t for _due, t in supervisor.deadlines) == sorted(seeded.trigger_ids)
+
+
+def test_a_task_cleared_while_deferred_stops_its_coroutine(env: AirflowConfig) -> None:
+    """Airflow keeps the trigger row of a task cleared while deferred (state NULL, trigger_id kept): the
+    feed never reports it, the once-a-minute check does."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    cleared = seeded.trigger_ids[0]
+    rows(dsn, "UPDATE task_instance SET state = NULL WHERE trigger_id = %s RETURNING 1", cleared)
+    load(supervisor)
+    assert cleared in supervisor.member_info  # no row was deleted
+    supervisor._forget_lingering()
+    assert set(supervisor.member_info) == {seeded.trigger_ids[1]}
 
 
 def _session() -> Any:

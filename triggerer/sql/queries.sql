@@ -314,11 +314,29 @@ DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
 CREATE TRIGGER smart_triggerer_feed_watched AFTER INSERT ON public.asset_watcher
 REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_watched();
 
--- name: live_others
--- Instances other than this one (of any queue set) whose membership has not lapsed.
+-- name: live_feed_readers
+-- Instances other than this one (of any queue set) that read the change feed (an older version does not
+-- publish feed_xmin, nor prune) and whose membership has not lapsed.
 SELECT count(*) FROM smart_triggerer.instance
-WHERE job_id <> :job_id AND stopped_at IS NULL
+WHERE job_id <> :job_id AND stopped_at IS NULL AND feed_xmin IS NOT NULL
   AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
+
+-- name: short_lock_timeout
+-- Dropping or creating a trigger on Airflow's tables waits for every open transaction on them, and every
+-- deferral would queue behind it: give up quickly instead (the caller retries or leaves it).
+SET LOCAL lock_timeout = '1s';
+
+-- name: not_waited_on
+-- Triggers of these shards whose row still exists although nothing waits on it: a task cleared while
+-- deferred keeps its trigger_id with state NULL, which Airflow's clean_unused never deletes (NULL is not
+-- "!= 'deferred'"). Read once a minute, so that such a coroutine stops polling.
+SELECT i.trigger_id
+FROM smart_triggerer.trigger_identity i
+JOIN trigger t ON t.id = i.trigger_id
+WHERE i.shard = ANY(:shards)
+  AND NOT EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
+  AND NOT EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+  AND NOT EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id);
 
 -- name: remove_feed
 -- The last instance stopped: nothing reads the feed any more, so Airflow's tables lose its triggers (the
