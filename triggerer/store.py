@@ -238,20 +238,11 @@ class Store:
         return xmin
 
     def waiting_triggers(self, shards: Iterable[int], queues: Sequence[str] | None, *,
-                         hold_seconds: float = 0.0) -> list[WaitingTrigger]:
-        """Every waiter of these shards (a full read)."""
+                         after_xid: str | None = None, hold_seconds: float = 0.0) -> list[WaitingTrigger]:
+        """Every waiter of these shards, or (``after_xid``) those that arrived or were watched anew since."""
         if not shards:
             return []
         rows = self._run("waiting_triggers", shards=sorted(shards), queues=_queues(queues),
-                         hold_seconds=hold_seconds)
-        return [_waiting(r) for r in rows]
-
-    def changed_waiters(self, shards: Iterable[int], queues: Sequence[str] | None, *, after_xid: str,
-                        hold_seconds: float = 0.0) -> list[WaitingTrigger]:
-        """Waiters of these shards that arrived (or were watched anew) since ``after_xid``."""
-        if not shards:
-            return []
-        rows = self._run("changed_waiters", shards=sorted(shards), queues=_queues(queues),
                          after_xid=after_xid, hold_seconds=hold_seconds)
         return [_waiting(r) for r in rows]
 

@@ -416,8 +416,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             xmin = store.snapshot_xmin()
             rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
             if self.load_xmin is not None:
-                rows += store.changed_waiters(self.owned - full, self.queue_list, after_xid=self.load_xmin,
-                                              hold_seconds=hold)
+                rows += store.waiting_triggers(self.owned - full, self.queue_list, after_xid=self.load_xmin,
+                                               hold_seconds=hold)
                 gone = store.deleted_triggers(self.load_xmin)
             new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
             if new:

@@ -20,7 +20,14 @@ import pytest
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states
-from tests.integration.test_supervisor_faults import AT_TIME, LATER, load, make_supervisor
+from tests.integration.test_supervisor_faults import (
+    AT_TIME,
+    LATER,
+    add_watcher,
+    event_entry,
+    load,
+    make_supervisor,
+)
 from triggerer.devstack import AirflowConfig
 from triggerer.store import Store
 
@@ -42,20 +49,17 @@ class Reads:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.full = 0
         self.changed = 0
-        full, changed = Store.waiting_triggers, Store.changed_waiters
+        read = Store.waiting_triggers
 
-        def count_full(store: Store, *args: Any, **kwargs: Any) -> Any:
-            found = full(store, *args, **kwargs)
-            self.full += len(found)
+        def counted(store: Store, *args: Any, **kwargs: Any) -> Any:
+            found = read(store, *args, **kwargs)
+            if kwargs.get("after_xid") is None:
+                self.full += len(found)
+            else:
+                self.changed += len(found)
             return found
 
-        def count_changed(store: Store, *args: Any, **kwargs: Any) -> Any:
-            found = changed(store, *args, **kwargs)
-            self.changed += len(found)
-            return found
-
-        monkeypatch.setattr(Store, "waiting_triggers", count_full)
-        monkeypatch.setattr(Store, "changed_waiters", count_changed)
+        monkeypatch.setattr(Store, "waiting_triggers", counted)
 
 
 @pytest.fixture
@@ -290,22 +294,8 @@ def test_positions_ahead_of_the_database_mean_it_went_back(env: AirflowConfig) -
 def test_a_watcher_coroutine_that_ended_with_its_event_is_started_again(env: AirflowConfig) -> None:
     """Watchers keep waiting after an event: a coroutine that ended after yielding one is started again
     once its event is stored, even when nothing else changes (the runner is asked only on changes)."""
-    from airflow.models.asset import AssetModel, AssetWatcherModel
-    from airflow.models.trigger import Trigger
-    from airflow.utils.session import create_session
-
-    from tests.helpers.triggers import AtTimeTrigger
-    from tests.integration.test_supervisor_faults import event_entry
-
     supervisor = make_supervisor()
-    with create_session() as session:
-        asset = AssetModel(name="again", uri="test://again", group="asset")
-        session.add(asset)
-        row = Trigger.from_object(AtTimeTrigger(moment=LATER))
-        session.add(row)
-        session.flush()
-        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=row.id))
-        watcher = int(row.id)
+    watcher = add_watcher("again")
     load(supervisor)
     supervisor._start_groups()
     assert [w.id for w in supervisor.creating_triggers] == [watcher]

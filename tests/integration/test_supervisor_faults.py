@@ -96,6 +96,24 @@ def seed(config: AirflowConfig, count: int, moment: str = LATER, **kw: Any) -> S
                          kwargs_for=lambda i: {"moment": moment}, **kw)
 
 
+def add_watcher(name: str, moment: str = LATER) -> int:
+    """An asset watched by an AtTimeTrigger (as the dag-processor stores one); returns the trigger id."""
+    from airflow.models.asset import AssetModel, AssetWatcherModel
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    from tests.helpers.triggers import AtTimeTrigger
+
+    with create_session() as session:
+        asset = AssetModel(name=name, uri=f"test://{name}", group="asset")
+        session.add(asset)
+        row = Trigger.from_object(AtTimeTrigger(moment=moment))
+        session.add(row)
+        session.flush()
+        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=row.id))
+        return int(row.id)
+
+
 def runner_of(supervisor: Any, seeded: Seeded) -> int:
     group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[seeded.trigger_ids[0]]]
     supervisor.groups.start(group)
@@ -316,23 +334,12 @@ def test_the_resume_hold_uses_the_database_clock(env: AirflowConfig) -> None:
 
 def test_young_task_members_of_a_mixed_group_are_held_then_resumed(env: AirflowConfig) -> None:
     """Issue 11.10: task members of a group that also serves an asset watcher."""
-    from airflow.models.asset import AssetModel, AssetWatcherModel
-    from airflow.models.trigger import Trigger
-    from airflow.utils.session import create_session
 
     dsn = env.database_dsn
     supervisor = make_supervisor(resume_hold_seconds=30.0)
     seeded = seed(env, 2)
-    from tests.helpers.triggers import AtTimeTrigger
 
-    with create_session() as session:
-        asset = AssetModel(name="mixed", uri="test://mixed", group="asset")
-        session.add(asset)
-        row = Trigger.from_object(AtTimeTrigger(moment=LATER))
-        session.add(row)
-        session.flush()
-        session.add(AssetWatcherModel(name="w", asset_id=asset.id, trigger_id=row.id))
-        watcher = int(row.id)
+    watcher = add_watcher("mixed")
     load(supervisor)
     group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[watcher]]
     assert group.members == {watcher, *seeded.trigger_ids}

@@ -120,8 +120,11 @@ ON CONFLICT (trigger_id) DO NOTHING;
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 
 -- name: waiting_triggers
--- Every waiter of the given shards and queues: a trigger something still waits on (a deferred task, an
--- asset, a callback). Read for shards this instance just took and after it lost track of the feed.
+-- The waiters of the given shards and queues: triggers something still waits on (a deferred task, an
+-- asset, a callback). With :after_xid NULL every one of them (shards just taken, a lost feed position);
+-- otherwise only those whose identity was stored, or that the change feed reports as new or newly
+-- watched, by a transaction at or after :after_xid (the previous read's snapshot xmin: a row that commits
+-- late is never skipped), read through the xid indexes: nothing changed, nothing read.
 -- error: its kwargs could not be read (its tasks are failed with the cause). hold_left: seconds until a
 -- member is old enough to resume (database clock; identities are stored after the deferral committed, so
 -- this never releases early). timeout_in: seconds until its deferred task's trigger_timeout, if any.
@@ -133,29 +136,11 @@ SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, i.error
 FROM smart_triggerer.trigger_identity i
 JOIN trigger t ON t.id = i.trigger_id
 WHERE i.shard = ANY(:shards)
-  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
-  AND (EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
-       OR i.error IS NULL AND EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
-       OR i.error IS NULL AND EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
-
--- name: changed_waiters
--- As waiting_triggers, for the waiters whose identity was stored, or that the change feed reports as new
--- or newly watched, by a transaction at or after :after_xid (the previous read's snapshot xmin: a row that
--- commits late is never skipped). Index reads of what changed: nothing changed, nothing read.
-WITH changed AS (
-    SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE xid >= CAST(:after_xid AS xid8)
-    UNION
-    SELECT trigger_id FROM smart_triggerer.trigger_change WHERE created AND xid >= CAST(:after_xid AS xid8)
-)
-SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, i.error,
-       greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
-       EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id) AS has_task,
-       (SELECT extract(epoch FROM min(ti.trigger_timeout) - clock_timestamp()) FROM task_instance ti
-        WHERE ti.trigger_id = t.id AND ti.state = 'deferred')::float AS timeout_in
-FROM changed c
-JOIN smart_triggerer.trigger_identity i ON i.trigger_id = c.trigger_id
-JOIN trigger t ON t.id = i.trigger_id
-WHERE i.shard = ANY(:shards)
+  AND (CAST(:after_xid AS xid8) IS NULL OR i.trigger_id IN (
+       SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE xid >= CAST(:after_xid AS xid8)
+       UNION
+       SELECT trigger_id FROM smart_triggerer.trigger_change
+       WHERE created AND xid >= CAST(:after_xid AS xid8)))
   AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
   AND (EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id AND ti.state = 'deferred')
        OR i.error IS NULL AND EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
