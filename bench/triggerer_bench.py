@@ -266,23 +266,31 @@ def start_profiles(component: Component, seconds: float, folder: Path,
     return started
 
 
-def summarize_profile(path: Path, top: int = 12) -> str:
-    """The functions with the most samples (inclusive), from py-spy's collapsed stacks."""
+def summarize_profile(path: Path, top: int = 10) -> str:
+    """Where the CPU went, from py-spy's collapsed stacks: the functions on CPU (self time), and the
+    event-loop callbacks and our own functions that led there (inclusive)."""
     if not path.exists():
         return f"{path.name}: no profile"
-    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    ours: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
-        total += int(count)
-        for frame in set(stack.split(";")):
-            inclusive[frame] = inclusive.get(frame, 0) + int(count)
-    ranked = sorted(inclusive.items(), key=lambda item: -item[1])[:top]
-    lines = [f"{path.name}: {total} samples"]
-    lines += [f"  {100 * n / max(total, 1):5.1f}%  {frame}" for frame, n in ranked]
-    return "\n".join(lines)
+        samples, frames = int(count), stack.split(";")
+        total += samples
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+        for frame in set(frames[1:]):
+            if frame.split(" (")[-1].startswith(("triggerer/", "triggers/", "bench/")):
+                ours[frame] = ours.get(frame, 0) + samples
+
+    def ranked(counts: dict[str, int]) -> list[str]:
+        best = sorted(counts.items(), key=lambda item: -item[1])[:top]
+        return [f"    {100 * n / max(total, 1):5.1f}%  {frame}" for frame, n in best]
+
+    return "\n".join([f"{path.name}: {total} samples on CPU", "  self:", *ranked(own),
+                      "  ours (inclusive):", *ranked(ours)])
 
 
 def measure_steady(sampler: TreeSampler, source: PollSource, dsn: str, folder: Path,

@@ -277,9 +277,12 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _housekeeping(self) -> None:
         """Airflow's clean_unused (its deletions are how waiters leave) and pruning the change feed, each
-        every few seconds rather than every loop: neither is urgent, both scan."""
+        every few seconds rather than every loop, and clean_unused by one instance only: neither is
+        urgent, and clean_unused scans."""
         now = time.monotonic()
-        if now - self.last_cleanup >= CLEANUP_SECONDS:
+        # one instance per queue set is enough (Airflow's clean_unused scans every trigger and task row):
+        # the one holding shard 0
+        if now - self.last_cleanup >= CLEANUP_SECONDS and 0 in self.owned:
             self.clean_unused()
             self.last_cleanup = now
         if now - self.last_prune >= PRUNE_SECONDS:
