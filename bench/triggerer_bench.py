@@ -447,6 +447,7 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()
     results: dict[str, Result] = {}
+    broke: dict[str, str] = {}
     with postgres_dsn() as server_dsn:
         template = unique_name("st_bench_template")
         dsn = create_database(server_dsn, template)
@@ -455,10 +456,15 @@ def main() -> int:
             migrate(AirflowConfig(home=_HOME / "template", database_dsn=dsn, dags_folder=_HOME / "dags",
                                   fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
             for mode in args.modes.split(","):
-                results[mode] = run_mode(mode, args, server_dsn, template)
+                try:
+                    results[mode] = run_mode(mode, args, server_dsn, template)
+                except TimeoutError as err:  # where a mode breaks at this size is a result too
+                    console.print(f"[red]{mode} did not get through: {err}[/]")
+                    broke[mode] = str(err)
         finally:
             drop_database(server_dsn, template)
-    markdown = report(results, args)
+    markdown = report(results, args) if results else ""
+    markdown += "".join(f"\n\n{mode} did not get through: {why}" for mode, why in broke.items())
     if args.write:
         append_result("Triggerer", "bench.triggerer_bench", markdown)
     return 0
