@@ -446,6 +446,8 @@ def main() -> int:
     parser.add_argument("--modes", default="stock,smart")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()
+    # SIGTERM stops the run like Ctrl-C: the triggerers, the source and the databases are cleaned up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, Result] = {}
     broke: dict[str, str] = {}
     with postgres_dsn() as server_dsn:
