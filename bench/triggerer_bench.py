@@ -338,8 +338,10 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         with TreeSampler([c for c, _ in instances]) as sampler:
             t0 = time.monotonic()
             wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids),
-                       600, "all waiters assigned", interval=0.5)
-            wait_until(lambda: len(source.per_key) >= unique, 120, "every identity polled", interval=0.5)
+                       max(600, args.waiters / 50), "all waiters assigned", interval=0.5)
+            # starting a coroutine costs Airflow a few queries: at 50,000 waiters this takes minutes
+            wait_until(lambda: len(source.per_key) >= unique, max(120, args.waiters / 50),
+                       "every identity polled", interval=0.5)
             result.steady_after = time.monotonic() - t0
             phases = [("start", sampler.split())]
             console.print(f"  steady after {result.steady_after:.1f}s; measuring {args.steady_seconds:g}s of "
