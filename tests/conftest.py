@@ -62,7 +62,8 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
     if reporter is not None:
         elapsed = time.monotonic() - _STARTED
         reporter.ensure_newline()
-        reporter.write_line(f"[{elapsed // 60:02.0f}:{elapsed % 60:02.0f}] {path}")
+        minutes, seconds = divmod(round(elapsed), 60)  # whole seconds first: never "02:60"
+        reporter.write_line(f"[{minutes:02d}:{seconds:02d}] {path}")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

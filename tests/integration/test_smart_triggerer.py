@@ -127,12 +127,14 @@ def test_one_member_timing_out_leaves_the_others_waiting(stack: AirflowStack) ->
     later = in_seconds(600)
     seeded = seed(stack, 5, AT_TIME, lambda i: {"moment": later},
                   trigger_timeout=dt.timedelta(minutes=30))
-    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() + interval '3 seconds' "
+    # due well after the instance has loaded all five (a start can take several seconds on a busy
+    # machine; the timeout is read with the waiter, as deferral writes it once)
+    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() + interval '20 seconds' "
               "WHERE dag_id = %s AND map_index = 0 RETURNING 1", seeded.dag_id)
     url = health_url(start(stack))
-    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 5, 30, "5 waiters")
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 5, 18, "5 waiters")
 
-    states = wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: s[0] == "scheduled", 30,
+    states = wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: s[0] == "scheduled", 45,
                       "member 0 timed out")
     assert [states[i] for i in range(1, 5)] == ["deferred"] * 4
     assert next_kwargs(dsn, seeded.dag_id)[0] == {"error": "Trigger timeout"}
