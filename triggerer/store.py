@@ -216,8 +216,10 @@ class Store:
 
     # --- identities ---
 
-    def unhashed_triggers(self, queues: Sequence[str] | None, limit: int) -> list[tuple[int, str, str]]:
-        rows = self._run("unhashed_triggers", queues=_queues(queues), limit=limit)
+    def unhashed_triggers(self, queues: Sequence[str] | None, limit: int,
+                          after_xid: str | None = None) -> list[tuple[int, str, str]]:
+        """Trigger rows without an identity: all of them, or (``after_xid``) those new since."""
+        rows = self._run("unhashed_triggers", queues=_queues(queues), limit=limit, after_xid=after_xid)
         return [(r.id, r.classpath, r.kwargs) for r in rows]
 
     def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
@@ -262,11 +264,6 @@ class Store:
     def sweep_position(self, queues: Sequence[str] | None) -> FeedPosition:
         row = self._run("sweep_position", queues=_queues(queues)).one()
         return FeedPosition(row.xmin, int(row.unhashed))
-
-    def unhashed_changed(self, after_xid: str, queues: Sequence[str] | None,
-                         limit: int) -> list[tuple[int, str, str]]:
-        rows = self._run("unhashed_changed", after_xid=after_xid, queues=_queues(queues), limit=limit)
-        return [(r.id, r.classpath, r.kwargs) for r in rows]
 
     def prune_feed(self, lease_seconds: float) -> int:
         """Drop change-feed rows every live instance has read; returns how many."""

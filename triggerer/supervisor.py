@@ -376,28 +376,25 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """Store the identity of every trigger row the change feed reports as new (of every row without
         one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
         another instance is hashing, a row beyond this loop's limit)."""
-        sweep = self.hash_xmin is None
-        if sweep:
+        after = self.hash_xmin  # None: a sweep over every trigger row
+        if after is None:
             self._ensure_feed()
         with create_session() as session:
             store = Store(session)
-            if self.hash_xmin is None:
+            if after is None:
                 position = store.sweep_position(self.queue_list)
             else:
-                position = store.feed_position(self.hash_xmin, self.queue_list)
+                position = store.feed_position(after, self.queue_list)
             if self._went_back(position.xmin):
                 return
             if position.unhashed == 0:
                 self.hash_xmin = position.xmin
                 return
-            limit = self.settings.max_new_per_loop * 4
-            if self.hash_xmin is None:
-                rows = store.unhashed_triggers(self.queue_list, limit=limit)
-            else:
-                rows = store.unhashed_changed(self.hash_xmin, self.queue_list, limit=limit)
+            rows = store.unhashed_triggers(self.queue_list, limit=self.settings.max_new_per_loop * 4,
+                                           after_xid=after)
             if rows:
                 store.insert_identities(compute_identities(rows, self.settings))
-        if sweep:
+        if after is None:
             log.info("hashing trigger rows the change feed does not cover", rows=len(rows))
 
     def _ensure_feed(self) -> None:

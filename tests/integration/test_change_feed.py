@@ -193,8 +193,7 @@ def test_an_instance_that_lost_track_of_the_feed_reads_everything_again(env: Air
          seeded.trigger_ids[0])
     Trigger.clean_unused()
     arrived = seed(env, 3)
-    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
-              "WHERE job_id = %s RETURNING 1", paused.job_id)
+    lapse(dsn, paused.job_id)
     rows(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, feed_xmin) "
               "VALUES (-1, 'other', 1, 'elsewhere', pg_snapshot_xmin(pg_current_snapshot())) RETURNING 1")
     with _session() as session:
@@ -234,6 +233,12 @@ def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None
     assert set(supervisor.member_info) == set(seeded.trigger_ids)
 
 
+def lapse(dsn: str, job_id: int) -> None:
+    """As if the instance had not renewed its membership for a minute (paused, cut off)."""
+    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
+              "WHERE job_id = %s RETURNING 1", job_id)
+
+
 def feed_triggers(dsn: str) -> int:
     return int(rows(dsn, "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'smart_triggerer_feed_%%'")[0][0])
 
@@ -264,8 +269,7 @@ def test_an_instance_paused_while_the_last_other_stopped_puts_the_feed_back(env:
     paused, other = make_supervisor(), make_supervisor()
     load(paused)
     load(other)
-    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
-              "WHERE job_id = %s RETURNING 1", paused.job_id)
+    lapse(dsn, paused.job_id)
     other.release_all()  # `paused` looks stopped: the feed goes
     assert feed_triggers(dsn) == 0
     early = seed(env, 2)

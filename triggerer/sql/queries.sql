@@ -99,11 +99,15 @@ WITH released AS (
 UPDATE smart_triggerer.instance SET stopped_at = now() WHERE job_id = :job_id;
 
 -- name: unhashed_triggers
--- New trigger rows without an identity yet; SKIP LOCKED so instances share the decrypting.
+-- Trigger rows without an identity yet: every one with :after_xid NULL (a sweep), otherwise those the
+-- change feed reports as new since :after_xid. SKIP LOCKED so instances share the decrypting.
 SELECT t.id, t.classpath, t.kwargs
 FROM trigger t
 LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
 WHERE i.trigger_id IS NULL
+  AND (CAST(:after_xid AS xid8) IS NULL OR t.id IN (
+       SELECT trigger_id FROM smart_triggerer.trigger_change
+       WHERE created AND xid >= CAST(:after_xid AS xid8)))
   AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
 ORDER BY t.id
 LIMIT :limit
@@ -195,19 +199,6 @@ SELECT s.xmin::text AS xmin,
           AND NOT EXISTS (SELECT 1 FROM smart_triggerer.trigger_change c
                           WHERE c.trigger_id = t.id AND c.created AND c.xid >= s.xmin)) AS unhashed
 FROM s;
-
--- name: unhashed_changed
--- As unhashed_triggers, among the rows the feed reports as new since :after_xid.
-SELECT t.id, t.classpath, t.kwargs
-FROM (SELECT DISTINCT trigger_id FROM smart_triggerer.trigger_change
-      WHERE created AND xid >= CAST(:after_xid AS xid8)) c
-JOIN trigger t ON t.id = c.trigger_id
-LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
-WHERE i.trigger_id IS NULL
-  AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
-ORDER BY t.id
-LIMIT :limit
-FOR UPDATE OF t SKIP LOCKED;
 
 -- name: prune_feed
 -- Drops feed rows every live instance has read (each publishes its position with its heartbeat; one whose
