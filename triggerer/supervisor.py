@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session
 
 from triggerer import fanout
 from triggerer.config import ConfigError, Settings
+from triggerer.dagbag import OneBuildDagBag
 from triggerer.groups import Group, Groups
 from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
@@ -110,6 +111,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
+    build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
     last_prune: float = attrs.field(default=-math.inf, init=False)
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
@@ -555,7 +557,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.cancelling_triggers.update(cancel_ids)
         if not new_ids:
             return False
-        workloads = self.build_trigger_workloads(new_ids)
+        try:
+            workloads = self.build_trigger_workloads(new_ids)
+        finally:
+            self.build_bag = None  # DAGs are shared within one build only
         self.creating_triggers.extend(workloads)
         not_started = new_ids - {w.id for w in workloads}
         for trigger_id in not_started:
@@ -578,7 +583,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
                          session: Session) -> Any:
-        workload = super()._create_workload(trigger, dag_bag, render_log_fname, session)
+        if self.build_bag is None or self.build_bag.bag is not dag_bag:
+            self.build_bag = OneBuildDagBag(dag_bag)
+        workload = super()._create_workload(trigger, self.build_bag, render_log_fname, session)
         group = self.groups.by_runner(trigger.id)
         if workload is None or group is None:
             return workload

@@ -380,3 +380,46 @@ def test_health_snapshot_never_reads_what_the_loop_mutates(env: AirflowConfig) -
         stop.set()
         thread.join()
     assert errors == []
+
+
+def test_starting_many_groups_deserializes_each_dag_version_once(env: AirflowConfig,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13 (50,000 waiters): Airflow's _create_workload deserializes the task's DAG for every trigger;
+    one build reads each DAG version once and the workloads are what Airflow builds."""
+    from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
+    from airflow.models.dagbag import DBDagBag
+    from airflow.models.trigger import Trigger
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.helpers import log_filename_template_renderer
+    from airflow.utils.session import create_session
+
+    calls: list[int] = []
+    original = DagSerialization.from_dict.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: Any, data: dict[str, Any]) -> Any:
+        calls.append(1)
+        return original(cls, data)
+
+    supervisor = make_supervisor()
+    first = seed_deferred(env.database_dsn, env.dags_folder, count=6, classpath=AT_TIME,
+                          kwargs_for=lambda i: {"moment": f"2099-01-0{i + 1}T00:00:00+00:00"})
+    second = seed(env, 2)
+    load(supervisor)
+    monkeypatch.setattr(DagSerialization, "from_dict", classmethod(counting))
+    supervisor._start_groups()
+    started = {w.id: w for w in supervisor.creating_triggers}
+    assert set(started) >= set(first.trigger_ids) | {min(second.trigger_ids)}
+    assert len(calls) == 2  # two DAGs, one version each: not one per trigger
+    assert supervisor.build_bag is None  # nothing kept past the build
+
+    calls.clear()
+    with create_session() as session:  # Airflow's own _create_workload, with its own DAG bag
+        bag, render = DBDagBag(), log_filename_template_renderer()
+        triggers = Trigger.bulk_fetch(set(first.trigger_ids), session=session).values()
+        stock = [TriggerRunnerSupervisor._create_workload(supervisor, t, bag, render, session)
+                 for t in triggers]
+    assert len(calls) == len(first.trigger_ids)  # what Airflow alone costs
+    for workload in stock:
+        ours = started[workload.id]
+        assert (ours.classpath, ours.ti, ours.dag_data) == (workload.classpath, workload.ti,
+                                                            workload.dag_data)
