@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import structlog
@@ -43,6 +43,9 @@ from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
 from triggerer.runner import SmartTriggerRunner
 from triggerer.store import Store, WaitingTrigger
+
+if TYPE_CHECKING:
+    from airflow.models.dagbag import DBDagBag
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -585,7 +588,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                          session: Session) -> Any:
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
             self.build_bag = OneBuildDagBag(dag_bag)
-        workload = super()._create_workload(trigger, self.build_bag, render_log_fname, session)
+        workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
+                                            session)  # a DBDagBag in all Airflow asks of it
         group = self.groups.by_runner(trigger.id)
         if workload is None or group is None:
             return workload
