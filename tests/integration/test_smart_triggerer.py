@@ -154,8 +154,11 @@ def test_three_instances_own_disjoint_shards_covering_all(stack: AirflowStack) -
 
     settled = wait_for(owners, lambda o: len(o) == SHARDS and None not in o.values()
                        and len(set(o.values())) == 3, 60, "3 instances owning all shards")
-    per_instance = [metrics(u) for u in urls]
-    assert sum(m["smart_triggerer_shards_owned"] for m in per_instance) == SHARDS
+    # each instance publishes its metrics at the end of its loop: one that just handed shards over may
+    # still show them for a loop after the lease rows changed, so wait for the metrics to catch up
+    per_instance = wait_for(lambda: [metrics(u) for u in urls],
+                            lambda ms: sum(m["smart_triggerer_shards_owned"] for m in ms) == SHARDS, 15,
+                            "metrics owning all shards once")
     assert all(m["smart_triggerer_shards_owned"] >= 1 for m in per_instance)
     total = wait_for(lambda: [metrics(u) for u in urls],
                      lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 60, 30, "60 waiters")
