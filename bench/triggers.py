@@ -17,6 +17,7 @@ class PollTrigger(DedupableTrigger, BaseTrigger):
     """Waits until ``GET {url}/poll/{key}`` answers ready; ``poll_interval`` is how, not what."""
 
     identity_kwargs = ("url", "key")
+    wait_description = "{key} ready at {url!p}"
 
     def __init__(self, url: str, key: str, poll_interval: float = 5.0) -> None:
         super().__init__()

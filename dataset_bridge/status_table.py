@@ -312,6 +312,7 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
     # what shared_stream_key() is made of: the triggerer places watchers of one stream on one shard
     shared_stream_kwargs = ("conn_id", "status_table", "table_column", "status_column", "time_column",
                             "id_column", "watermark_conn_id", "notify_channel")
+    wait_description = "new rows of {status_table} on {conn_id}"
 
     def __init__(
         self,

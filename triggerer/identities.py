@@ -40,7 +40,8 @@ def identity_of(trigger_id: int, classpath: str, raw: str, settings: Settings,
     identity = policy.identity(classpath, _decrypt(raw), trigger_id)
     execution = {k: [rule, value] for k, (rule, value) in identity.execution.items()}
     return NewIdentity(trigger_id, identity.hash, shard_of(identity.hash, settings.shards),
-                       identity.dedupable, execution if identity.dedupable else {})
+                       identity.dedupable, execution if identity.dedupable else {},
+                       description=identity.description)
 
 
 def compute_identities(rows: Iterable[tuple[int, str, str]], settings: Settings) -> list[NewIdentity]:

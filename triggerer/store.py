@@ -87,6 +87,7 @@ class NewIdentity:
     dedupable: bool
     execution: Execution
     error: str | None = None
+    description: str | None = None
 
 
 class Store:
@@ -124,6 +125,11 @@ class Store:
         self._run("put_setting", key="shards", value=str(shards))
         self.check_shards(shards)
         self._run("create_shards", shards=shards, queues="")
+
+    def pinned_shards(self) -> int | None:
+        """The deployment's shard count, as its first instance pinned it."""
+        stored = self._run("get_setting", key="shards").scalar()
+        return int(stored) if stored is not None else None
 
     def check_shards(self, shards: int) -> None:
         """Refuse a shard count other than the one this deployment was created with (if it exists)."""
@@ -211,8 +217,18 @@ class Store:
         self._run("lock_schema")
         return self.ensure_feed()
 
-    def instances(self, lease_seconds: float) -> list[dict[str, Any]]:
-        return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds)]
+    def instances(self, lease_seconds: float, keep_stopped_seconds: float = 1e9) -> list[dict[str, Any]]:
+        """Live instances and those stopped within ``keep_stopped_seconds``."""
+        return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds,
+                                                     keep_stopped_seconds=keep_stopped_seconds)]
+
+    def page_groups(self, dag_ids: Sequence[str], limit: int, offset: int,
+                    members: int) -> list[dict[str, Any]]:
+        return [dict(r._mapping) for r in self._run("page_groups", dag_ids=list(dag_ids), limit=limit,
+                                                     offset=offset, members=members)]
+
+    def page_chart(self) -> list[dict[str, Any]]:
+        return [dict(r._mapping) for r in self._run("page_chart")]
 
     # --- identities ---
 
@@ -229,10 +245,14 @@ class Store:
             text(queries()["insert_identity"]),
             [
                 {"trigger_id": i.trigger_id, "identity_hash": i.identity_hash, "shard": i.shard,
-                 "dedupable": i.dedupable, "execution": json.dumps(i.execution), "error": i.error}
+                 "dedupable": i.dedupable, "execution": json.dumps(i.execution), "error": i.error,
+                 "description": i.description}
                 for i in identities
             ],
         )
+
+    def record_sample(self, job_id: int, waiters: int, groups: int, polls_saved: float) -> None:
+        self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved)
 
     def snapshot_xmin(self) -> str:
         """Where the next incremental read of waiters starts (a transaction id, as text)."""

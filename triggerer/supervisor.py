@@ -57,6 +57,8 @@ LAPSE_MARGIN_SECONDS = 0.05
 CLEANUP_SECONDS = 5.0
 PRUNE_SECONDS = 30.0
 LINGERING_SECONDS = 60.0
+SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
+FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
     last_prune: float = attrs.field(default=-math.inf, init=False)
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
+    last_sample: float = attrs.field(factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS,
+                                     init=False)
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
@@ -301,6 +305,11 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if now - self.last_lingering >= LINGERING_SECONDS:
             self._forget_lingering()
             self.last_lingering = now
+        if now - self.last_sample >= SAMPLE_SECONDS:
+            with create_session() as session:
+                Store(session).record_sample(self.job_id, len(self.member_info), self.groups.group_count(),
+                                             self.groups.polls_saved_per_minute())
+            self.last_sample = now
 
     def _forget_lingering(self) -> None:
         """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while

@@ -127,6 +127,7 @@ class HttpCondition:
 class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("http_conn_id", "endpoint", "method", "data", "headers", "expected_statuses",
                        "json_path", "expected_value", "verify_ssl")
+    wait_description = "HTTP {method} {endpoint!p} on {http_conn_id} answering {expected_statuses}"
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("endpoint", "data", "headers", "expected_value")
 

@@ -18,6 +18,7 @@ Python's ``hash()`` is salted per process and must never be used for this.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import functools
@@ -27,6 +28,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from triggers.describe import BUILTIN_DESCRIPTIONS, DescriptionError, describe, template_names
 
 # Airflow's own state-based triggers: each observes a state (a time, a file, a DAG run's state) that every
 # waiter sees alike, and firing consumes nothing, so one poll serves every waiter.
@@ -63,6 +66,7 @@ class Identity:
     hash: int
     dedupable: bool
     execution: Mapping[str, tuple[str, Any]] = field(default_factory=dict, compare=False)
+    description: str | None = field(default=None, compare=False)  # plain words, for people (describe.py)
 
     def shard(self, shards: int) -> int:
         return shard_of(self.hash, shards)
@@ -86,9 +90,21 @@ class DeclaresIdentity:
     identity_kwargs: ClassVar[tuple[str, ...]] = ()
     execution_merge: ClassVar[Mapping[str, str]] = {}
     shared_stream_kwargs: ClassVar[tuple[str, ...]] = ()
+    # what is waited on, in plain words for the Smart Triggerer page: a format string over identity kwargs
+    # (e.g. "{required_tables} loaded since {since}"; see triggers/describe.py)
+    wait_description: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if cls.wait_description:
+            try:
+                shown = template_names(cls.wait_description)
+            except DescriptionError as err:
+                raise TypeError(f"{cls.__name__}.wait_description: {err}") from err
+            allowed = set(cls.identity_kwargs) | set(cls.shared_stream_kwargs)
+            if shown - allowed:
+                raise TypeError(f"{cls.__name__}.wait_description shows {sorted(shown - allowed)}: only "
+                                "identity kwargs may be shown (others may hold secrets)")
         for rule in cls.execution_merge.values():
             if rule not in MERGE_RULES:
                 raise TypeError(f"{cls.__name__}.execution_merge: unknown rule {rule!r} ({MERGE_RULES})")
@@ -120,13 +136,15 @@ def identity_marker(trigger_class: type, kwargs: Mapping[str, Any]) -> dict[str,
     """What :data:`IDENTITY_KWARG` holds for these serialized kwargs (None: not deduplicated)."""
     keys = tuple(getattr(trigger_class, "identity_kwargs", ()) or ())
     stream = tuple(getattr(trigger_class, "shared_stream_kwargs", ()) or ())
+    described = getattr(trigger_class, "wait_description", None)
+    extra = {"describe": described} if described else {}
     if stream:
-        return {"v": IDENTITY_VERSION, "shared_stream": sorted(stream)}
+        return {"v": IDENTITY_VERSION, "shared_stream": sorted(stream), **extra}
     if not keys:
         return None
     merge = dict(getattr(trigger_class, "execution_merge", {}) or {})
     return {"v": IDENTITY_VERSION, "identity": sorted(keys),
-            "merge": {k: merge[k] for k in sorted(merge) if k in kwargs and k not in keys}}
+            "merge": {k: merge[k] for k in sorted(merge) if k in kwargs and k not in keys}, **extra}
 
 
 def _dropping_marker(init: Callable[..., None]) -> Callable[..., None]:
@@ -293,6 +311,15 @@ class IdentityPolicy:
     def identity(self, classpath: str, kwargs: Mapping[str, Any], trigger_id: int) -> Identity:
         kwargs = dict(kwargs)
         marker = kwargs.pop(IDENTITY_KWARG, None)
+        found = self._identity(classpath, kwargs, marker, trigger_id)
+        template = BUILTIN_DESCRIPTIONS.get(classpath)
+        if isinstance(marker, Mapping) and isinstance(marker.get("describe"), str):
+            template = marker["describe"]
+        if template is None or has_template(kwargs):
+            return found
+        return dataclasses.replace(found, description=describe(template, kwargs))
+
+    def _identity(self, classpath: str, kwargs: dict[str, Any], marker: Any, trigger_id: int) -> Identity:
         alone = Identity(singleton_hash(classpath, trigger_id), dedupable=False)
         if has_template(kwargs):
             # start_from_trigger tasks are rendered in the runner: "{{ data_interval_end }}" is the same

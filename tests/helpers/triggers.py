@@ -16,6 +16,7 @@ class AtTimeTrigger(DedupableTrigger, BaseTrigger):
     """Fires at ``moment`` (what is waited on); polls every ``poll_interval`` seconds (how)."""
 
     identity_kwargs = ("moment",)
+    wait_description = "the time {moment}"
 
     def __init__(self, moment: str, poll_interval: float = 0.2) -> None:
         super().__init__()

@@ -216,3 +216,36 @@ def test_shared_stream_triggers_are_placed_together_but_not_grouped() -> None:
     assert a == b and not a.dedupable  # same shard, separate coroutines sharing one stream
     assert a.shard(Settings().shards) == b.shard(Settings().shards)
     assert a != c
+
+
+def test_a_wait_is_described_in_plain_words_without_importing_its_class() -> None:
+    from triggers.table_load import TableLoadTrigger
+
+    trigger = TableLoadTrigger(conn_id="dwh", required_tables=["dds.h_user", "dds.s_user"],
+                               since="2026-11-23T00:00:00+00:00", poll_interval=30)
+    classpath, kwargs = trigger.serialize()
+    found = POLICY.identity(classpath, serde_roundtrip(kwargs), trigger_id=1)
+    assert found.description is not None
+    assert found.description.startswith("dds.h_user + dds.s_user loaded since 2026-11-23")
+    plain = POLICY.identity(classpath, {k: v for k, v in serde_roundtrip(kwargs).items()
+                                        if k != IDENTITY_KWARG} | {IDENTITY_KWARG: {
+                                            **kwargs[IDENTITY_KWARG], "describe": None}}, trigger_id=1)
+    assert plain.hash == found.hash and plain.description is None  # words never change a group
+
+
+def test_airflows_own_triggers_are_described_too() -> None:
+    found = POLICY.identity("airflow.providers.standard.triggers.temporal.DateTimeTrigger",
+                            {"moment": dt.datetime(2030, 1, 1, tzinfo=dt.UTC), "end_from_trigger": False}, 1)
+    assert found.description == "the time 2030-01-01T00:00:00+00:00"
+
+
+def test_descriptions_show_identity_kwargs_only_and_urls_without_their_query() -> None:
+    with pytest.raises(TypeError, match=r"shows \['password'\]: only identity kwargs"):
+        type("Leaky", (DedupableTrigger,), {"identity_kwargs": ("host",),
+                                            "wait_description": "{host} as {password}"})
+    with pytest.raises(TypeError, match="only plain kwarg names"):
+        type("Dotted", (DedupableTrigger,), {"identity_kwargs": ("host",), "wait_description": "{host.x}"})
+    from triggers.describe import describe
+
+    assert describe("GET {url!p}", {"url": "https://h/a/b?token=s3cret#x"}) == "GET https://h/a/b"
+    assert len(describe("{t}", {"t": "x" * 1000}) or "") == 300

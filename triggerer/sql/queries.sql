@@ -115,8 +115,9 @@ FOR UPDATE OF t SKIP LOCKED;
 
 -- name: insert_identity
 -- Stores one trigger's identity (computed once: its kwargs are decrypted once).
-INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, shard, dedupable, execution, error)
-VALUES (:trigger_id, :identity_hash, :shard, :dedupable, CAST(:execution AS jsonb), :error)
+INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, shard, dedupable, execution, error,
+                                             description)
+VALUES (:trigger_id, :identity_hash, :shard, :dedupable, CAST(:execution AS jsonb), :error, :description)
 ON CONFLICT (trigger_id) DO NOTHING;
 
 -- name: snapshot_xmin
@@ -207,6 +208,14 @@ DELETE FROM smart_triggerer.trigger_change
 WHERE xid < (SELECT min(feed_xmin) FROM smart_triggerer.instance
              WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds));
 
+-- name: record_sample
+-- One point of the page's chart, and this instance's points older than two hours dropped.
+WITH old AS (
+    DELETE FROM smart_triggerer.sample WHERE job_id = :job_id AND at < now() - interval '2 hours'
+)
+INSERT INTO smart_triggerer.sample (job_id, waiters, groups, polls_saved_per_minute)
+VALUES (:job_id, :waiters, :groups, :polls_saved);
+
 -- name: claim_triggers
 -- Marks the triggers this instance runs as its own (the UI and trigger-log paths read triggerer_id).
 UPDATE trigger SET triggerer_id = :job_id
@@ -220,8 +229,11 @@ SELECT i.job_id, i.hostname, i.capacity, i.queues, i.health_url, i.started_at, i
        (i.stopped_at IS NULL AND i.heartbeat_at > now() - make_interval(secs => :lease_seconds)
         AND i.runner_alive) AS healthy,
        (SELECT count(*) FROM smart_triggerer.shard_lease l
-        WHERE l.owner_job_id = i.job_id AND l.expires_at > now()) AS shards_owned
+        WHERE l.owner_job_id = i.job_id AND l.expires_at > now()) AS shards_owned,
+       (SELECT max(l.expires_at) FROM smart_triggerer.shard_lease l
+        WHERE l.owner_job_id = i.job_id AND l.expires_at > now()) AS lease_expires_at
 FROM smart_triggerer.instance i
+WHERE i.stopped_at IS NULL OR i.stopped_at > now() - make_interval(secs => :keep_stopped_seconds)
 ORDER BY i.job_id;
 
 -- name: lock_deferred
@@ -329,3 +341,49 @@ DROP TRIGGER IF EXISTS smart_triggerer_feed_created ON public.trigger;
 DROP TRIGGER IF EXISTS smart_triggerer_feed_deleted ON public.trigger;
 DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
 DELETE FROM smart_triggerer.trigger_change;
+
+-- name: page_groups
+-- The Smart Triggerer page: identity groups of deferred tasks the user may see (DAGs in :dag_ids), biggest
+-- first, one page of them, each with its first :members members and the instance serving it; `total` is
+-- the number of groups over all pages. Members of groups that run alone (not deduplicated) are groups of one.
+WITH member AS MATERIALIZED (
+    SELECT CASE WHEN i.dedupable THEN 'i' || i.identity_hash ELSE 't' || i.trigger_id END AS key,
+           i.trigger_id, i.shard, i.description, t.classpath, t.queue, t.created_date,
+           ti.dag_id, ti.run_id, ti.task_id, ti.map_index
+    FROM smart_triggerer.trigger_identity i
+    JOIN trigger t ON t.id = i.trigger_id
+    JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
+    WHERE ti.dag_id = ANY(:dag_ids)
+), grouped AS (
+    SELECT key, count(*) AS members, count(DISTINCT dag_id) AS dags, min(created_date) AS waiting_since,
+           min(classpath) AS classpath, min(description) AS description, min(shard) AS shard,
+           min(queue) AS queue
+    FROM member GROUP BY key
+), page AS (
+    SELECT g.*, count(*) OVER () AS total FROM grouped g
+    ORDER BY members DESC, waiting_since, key LIMIT :limit OFFSET :offset
+)
+SELECT p.key, p.members, p.dags, p.waiting_since, p.classpath, p.description, p.total,
+       serving.owner_job_id, serving.hostname,
+       (SELECT json_agg(json_build_object('dag_id', m.dag_id, 'run_id', m.run_id, 'task_id', m.task_id,
+                                          'map_index', m.map_index, 'since', m.created_date)
+                        ORDER BY m.created_date, m.trigger_id)
+        FROM (SELECT * FROM member m WHERE m.key = p.key
+              ORDER BY m.created_date, m.trigger_id LIMIT :members) m) AS first_members
+FROM page p
+LEFT JOIN LATERAL (
+    SELECT l.owner_job_id, inst.hostname FROM smart_triggerer.shard_lease l
+    JOIN smart_triggerer.instance inst ON inst.job_id = l.owner_job_id
+    WHERE l.shard = p.shard AND l.expires_at > now()
+      AND (p.queue IS NULL AND l.queues = '' OR p.queue = ANY(string_to_array(l.queues, ',')))
+    LIMIT 1
+) serving ON true
+ORDER BY p.members DESC, p.waiting_since, p.key;
+
+-- name: page_chart
+-- The last hour, a point a minute: waiters, groups and polls saved over every instance's samples.
+SELECT date_trunc('minute', at) AS minute, sum(waiters) AS waiters, sum(groups) AS groups,
+       sum(polls_saved_per_minute) AS polls_saved
+FROM (SELECT DISTINCT ON (job_id, date_trunc('minute', at)) * FROM smart_triggerer.sample
+      WHERE at > now() - interval '1 hour' ORDER BY job_id, date_trunc('minute', at), at DESC) latest
+GROUP BY 1 ORDER BY 1;

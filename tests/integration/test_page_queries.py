@@ -1,0 +1,89 @@
+"""The Smart Triggerer page's queries (issue 15) on a real PostgreSQL: groups as the supervisor forms them,
+counted over the DAGs a user may read; the last hour's chart from the instances' samples; the bridge
+panel, with or without the bridge's tables. The e2e test covers the same through the api-server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from airflow.utils.net import get_hostname
+
+from tests.helpers.airflow_orm import use_airflow_db
+from tests.helpers.seeding import seed_deferred
+from tests.helpers.waiting import rows
+from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
+from triggerer import page
+from triggerer.devstack import AirflowConfig
+
+
+@pytest.fixture
+def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
+    use_airflow_db(airflow_config.database_dsn)
+    yield airflow_config
+
+
+def seed(env: AirflowConfig, dag_id: str, days: list[int]) -> list[int]:
+    return seed_deferred(env.database_dsn, env.dags_folder, count=len(days), classpath=AT_TIME, dag_id=dag_id,
+                         kwargs_for=lambda i: {"moment": f"2099-01-0{days[i]}T00:00:00+00:00"}).trigger_ids
+
+
+def test_groups_are_the_supervisors_counted_over_readable_dags_biggest_first(env: AirflowConfig) -> None:
+    supervisor = make_supervisor()
+    seed(env, "dag_a", [1, 1, 1, 2])
+    seed(env, "dag_b", [1, 3, 3])
+    load(supervisor)
+    everything = page.groups_page({"dag_a", "dag_b"}, limit=10, offset=0)
+    assert everything["total"] == len(supervisor.groups.by_hash) == 3
+    assert [(g["members"], g["dags"]) for g in everything["groups"]] == [(4, 2), (2, 1), (1, 1)]
+    biggest = everything["groups"][0]
+    assert biggest["waits_on"] == "the time 2099-01-01T00:00:00+00:00"
+    assert biggest["trigger_class"] == AT_TIME
+    assert biggest["serving_instance"] == {"job_id": supervisor.job_id, "host": get_hostname()}
+    member = biggest["first_members"][0]
+    assert member["url"].startswith("dags/dag_a/runs/") and "/tasks/" in member["url"]
+
+    only_a = page.groups_page({"dag_a"}, limit=10, offset=0)
+    assert [g["members"] for g in only_a["groups"]] == [3, 1]
+    second_page = page.groups_page({"dag_a", "dag_b"}, limit=2, offset=2)
+    assert second_page["total"] == 3 and [g["members"] for g in second_page["groups"]] == [1]
+    assert page.groups_page(set(), limit=10, offset=0) == {"total": 0, "limit": 10, "offset": 0, "groups": []}
+
+
+def test_the_chart_sums_the_instances_latest_sample_of_each_minute(env: AirflowConfig) -> None:
+    from airflow.utils.session import create_session
+
+    from triggerer.store import Store
+
+    make_supervisor()  # the schema
+    dsn = env.database_dsn
+    rows(dsn, """
+        WITH m AS (SELECT date_trunc('minute', now() - interval '5 minutes') AS m)
+        INSERT INTO smart_triggerer.sample (job_id, at, waiters, groups, polls_saved_per_minute)
+        SELECT job_id, m.m + make_interval(secs => s), w, g, p FROM m, (VALUES
+            (1, 10, 10, 4, 72.0), (1, 20, 12, 4, 96.0), (2, 30, 5, 5, 0.0),  -- one minute, two instances
+            (1, -300, 7, 7, 0.0),                                              -- five minutes earlier
+            (1, -10800, 99, 1, 1.0)) AS v(job_id, s, w, g, p)                -- older than the hour
+        RETURNING 1""")
+    chart = page.overview(may_read_assets=False)["chart"]
+    points = [(p["waiters"], p["groups"], p["polls_saved_per_minute"]) for p in chart]
+    assert points == [(7, 7, 0), (17, 9, 96)]
+
+    with create_session() as session:  # a new sample drops the instance's own samples past two hours
+        Store(session).record_sample(1, waiters=1, groups=1, polls_saved=0.0)
+    assert rows(dsn, "SELECT 1 FROM smart_triggerer.sample WHERE at < now() - interval '2 hours'") == []
+    assert len(page.overview(may_read_assets=False)["chart"]) == 3
+
+
+def test_the_bridge_panel_shows_what_exists_and_only_with_asset_access(env: AirflowConfig) -> None:
+    make_supervisor()
+    assert page.overview(may_read_assets=True)["bridge"] is None  # no bridge tables in this deployment
+    dsn = env.database_dsn
+    rows(dsn, "CREATE SCHEMA dataset_bridge; CREATE TABLE dataset_bridge.status_watermark ("
+              "status_table text, table_name text, last_id bigint, updated_at timestamptz DEFAULT now()); "
+              "INSERT INTO dataset_bridge.status_watermark VALUES ('etl.load_status', 'dds.h_user', 42) "
+              "RETURNING 1")
+    bridge = page.overview(may_read_assets=True)["bridge"]
+    assert [(w["table_name"], w["last_id"]) for w in bridge["watermarks"]] == [("dds.h_user", 42)]
+    assert bridge["targets"] == [] and bridge["requeued"] is None
+    assert page.overview(may_read_assets=False)["bridge"] is None

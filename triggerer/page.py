@@ -1,0 +1,225 @@
+"""The Smart Triggerer page in Airflow's UI: what everybody waits on, and who serves it.
+
+An Airflow plugin (entry point ``airflow.plugins``) with two parts:
+
+- a FastAPI app mounted in the api-server under ``/smart-triggerer``: the JSON API (``api/overview``,
+  ``api/groups``) and the page itself (``ui/``), every route behind Airflow's own authentication (a JWT as
+  ``Authorization: Bearer``, or the UI's session cookie) and authorization (groups list only the tasks of
+  DAGs the user may read; the bridge panel needs asset read access);
+- an ``external_views`` entry that puts "Smart Triggerer" in Airflow's navigation and shows the page inside
+  the UI. An external view needs no JavaScript build step and no bundle to keep in step with Airflow's
+  React version (a ``react_apps`` entry would); the page is one HTML file that reads the JSON API
+  with the user's own session, the same origin as the UI.
+
+Each panel is one query, aggregated in PostgreSQL (``sql/queries.sql``: ``instances``, ``page_groups``,
+``page_chart``, and the bridge's below), so a page of 5,000 waiters costs the same as one of 50.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from importlib import resources
+from typing import Annotated, Any
+
+from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse
+from sqlalchemy import text
+
+from triggerer.config import Settings
+
+# stopped instances stay on the page this long (a crash or a scale-down is worth seeing for a while)
+KEEP_STOPPED_SECONDS = 3600.0
+MEMBERS_SHOWN = 20
+MAX_PAGE = 200
+BRIDGE_TABLES = ("dataset_bridge.outbox", "dataset_bridge.status_watermark", "dataset_bridge.reconciled")
+
+
+async def _user(request: Request) -> Any:
+    """Airflow's own authentication, as its ``get_user``: an explicit bearer token, else the UI's session
+    cookie; none is 401, a bad one 401/403. (Imported when called: Airflow's security module takes a
+    second to import, and every Airflow process loads this plugin, not only the api-server.)"""
+    from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+    from airflow.api_fastapi.core_api.security import resolve_user_from_token
+
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return await resolve_user_from_token(token.strip())
+    return await resolve_user_from_token(request.cookies.get(COOKIE_NAME_JWT_TOKEN))
+
+
+User = Annotated[Any, Depends(_user)]
+app = FastAPI(title="Smart Triggerer", description="What deferred tasks wait on, and who serves it.")
+
+
+def _readable_dag_ids(user: Any) -> set[str]:
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return set(get_auth_manager().get_authorized_dag_ids(user=user, method="GET"))
+
+
+def _may_read_assets(user: Any) -> bool:
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return bool(get_auth_manager().is_authorized_asset(method="GET", user=user))
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if isinstance(value, dt.datetime) else None
+
+
+def _session() -> Any:
+    from airflow.utils.session import create_session
+
+    return create_session()
+
+
+def overview(may_read_assets: bool) -> dict[str, Any]:
+    """Instances, totals, the dedup ratio, the last hour's chart, and the bridge (when allowed)."""
+    from triggerer.store import Store
+
+    settings = Settings.from_airflow()
+    with _session() as session:
+        store = Store(session)
+        if not store.schema_exists():
+            return {"installed": False, "instances": [], "totals": {}, "chart": [], "bridge": None}
+        instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)]
+        chart = [{"minute": _iso(r["minute"]), "waiters": int(r["waiters"]), "groups": int(r["groups"]),
+                  "polls_saved_per_minute": round(float(r["polls_saved"]), 1)} for r in store.page_chart()]
+        shards = store.pinned_shards() or settings.shards  # the instances' count, not this process's
+        bridge = _bridge(session) if may_read_assets else None
+    live = [i for i in instances if i["healthy"]]
+    waiters, groups = sum(i["waiters"] for i in live), sum(i["groups"] for i in live)
+    return {
+        "installed": True,
+        "instances": instances,
+        "totals": {"instances": len(live), "shards": shards,
+                   "shards_owned": sum(i["shards_owned"] for i in live), "waiters": waiters,
+                   "groups": groups, "coroutines_saved": waiters - groups,
+                   "polls_saved_per_minute": chart[-1]["polls_saved_per_minute"] if chart else None},
+        "dedup_ratio": round(waiters / groups, 2) if groups else None,
+        "chart": chart,
+        "bridge": bridge,
+    }
+
+
+def _instance(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "job_id": row["job_id"], "host": row["hostname"], "healthy": bool(row["healthy"]),
+        "stopped": row["stopped_at"] is not None, "shards_owned": int(row["shards_owned"]),
+        "waiters": int(row["waiters"]), "groups": int(row["groups"]), "queues": row["queues"],
+        "resumed_total": int(row["resumed_total"]), "failures_total": int(row["failures_total"]),
+        "heartbeat_at": _iso(row["heartbeat_at"]), "lease_expires_at": _iso(row["lease_expires_at"]),
+        "started_at": _iso(row["started_at"]),
+    }
+
+
+BRIDGE_PARTS = {
+    "dataset_bridge.outbox": """
+        'targets', (SELECT coalesce(json_agg(t ORDER BY t.target), '[]') FROM (
+            SELECT target, count(*) FILTER (WHERE status = 'pending') AS backlog,
+                   count(*) FILTER (WHERE status = 'dead') AS dead,
+                   count(*) FILTER (WHERE status = 'delivered') AS delivered,
+                   min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
+            FROM dataset_bridge.outbox GROUP BY target) t),
+        'dead_letters', (SELECT coalesce(json_agg(d), '[]') FROM (
+            SELECT target, asset_name, attempts, last_error, created_at FROM dataset_bridge.outbox
+            WHERE status = 'dead' ORDER BY id DESC LIMIT 20) d)""",
+    "dataset_bridge.status_watermark": """
+        'watermarks', (SELECT coalesce(json_agg(w ORDER BY w.status_table, w.table_name), '[]') FROM (
+            SELECT status_table, table_name, last_id, updated_at FROM dataset_bridge.status_watermark) w)""",
+    "dataset_bridge.reconciled": """
+        'requeued', (SELECT json_build_object(
+            'total', count(*),
+            'last_hour', count(*) FILTER (WHERE queued_at > now() - interval '1 hour'))
+            FROM dataset_bridge.reconciled WHERE outcome = 'requeued')""",
+}
+
+
+def _bridge(session: Any) -> dict[str, Any] | None:
+    """The bridge panel in one query over the bridge's tables that exist (none: no bridge here)."""
+    present = session.execute(
+        text("SELECT t FROM unnest(CAST(:tables AS text[])) t WHERE to_regclass(t) IS NOT NULL"),
+        {"tables": list(BRIDGE_TABLES)},
+    ).scalars().all()
+    if not present:
+        return None
+    parts = ",".join(BRIDGE_PARTS[t] for t in BRIDGE_TABLES if t in present)
+    found = session.execute(text(f"SELECT json_build_object({parts})")).scalar()  # parts are constants
+    return {"targets": [], "dead_letters": [], "watermarks": [], "requeued": None, **found}
+
+
+def groups_page(dag_ids: set[str], limit: int, offset: int) -> dict[str, Any]:
+    from triggerer.store import Store
+
+    with _session() as session:
+        store = Store(session)
+        found = store.schema_exists()
+        rows = store.page_groups(sorted(dag_ids), limit, offset, MEMBERS_SHOWN) if found else []
+    return {
+        "total": int(rows[0]["total"]) if rows else 0,
+        "limit": limit,
+        "offset": offset,
+        "groups": [_group(r) for r in rows],
+    }
+
+
+def _group(row: dict[str, Any]) -> dict[str, Any]:
+    classpath = row["classpath"]
+    return {
+        "key": row["key"],
+        "waits_on": row["description"] or classpath.rsplit(".", 1)[-1],
+        "trigger_class": classpath,
+        "members": int(row["members"]),
+        "dags": int(row["dags"]),
+        "waiting_since": _iso(row["waiting_since"]),
+        "serving_instance": ({"job_id": row["owner_job_id"], "host": row["hostname"]}
+                             if row["owner_job_id"] is not None else None),
+        "first_members": [_member(m) for m in row["first_members"] or []],
+    }
+
+
+def _member(member: dict[str, Any]) -> dict[str, Any]:
+    from urllib.parse import quote
+
+    path = "/".join(quote(str(member[k]), safe="") for k in ("dag_id", "run_id", "task_id"))
+    dag, run, task = path.split("/")
+    url = f"dags/{dag}/runs/{run}/tasks/{task}"
+    if member["map_index"] is not None and member["map_index"] >= 0:
+        url += f"/mapped/{member['map_index']}"
+    return {**member, "url": url}
+
+
+@app.get("/api/overview")
+async def api_overview(user: User) -> dict[str, Any]:
+    may_read_assets = await run_in_threadpool(_may_read_assets, user)
+    return await run_in_threadpool(overview, may_read_assets)
+
+
+@app.get("/api/groups")
+async def api_groups(user: User, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+                     offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    dag_ids = await run_in_threadpool(_readable_dag_ids, user)
+    return await run_in_threadpool(groups_page, dag_ids, limit, offset)
+
+
+@app.get("/ui/", response_class=HTMLResponse)
+async def page(user: User) -> HTMLResponse:
+    del user  # the page holds no data; it is still only served to signed-in users
+    html = resources.files("triggerer").joinpath("static/page.html").read_text()
+    return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+
+class SmartTriggererPagePlugin(AirflowPlugin):
+    """Registered through the ``airflow.plugins`` entry point of this package."""
+
+    name = "smart_triggerer_page"
+    fastapi_apps = [{"app": app, "url_prefix": "/smart-triggerer", "name": "smart triggerer page"}]
+    external_views = [{
+        "name": "Smart Triggerer",
+        "href": "smart-triggerer/ui/",
+        "url_route": "smart-triggerer",
+        "destination": "nav",
+        "category": "browse",
+    }]
