@@ -24,6 +24,7 @@ import contextlib
 import datetime as dt
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,8 @@ class Result:
     failover_kill: float | None = None
     failover_term: float | None = None
     steady_after: float = 0.0
+    page_groups_ms: float | None = None
+    page_overview_ms: float | None = None
 
     def pct(self, q: float) -> float:
         if not self.resume:
@@ -356,6 +359,8 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
                 console.print(summarize_profile(Path(args.profile) / f"{mode}-{role}.txt"))
             result.polls_per_interval = result.steady.polls * args.interval / 30
             phases.append(("steady", sampler.split()))
+            if mode == "smart":
+                record_page(result)
             flipped_at = source.flip("k")
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
                                          "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
@@ -363,10 +368,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             result.resume = resume_latencies(dsn, "bench_k", flipped_at)
             time.sleep(1)
             phases.append(("resume", sampler.split()))
-        last = (0.0, 0.0)
-        for phase, (top, below) in phases:
-            console.print(f"  cpu {phase}: supervisors {top - last[0]:.1f}s, runners {below - last[1]:.1f}s")
-            last = (top, below)
+        print_phases(phases)
         result.cpu_seconds = sampler.cpu_seconds
         result.peak_rss_mb = sampler.peak_rss / 2**20
         console.print(f"  resumed all: p50 {result.pct(0.5):.2f}s p99 {result.pct(0.99):.2f}s "
@@ -384,6 +386,37 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         with contextlib.suppress(Exception):
             drop_database(server_dsn, name)
     return result
+
+
+def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
+    """CPU of each phase: the sampler's cumulative (supervisors, runners) split at its end."""
+    last = (0.0, 0.0)
+    for phase, (top, below) in phases:
+        console.print(f"  cpu {phase}: supervisors {top - last[0]:.1f}s, runners {below - last[1]:.1f}s")
+        last = (top, below)
+
+
+def record_page(result: Result) -> None:
+    result.page_groups_ms, result.page_overview_ms = time_page({"bench_k"})
+    console.print(f"  page at {result.waiters} waiters: groups (first 50) {result.page_groups_ms:.0f} ms, "
+                  f"overview {result.page_overview_ms:.0f} ms")
+
+
+def time_page(dag_ids: set[str]) -> tuple[float, float]:
+    """Median milliseconds of the Smart Triggerer page's two API bodies over 5 calls each (the queries and
+    their JSON, without HTTP): the biggest groups page and the overview."""
+    from triggerer import page
+
+    def median_ms(call: Callable[[], object]) -> float:
+        took = []
+        for _ in range(5):
+            started = time.perf_counter()
+            call()
+            took.append((time.perf_counter() - started) * 1000)
+        return statistics.median(took)
+
+    return (median_ms(lambda: page.groups_page(dag_ids, 50, 0)),
+            median_ms(lambda: page.overview(may_read_assets=True)))
 
 
 def ratio(smart: float, stock: float) -> str:
@@ -431,6 +464,8 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     add("handover after SIGTERM (s)", lambda r: r.failover_term, "{:.1f}")
     add("process exit after SIGTERM (s)", lambda r: r.term_exit, "{:.1f}")
     add("time to steady state (s)", lambda r: r.steady_after, "{:.1f}")
+    add("page: groups API, first 50 (ms)", lambda r: r.page_groups_ms, "{:.0f}")
+    add("page: overview API (ms)", lambda r: r.page_overview_ms, "{:.0f}")
     console.print(table)
     return "\n".join(lines)
 
