@@ -340,11 +340,8 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         instances = [start_instance(stack, mode, f"{mode}-{n}", args.waiters) for n in range(args.instances)]
         with TreeSampler([c for c, _ in instances]) as sampler:
             t0 = time.monotonic()
-            wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids),
-                       max(600, args.waiters / 50), "all waiters assigned", interval=0.5)
-            # starting a coroutine costs Airflow a few queries: at 50,000 waiters this takes minutes
-            wait_until(lambda: len(source.per_key) >= unique, max(120, args.waiters / 50),
-                       "every identity polled", interval=0.5)
+            wait_started(source, dsn, [j for _, j in instances], trigger_ids, args,
+                         coroutines=unique if mode == "smart" else args.waiters)
             result.steady_after = time.monotonic() - t0
             phases = [("start", sampler.split())]
             console.print(f"  steady after {result.steady_after:.1f}s; measuring {args.steady_seconds:g}s of "
@@ -386,6 +383,27 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         with contextlib.suppress(Exception):
             drop_database(server_dsn, name)
     return result
+
+
+def wait_started(source: PollSource, dsn: str, jobs: list[int], trigger_ids: list[int],
+                 args: argparse.Namespace, *, coroutines: int) -> None:
+    """Until every waiter is assigned, every identity polled and every coroutine polling: stock runs one
+    per waiter, and its last ones may start long after each identity was polled once (its start-up would
+    then count as waiting). Starting a coroutine costs Airflow a few queries: at 50,000 waiters, minutes."""
+    limit = max(600, args.waiters / 50)
+    wait_until(lambda: assigned_to(dsn, jobs, trigger_ids) == len(trigger_ids), limit, "all waiters assigned",
+               interval=0.5)
+    unique = round(args.waiters * (1 - args.duplicates))
+    wait_until(lambda: len(source.per_key) >= unique, limit, "every identity polled", interval=0.5)
+    wait_until(lambda: polls_in(source, args.interval) >= 0.97 * coroutines, limit, "every coroutine polling",
+               interval=0)
+
+
+def polls_in(source: PollSource, seconds: float) -> int:
+    """Polls the source answers in the next ``seconds`` (waits that long)."""
+    before = source.polls
+    time.sleep(seconds)
+    return source.polls - before
 
 
 def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
