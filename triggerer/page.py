@@ -21,42 +21,81 @@ import datetime as dt
 from importlib import resources
 from typing import Annotated, Any
 
+import structlog
 from airflow.plugins_manager import AirflowPlugin
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from triggerer.config import Settings
+
+log = structlog.get_logger(logger_name=__name__)
 
 # stopped instances stay on the page this long (a crash or a scale-down is worth seeing for a while)
 KEEP_STOPPED_SECONDS = 3600.0
 MEMBERS_SHOWN = 20
 MAX_PAGE = 200
+MAX_OFFSET = 1_000_000
+PAGE_SCHEMA = 6  # the migration that added what the page reads (sql/0006_page.sql)
+# a sample is an instance's latest for this long (a minute apart, with room for a slow loop)
+SAMPLE_FRESH_SECONDS = 150
 BRIDGE_TABLES = ("dataset_bridge.outbox", "dataset_bridge.status_watermark", "dataset_bridge.reconciled")
 
 
 async def _user(request: Request) -> Any:
-    """Airflow's own authentication, as its ``get_user``: an explicit bearer token, else the UI's session
-    cookie; none is 401, a bad one 401/403. (Imported when called: Airflow's security module takes a
-    second to import, and every Airflow process loads this plugin, not only the api-server.)"""
+    """Airflow's own authentication, as its ``get_user``: an explicit bearer token, else the user its JWT
+    refresh middleware vouched for, else the UI's session cookie; none is 401, a bad one 401/403.
+    (Imported when called: Airflow's security module takes a second to import, and every Airflow process
+    loads this plugin, not only the api-server.)"""
     from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
-    from airflow.api_fastapi.core_api.security import resolve_user_from_token
+    from airflow.api_fastapi.core_api.security import (
+        USER_INJECTED_BY_TRUSTED_MIDDLEWARE,
+        resolve_user_from_token,
+    )
 
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return await resolve_user_from_token(token.strip())
+    user = getattr(request.state, "user", None)
+    if user and getattr(request.state, "user_authenticated_via", None) is USER_INJECTED_BY_TRUSTED_MIDDLEWARE:
+        return user
     return await resolve_user_from_token(request.cookies.get(COOKIE_NAME_JWT_TOKEN))
 
 
 User = Annotated[Any, Depends(_user)]
-app = FastAPI(title="Smart Triggerer", description="What deferred tasks wait on, and who serves it.")
+# no /docs, /redoc or /openapi.json: every route here needs a signed-in user
+app = FastAPI(title="Smart Triggerer", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class PageUnavailable(Exception):
+    """The page cannot answer yet (an old schema); the message says what to do."""
+
+
+@app.exception_handler(PageUnavailable)
+async def _unavailable(_request: Request, err: PageUnavailable) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=503)
+
+
+@app.exception_handler(OperationalError)
+async def _database_down(_request: Request, err: OperationalError) -> JSONResponse:
+    log.warning("smart triggerer page: metadata database unreachable", error=type(err.orig).__name__)
+    return JSONResponse({"detail": "the metadata database is unreachable; try again shortly"},
+                        status_code=503)
 
 
 def _readable_dag_ids(user: Any) -> set[str]:
     from airflow.api_fastapi.app import get_auth_manager
 
     return set(get_auth_manager().get_authorized_dag_ids(user=user, method="GET"))
+
+
+def _may_view_triggers(user: Any) -> bool:
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+
+    return bool(get_auth_manager().is_authorized_view(access_view=AccessView.TRIGGERS, user=user))
 
 
 def _may_read_assets(user: Any) -> bool:
@@ -82,11 +121,10 @@ def overview(may_read_assets: bool) -> dict[str, Any]:
     settings = Settings.from_airflow()
     with _session() as session:
         store = Store(session)
-        if not store.schema_exists():
+        if not _installed(store):
             return {"installed": False, "instances": [], "totals": {}, "chart": [], "bridge": None}
         instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)]
-        chart = [{"minute": _iso(r["minute"]), "waiters": int(r["waiters"]), "groups": int(r["groups"]),
-                  "polls_saved_per_minute": round(float(r["polls_saved"]), 1)} for r in store.page_chart()]
+        chart, polls_saved = _chart(store.page_chart())
         shards = store.pinned_shards() or settings.shards  # the instances' count, not this process's
         bridge = _bridge(session) if may_read_assets else None
     live = [i for i in instances if i["healthy"]]
@@ -97,11 +135,37 @@ def overview(may_read_assets: bool) -> dict[str, Any]:
         "totals": {"instances": len(live), "shards": shards,
                    "shards_owned": sum(i["shards_owned"] for i in live), "waiters": waiters,
                    "groups": groups, "coroutines_saved": waiters - groups,
-                   "polls_saved_per_minute": chart[-1]["polls_saved_per_minute"] if chart else None},
+                   "polls_saved_per_minute": polls_saved},
         "dedup_ratio": round(waiters / groups, 2) if groups else None,
         "chart": chart,
         "bridge": bridge,
     }
+
+
+def _installed(store: Any) -> bool:
+    """False before any instance created the schema; an error when it is older than the page."""
+    if not store.schema_exists():
+        return False
+    version = store.schema_version()
+    if version < PAGE_SCHEMA:
+        raise PageUnavailable(f"the smart_triggerer schema is at version {version} and this page needs "
+                              f"{PAGE_SCHEMA}: start an upgraded smart-triggerer, which migrates it")
+    return True
+
+
+def _chart(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float | None]:
+    """A point a minute over the instances, each counted with its latest sample (carried forward while
+    fresh), and the polls saved now (None without a fresh sample)."""
+    latest: dict[int, dict[str, Any]] = {}
+    points = []
+    for minute in sorted({r["minute"] for r in samples}):
+        latest.update({r["job_id"]: r for r in samples if r["minute"] == minute})
+        fresh = [r for r in latest.values() if (minute - r["minute"]).total_seconds() <= SAMPLE_FRESH_SECONDS]
+        points.append({"minute": _iso(minute), "waiters": sum(int(r["waiters"]) for r in fresh),
+                       "groups": sum(int(r["groups"]) for r in fresh),
+                       "polls_saved_per_minute": round(sum(float(r["polls_saved"]) for r in fresh), 1)})
+    now = [r for r in latest.values() if float(r["age_seconds"]) <= SAMPLE_FRESH_SECONDS]
+    return points, (round(sum(float(r["polls_saved"]) for r in now), 1) if now else None)
 
 
 def _instance(row: dict[str, Any]) -> dict[str, Any]:
@@ -155,8 +219,7 @@ def groups_page(dag_ids: set[str], limit: int, offset: int) -> dict[str, Any]:
 
     with _session() as session:
         store = Store(session)
-        found = store.schema_exists()
-        rows = store.page_groups(sorted(dag_ids), limit, offset, MEMBERS_SHOWN) if found else []
+        rows = store.page_groups(sorted(dag_ids), limit, offset, MEMBERS_SHOWN) if _installed(store) else []
     return {
         "total": int(rows[0]["total"]) if rows else 0,
         "limit": limit,
@@ -193,13 +256,16 @@ def _member(member: dict[str, Any]) -> dict[str, Any]:
 
 @app.get("/api/overview")
 async def api_overview(user: User) -> dict[str, Any]:
+    # deployment-wide counts (instances, waiters of every DAG): for users who may view triggers
+    if not await run_in_threadpool(_may_view_triggers, user):
+        raise HTTPException(status_code=403, detail="the overview needs access to the triggers view")
     may_read_assets = await run_in_threadpool(_may_read_assets, user)
     return await run_in_threadpool(overview, may_read_assets)
 
 
 @app.get("/api/groups")
 async def api_groups(user: User, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
-                     offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+                     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
     dag_ids = await run_in_threadpool(_readable_dag_ids, user)
     return await run_in_threadpool(groups_page, dag_ids, limit, offset)
 

@@ -126,6 +126,9 @@ class Store:
         self.check_shards(shards)
         self._run("create_shards", shards=shards, queues="")
 
+    def schema_version(self) -> int:
+        return max((row[0] for row in self._run("applied_migrations")), default=0)
+
     def pinned_shards(self) -> int | None:
         """The deployment's shard count, as its first instance pinned it."""
         stored = self._run("get_setting", key="shards").scalar()

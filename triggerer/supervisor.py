@@ -309,7 +309,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             with create_session() as session:
                 Store(session).record_sample(self.job_id, len(self.member_info), self.groups.group_count(),
                                              self.groups.polls_saved_per_minute())
-            self.last_sample = now
+            # a minute apart, not a minute after the last (which would drift and skip a minute), unless
+            # this loop fell behind
+            self.last_sample = max(self.last_sample + SAMPLE_SECONDS, now - SAMPLE_SECONDS / 2)
 
     def _forget_lingering(self) -> None:
         """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while

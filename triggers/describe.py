@@ -4,7 +4,7 @@ Our triggers name their description with ``wait_description``, a format string o
 (see :class:`triggers.identity.DedupableTrigger`), carried in the identity marker so the triggerer formats it
 without importing trigger code. Airflow's own deduplicated triggers get one here. Only the kwargs a
 template names are shown, never the others (they may hold secrets), and only plain names: ``{a.b}`` and
-``{a[0]}`` are refused. Conversion ``!p`` drops a URL's query and fragment (where tokens tend to live).
+``{a[0]}`` are refused. Conversion ``!p`` drops a URL's query, fragment and credentials.
 """
 
 from __future__ import annotations
@@ -50,11 +50,21 @@ def template_names(template: str) -> set[str]:
 class _Formatter(string.Formatter):
     def convert_field(self, value: Any, conversion: str | None) -> Any:
         if conversion == "p" and isinstance(value, str):
-            return value.split("?", 1)[0].split("#", 1)[0]
+            return _without_secrets(value)
         return value
 
     def format_field(self, value: Any, format_spec: str) -> str:
         return _plain(value)
+
+
+def _without_secrets(url: str) -> str:
+    """A URL or path without its query, fragment and user:password@ (where tokens tend to live)."""
+    url = url.split("?", 1)[0].split("#", 1)[0]
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if sep and "@" in authority:
+        return f"{scheme}://{authority.rsplit('@', 1)[1]}{slash}{path}"
+    return url
 
 
 def _plain(value: Any) -> str:

@@ -315,6 +315,10 @@ class IdentityPolicy:
         template = BUILTIN_DESCRIPTIONS.get(classpath)
         if isinstance(marker, Mapping) and isinstance(marker.get("describe"), str):
             template = marker["describe"]
+            # the kwargs are data from the database: shown are only those the marker says are identity,
+            # whatever the template (checked at class creation too) names
+            allowed = {*(marker.get("identity") or ()), *(marker.get("shared_stream") or ())}
+            kwargs = {k: v for k, v in kwargs.items() if k in allowed}
         if template is None or has_template(kwargs):
             return found
         return dataclasses.replace(found, description=describe(template, kwargs))

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.auth import HIDDEN_PREFIX, LIMITED_USER
+from tests.helpers.auth import HIDDEN_PREFIX, LIMITED_USER, OUTSIDER
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows, wait_for
 from triggerer.devstack import AirflowStack
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
 ENV = {"AIRFLOW__SMART_TRIGGERER__SHARDS": "16", "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": "6"}
-PASSWORDS = {"admin": "admin-password", LIMITED_USER: "limited-password"}
+PASSWORDS = {"admin": "admin-password", LIMITED_USER: "limited-password", OUTSIDER: "outsider-password"}
 # where the page's screenshot is kept (CI keeps it with the run's other artifacts)
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("SMART_TRIGGERER_ARTIFACTS") or ROOT / ".artifacts")
@@ -41,7 +41,7 @@ def configure_auth(stack: AirflowStack) -> None:
     (stack.config.home / "passwords.json").write_text(json.dumps(PASSWORDS))
     stack.config.extra.update({
         "AIRFLOW__CORE__AUTH_MANAGER": "tests.helpers.auth.LimitedAuthManager",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{LIMITED_USER}:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{LIMITED_USER}:viewer,{OUTSIDER}:viewer",
         "PYTHONPATH": str(ROOT),  # the auth manager and the test trigger live in tests/helpers
     })
 
@@ -56,6 +56,12 @@ def token(stack: AirflowStack, user: str) -> str:
 def get(stack: AirflowStack, path: str, bearer: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
     return httpx.get(f"{stack.config.api_url}/smart-triggerer/{path}", headers=headers, timeout=30)
+
+
+def get_json(stack: AirflowStack, path: str, bearer: str) -> Any:
+    response = get(stack, path, bearer)
+    assert response.status_code == 200, (path, response.status_code, response.text)
+    return response.json()
 
 
 def groups_in_database(dsn: str, dag_ids: set[str]) -> list[int]:
@@ -91,14 +97,16 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     for path in ("api/overview", "api/groups", "ui/"):
         assert get(airflow_stack, path).status_code == 401, path
         assert get(airflow_stack, path, bearer="not-a-token").status_code in (401, 403), path
+    for path in ("docs", "redoc", "openapi.json"):  # FastAPI's defaults would serve these to anyone
+        assert get(airflow_stack, path).status_code == 404, path
 
     admin = token(airflow_stack, "admin")
-    overview = get(airflow_stack, "api/overview", admin).json()
+    overview = get_json(airflow_stack, "api/overview", admin)
     assert overview["totals"]["waiters"] == 15 and overview["totals"]["groups"] == 3
     assert sorted(i["host"] for i in overview["instances"] if i["healthy"]) == sorted(
         r[0] for r in rows(airflow_stack.config.database_dsn,
                            "SELECT hostname FROM smart_triggerer.instance WHERE stopped_at IS NULL"))
-    groups = get(airflow_stack, "api/groups?limit=2&offset=0", admin).json()
+    groups = get_json(airflow_stack, "api/groups?limit=2&offset=0", admin)
     assert groups["total"] == 3
     assert [g["members"] for g in groups["groups"]] == groups_in_database(
         airflow_stack.config.database_dsn, set(plan))[:2] == [11, 3]
@@ -106,25 +114,35 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     assert biggest["waits_on"] == f"the time {moment(1)}" and biggest["dags"] == 2
     assert biggest["serving_instance"] is not None
     assert {m["dag_id"] for m in biggest["first_members"]} == set(plan)
-    last = get(airflow_stack, "api/groups?limit=2&offset=2", admin).json()
+    last = get_json(airflow_stack, "api/groups?limit=2&offset=2", admin)
     assert [g["members"] for g in last["groups"]] == [1]
 
     # a user who may not read hidden_b sees neither its tasks nor the group only its tasks make up
-    limited = get(airflow_stack, "api/groups", token(airflow_stack, LIMITED_USER)).json()
+    limited_token = token(airflow_stack, LIMITED_USER)
+    limited = get_json(airflow_stack, "api/groups", limited_token)
     assert [g["members"] for g in limited["groups"]] == groups_in_database(
         airflow_stack.config.database_dsn, {"visible_a"}) == [7, 3]
     assert all(m["dag_id"] == "visible_a" for g in limited["groups"] for m in g["first_members"])
+    # limited may view triggers: the deployment-wide counts
+    assert get_json(airflow_stack, "api/overview", limited_token)["totals"]["waiters"] == 15
+    # a user who may view neither triggers nor any DAG: no deployment-wide counts, no group
+    outsider = token(airflow_stack, OUTSIDER)
+    assert get(airflow_stack, "api/overview", outsider).status_code == 403
+    nothing = {"total": 0, "limit": 50, "offset": 0, "groups": []}
+    assert get_json(airflow_stack, "api/groups", outsider) == nothing
 
-    text = open_page_in_chromium(airflow_stack)
-    assert f"the time {moment(1)}" in text
+    text, instance_rows = open_page_in_chromium(airflow_stack)
+    assert f"the time {moment(1)}" in text and "11 tasks" in text
+    jobs = sorted(str(i["job_id"]) for i in overview["instances"])
+    assert sorted(row.split("\t")[0] for row in instance_rows) == jobs and len(jobs) == 2, instance_rows
     for host in {i["host"] for i in overview["instances"]}:
         assert host in text
-    assert "11 tasks" in text
 
 
-def open_page_in_chromium(stack: AirflowStack) -> str:
+def open_page_in_chromium(stack: AirflowStack) -> tuple[str, list[str]]:
     """Sign in on Airflow's login page, open "Smart Triggerer" from the navigation, return the page's text
-    once it rendered its groups; the screenshot is kept in ARTIFACTS."""
+    and its instance rows once it rendered; the screenshot is kept in ARTIFACTS. Then follow a task link:
+    Airflow's UI must show that task instance."""
     from playwright.sync_api import sync_playwright
 
     chromium = os.environ.get("SMART_TRIGGERER_CHROMIUM") or "/usr/bin/chromium"
@@ -160,7 +178,11 @@ def open_page_in_chromium(stack: AirflowStack) -> str:
             finally:  # kept whether or not the page rendered: what the browser showed is the evidence
                 page.screenshot(path=str(ARTIFACTS / "smart-triggerer-page.png"), full_page=True)
             text: str = frame.inner_text("body")
-            return text
+            instance_rows = [r.inner_text() for r in frame.locator("#instances tbody tr").all()]
+            link.click()  # in the sandboxed frame: the page hands the URL to the UI's router
+            page.wait_for_url(lambda url: url.endswith("/tasks/wait/mapped/0"), timeout=30_000)
+            page.get_by_text("wait", exact=False).first.wait_for(timeout=30_000)
+            return text, instance_rows
         except Exception as err:
             shown = "\n".join(f"{f.url}: {f.inner_text('body')[:1500]}" for f in page.frames)
             raise AssertionError(f"{err}\nthe browser showed:\n{shown}") from err

@@ -87,3 +87,38 @@ def test_the_bridge_panel_shows_what_exists_and_only_with_asset_access(env: Airf
     assert [(w["table_name"], w["last_id"]) for w in bridge["watermarks"]] == [("dds.h_user", 42)]
     assert bridge["targets"] == [] and bridge["requeued"] is None
     assert page.overview(may_read_assets=False)["bridge"] is None
+
+
+def test_an_instance_sampling_late_in_a_minute_does_not_make_the_chart_dip(env: AirflowConfig) -> None:
+    make_supervisor()
+    rows(env.database_dsn, """
+        WITH m AS (SELECT date_trunc('minute', now() - interval '10 minutes') AS m)
+        INSERT INTO smart_triggerer.sample (job_id, at, waiters, groups, polls_saved_per_minute)
+        SELECT job_id, m.m + make_interval(secs => s), w, 1, 0 FROM m, (VALUES
+            (1, 50, 10), (2, 70, 5), (1, 110, 10), (1, 170, 10), (2, 190, 5)) AS v(job_id, s, w)
+        RETURNING 1""")
+    points = [p["waiters"] for p in page.overview(may_read_assets=False)["chart"]]
+    # job 2 first sampled in the second minute, then skipped the third: carried, never a dip
+    assert points == [10, 15, 15, 15]
+
+
+def test_one_identity_on_two_queue_sets_is_two_groups(env: AirflowConfig) -> None:
+    """Each queue set runs its own coroutine for an identity, so the page shows two groups."""
+    supervisor = make_supervisor()
+    ids = seed(env, "dag_q", [1, 1, 1])
+    load(supervisor)  # identities stored; then one row stands for a waiter an instance of 'other' hashed
+    rows(env.database_dsn, "UPDATE trigger SET queue = 'other' WHERE id = %s RETURNING 1", ids[0])
+    found = page.groups_page({"dag_q"}, limit=10, offset=0)
+    assert sorted(g["members"] for g in found["groups"]) == [1, 2]
+    served = {g["members"]: g["serving_instance"] for g in found["groups"]}
+    assert served[2] == {"job_id": supervisor.job_id, "host": get_hostname()}
+    assert served[1] is None  # no instance serves queue 'other'
+
+
+def test_a_schema_older_than_the_page_is_a_clear_503(env: AirflowConfig) -> None:
+    make_supervisor()
+    rows(env.database_dsn, "DELETE FROM smart_triggerer.migration WHERE version >= 6 RETURNING 1")
+    with pytest.raises(page.PageUnavailable, match=r"schema is at version 5 .* upgraded smart-triggerer"):
+        page.overview(may_read_assets=False)
+    with pytest.raises(page.PageUnavailable):
+        page.groups_page({"x"}, limit=10, offset=0)

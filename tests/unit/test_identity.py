@@ -249,3 +249,14 @@ def test_descriptions_show_identity_kwargs_only_and_urls_without_their_query() -
 
     assert describe("GET {url!p}", {"url": "https://h/a/b?token=s3cret#x"}) == "GET https://h/a/b"
     assert len(describe("{t}", {"t": "x" * 1000}) or "") == 300
+
+
+def test_a_stored_template_shows_only_what_its_marker_calls_identity() -> None:
+    """The marker is data from the database: a template naming a non-identity kwarg shows nothing of it."""
+    kwargs = {"host": "db1", "password": "s3cret",
+              IDENTITY_KWARG: {"v": 1, "identity": ["host"], "merge": {}, "describe": "{host} as {password}"}}
+    found = POLICY.identity("x.Forged", kwargs, trigger_id=1)
+    assert found.description == "db1 as -"
+    from triggers.describe import describe
+
+    assert describe("{u!p}", {"u": "https://user:tok@h.example/a?k=v"}) == "https://h.example/a"

@@ -209,9 +209,9 @@ WHERE xid < (SELECT min(feed_xmin) FROM smart_triggerer.instance
              WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds));
 
 -- name: record_sample
--- One point of the page's chart, and this instance's points older than two hours dropped.
-WITH old AS (
-    DELETE FROM smart_triggerer.sample WHERE job_id = :job_id AND at < now() - interval '2 hours'
+-- One point of the page's chart, and points older than two hours dropped.
+WITH old AS (  -- every instance's: a restarted instance has a new job id and never prunes its old one
+    DELETE FROM smart_triggerer.sample WHERE at < now() - interval '2 hours'
 )
 INSERT INTO smart_triggerer.sample (job_id, waiters, groups, polls_saved_per_minute)
 VALUES (:job_id, :waiters, :groups, :polls_saved);
@@ -347,7 +347,9 @@ DELETE FROM smart_triggerer.trigger_change;
 -- first, one page of them, each with its first :members members and the instance serving it; `total` is
 -- the number of groups over all pages. Members of groups that run alone (not deduplicated) are groups of one.
 WITH member AS MATERIALIZED (
-    SELECT CASE WHEN i.dedupable THEN 'i' || i.identity_hash ELSE 't' || i.trigger_id END AS key,
+    -- a group is one identity within one queue set's shard space (each set runs its own coroutine)
+    SELECT CASE WHEN i.dedupable THEN 'i' || i.identity_hash || ':' || coalesce(t.queue, '')
+                ELSE 't' || i.trigger_id END AS key,
            i.trigger_id, i.shard, i.description, t.classpath, t.queue, t.created_date,
            ti.dag_id, ti.run_id, ti.task_id, ti.map_index
     FROM smart_triggerer.trigger_identity i
@@ -381,9 +383,11 @@ LEFT JOIN LATERAL (
 ORDER BY p.members DESC, p.waiting_since, p.key;
 
 -- name: page_chart
--- The last hour, a point a minute: waiters, groups and polls saved over every instance's samples.
-SELECT date_trunc('minute', at) AS minute, sum(waiters) AS waiters, sum(groups) AS groups,
-       sum(polls_saved_per_minute) AS polls_saved
-FROM (SELECT DISTINCT ON (job_id, date_trunc('minute', at)) * FROM smart_triggerer.sample
-      WHERE at > now() - interval '1 hour' ORDER BY job_id, date_trunc('minute', at), at DESC) latest
-GROUP BY 1 ORDER BY 1;
+-- The last hour's samples, each instance's latest of each minute (the page carries them forward, so an
+-- instance that samples late in a minute does not make the sum dip), and how old each is.
+SELECT DISTINCT ON (job_id, date_trunc('minute', at))
+       job_id, date_trunc('minute', at) AS minute, waiters, groups, polls_saved_per_minute AS polls_saved,
+       extract(epoch FROM now() - at) AS age_seconds
+FROM smart_triggerer.sample
+WHERE at > now() - interval '1 hour'
+ORDER BY job_id, date_trunc('minute', at), at DESC;
