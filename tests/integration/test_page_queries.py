@@ -122,3 +122,31 @@ def test_a_schema_older_than_the_page_is_a_clear_503(env: AirflowConfig) -> None
         page.overview(may_read_assets=False)
     with pytest.raises(page.PageUnavailable):
         page.groups_page({"x"}, limit=10, offset=0)
+
+
+def test_an_unreachable_database_is_a_503_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real connection refused (nothing listens on the port), through the app's error handling."""
+    import socket
+
+    from fastapi.testclient import TestClient
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    with socket.socket() as probe:  # a free port: nothing listens there once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = create_engine(f"postgresql+psycopg2://postgres@127.0.0.1:{port}/x", pool_pre_ping=False)
+    monkeypatch.setattr(page, "_session", lambda: Session(engine))
+    monkeypatch.setattr(page, "_may_view_triggers", lambda user: True)
+    monkeypatch.setattr(page, "_may_read_assets", lambda user: True)
+    monkeypatch.setattr(page, "_readable_dag_ids", lambda user: {"a"})
+    page.app.dependency_overrides[page._user] = object  # any user: the user is not what is tested here
+    try:
+        client = TestClient(page.app)
+        for path in ("/api/overview", "/api/groups"):
+            response = client.get(path)
+            assert response.status_code == 503, response.text
+            assert "metadata database is unreachable" in response.json()["detail"]
+    finally:
+        page.app.dependency_overrides.clear()
+        engine.dispose()
