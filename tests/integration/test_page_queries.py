@@ -150,3 +150,36 @@ def test_an_unreachable_database_is_a_503_that_says_so(monkeypatch: pytest.Monke
     finally:
         page.app.dependency_overrides.clear()
         engine.dispose()
+
+
+def test_the_bridge_panel_over_the_bridges_own_tables(env: AirflowConfig) -> None:
+    """Relay backlog per target, dead letters with their last error, watermarks, re-queued events: read from
+    tables made by the bridge's own DDL."""
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import ddl, outbox, status_table, task_success
+
+    make_supervisor()
+    with create_session() as session:
+        for schema in (outbox.SCHEMA_DDL, task_success.SCHEMA_DDL, status_table.WATERMARK_DDL):
+            ddl.apply(session, schema)
+    rows(env.database_dsn, """
+        INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, event_timestamp,
+                                           status, attempts, last_error)
+        VALUES ('b', 1, 'u1', 'orders', now(), 'pending', 0, NULL),
+               ('b', 2, 'u2', 'orders', now(), 'pending', 1, 'HTTP 502'),
+               ('b', 3, 'u3', 'users', now(), 'dead', 8, 'inbox said unknown_asset'),
+               ('c', 4, 'u4', 'users', now(), 'delivered', 1, NULL);
+        INSERT INTO dataset_bridge.reconciled (asset_event_id, dag_id, outcome, queued_at)
+        VALUES (1, 'consumer', 'requeued', now()), (2, 'consumer', 'requeued', now() - interval '2 hours'),
+               (3, 'consumer', 'cleared', now());
+        INSERT INTO dataset_bridge.status_watermark (status_table, table_name, last_id)
+        VALUES ('etl.load_status', 'dds.h_user', 7)
+        RETURNING 1""")
+    bridge = page.overview(may_read_assets=True)["bridge"]
+    assert [(t["target"], t["backlog"], t["dead"], t["delivered"]) for t in bridge["targets"]] == [
+        ("b", 2, 1, 0), ("c", 0, 0, 1)]
+    dead = [(d["target"], d["asset_name"], d["attempts"], d["last_error"]) for d in bridge["dead_letters"]]
+    assert dead == [("b", "users", 8, "inbox said unknown_asset")]
+    assert bridge["requeued"] == {"total": 2, "last_hour": 1}
+    assert [(w["table_name"], w["last_id"]) for w in bridge["watermarks"]] == [("dds.h_user", 7)]
