@@ -27,7 +27,8 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse
 from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from triggerer.config import Settings
 
@@ -79,8 +80,10 @@ async def _unavailable(_request: Request, err: PageUnavailable) -> JSONResponse:
 
 
 @app.exception_handler(OperationalError)
-async def _database_down(_request: Request, err: OperationalError) -> JSONResponse:
-    log.warning("smart triggerer page: metadata database unreachable", error=type(err.orig).__name__)
+@app.exception_handler(InterfaceError)
+@app.exception_handler(PoolTimeout)
+async def _database_down(_request: Request, err: Exception) -> JSONResponse:
+    log.warning("smart triggerer page: metadata database unreachable", error=type(err).__name__)
     return JSONResponse({"detail": "the metadata database is unreachable; try again shortly"},
                         status_code=503)
 
@@ -154,18 +157,28 @@ def _installed(store: Any) -> bool:
 
 
 def _chart(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float | None]:
-    """A point a minute over the instances, each counted with its latest sample (carried forward while
-    fresh), and the polls saved now (None without a fresh sample)."""
+    """A point a minute over the last hour, each instance counted with its latest sample (carried forward
+    while fresh, never past its instance's stop), and the polls saved now (None without a fresh sample)."""
     latest: dict[int, dict[str, Any]] = {}
     points = []
     for minute in sorted({r["minute"] for r in samples}):
         latest.update({r["job_id"]: r for r in samples if r["minute"] == minute})
-        fresh = [r for r in latest.values() if (minute - r["minute"]).total_seconds() <= SAMPLE_FRESH_SECONDS]
+        fresh = [r for r in latest.values() if _counts_at(r, minute)]
+        if (samples[0]["read_at"] - minute).total_seconds() >= 3600:
+            continue  # read only to carry into the hour's first minute
         points.append({"minute": _iso(minute), "waiters": sum(int(r["waiters"]) for r in fresh),
                        "groups": sum(int(r["groups"]) for r in fresh),
                        "polls_saved_per_minute": round(sum(float(r["polls_saved"]) for r in fresh), 1)})
-    now = [r for r in latest.values() if float(r["age_seconds"]) <= SAMPLE_FRESH_SECONDS]
+    now = [r for r in latest.values() if float(r["age_seconds"]) <= SAMPLE_FRESH_SECONDS
+           and r["stopped_at"] is None]
     return points, (round(sum(float(r["polls_saved"]) for r in now), 1) if now else None)
+
+
+def _counts_at(sample: dict[str, Any], minute: dt.datetime) -> bool:
+    if (minute - sample["minute"]).total_seconds() > SAMPLE_FRESH_SECONDS:
+        return False
+    stopped = sample["stopped_at"]
+    return sample["minute"] == minute or stopped is None or stopped >= minute + dt.timedelta(minutes=1)
 
 
 def _instance(row: dict[str, Any]) -> dict[str, Any]:

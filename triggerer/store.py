@@ -254,8 +254,10 @@ class Store:
             ],
         )
 
-    def record_sample(self, job_id: int, waiters: int, groups: int, polls_saved: float) -> None:
-        self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved)
+    def record_sample(self, job_id: int, waiters: int, groups: int, polls_saved: float, *,
+                      prune: bool) -> None:
+        self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved,
+                  prune=prune)
 
     def snapshot_xmin(self) -> str:
         """Where the next incremental read of waiters starts (a transaction id, as text)."""

@@ -308,7 +308,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if now - self.last_sample >= SAMPLE_SECONDS:
             with create_session() as session:
                 Store(session).record_sample(self.job_id, len(self.member_info), self.groups.group_count(),
-                                             self.groups.polls_saved_per_minute())
+                                             self.groups.polls_saved_per_minute(), prune=0 in self.owned)
             # a minute apart, not a minute after the last (which would drift and skip a minute), unless
             # this loop fell behind
             self.last_sample = max(self.last_sample + SAMPLE_SECONDS, now - SAMPLE_SECONDS / 2)

@@ -49,8 +49,11 @@ def template_names(template: str) -> set[str]:
 
 class _Formatter(string.Formatter):
     def convert_field(self, value: Any, conversion: str | None) -> Any:
-        if conversion == "p" and isinstance(value, str):
-            return _without_secrets(value)
+        if conversion == "p":
+            if isinstance(value, str):
+                return _without_secrets(value)
+            if isinstance(value, Sequence) and not isinstance(value, bytes):
+                return [_without_secrets(v) if isinstance(v, str) else v for v in value]
         return value
 
     def format_field(self, value: Any, format_spec: str) -> str:
@@ -58,13 +61,12 @@ class _Formatter(string.Formatter):
 
 
 def _without_secrets(url: str) -> str:
-    """A URL or path without its query, fragment and user:password@ (where tokens tend to live)."""
-    url = url.split("?", 1)[0].split("#", 1)[0]
-    scheme, sep, rest = url.partition("://")
-    authority, slash, path = rest.partition("/")
-    if sep and "@" in authority:
-        return f"{scheme}://{authority.rsplit('@', 1)[1]}{slash}{path}"
-    return url
+    """A URL or path without its query, fragment and user:password@ (where tokens tend to live). Anything
+    up to the last "@" after the scheme goes, even in a path: a password with an unescaped "/" must not
+    survive, and a path losing an "@" only reads worse."""
+    base = url.split("?", 1)[0].split("#", 1)[0]
+    scheme, sep, rest = base.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else base
 
 
 def _plain(value: Any) -> str:

@@ -131,7 +131,8 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     nothing = {"total": 0, "limit": 50, "offset": 0, "groups": []}
     assert get_json(airflow_stack, "api/groups", outsider) == nothing
 
-    text, instance_rows = open_page_in_chromium(airflow_stack)
+    text, instance_rows, outsider_text = open_page_in_chromium(airflow_stack)
+    assert "of 0 groups" in outsider_text and "healthy instances" not in outsider_text, outsider_text
     assert f"the time {moment(1)}" in text and "11 tasks" in text
     jobs = sorted(str(i["job_id"]) for i in overview["instances"])
     assert sorted(row.split("\t")[0] for row in instance_rows) == jobs and len(jobs) == 2, instance_rows
@@ -139,10 +140,10 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
         assert host in text
 
 
-def open_page_in_chromium(stack: AirflowStack) -> tuple[str, list[str]]:
+def open_page_in_chromium(stack: AirflowStack) -> tuple[str, list[str], str]:
     """Sign in on Airflow's login page, open "Smart Triggerer" from the navigation, return the page's text
     and its instance rows once it rendered; the screenshot is kept in ARTIFACTS. Then follow a task link:
-    Airflow's UI must show that task instance."""
+    Airflow's UI must show that task instance. Last, the page as the outsider sees it."""
     from playwright.sync_api import sync_playwright
 
     chromium = os.environ.get("SMART_TRIGGERER_CHROMIUM") or "/usr/bin/chromium"
@@ -152,12 +153,7 @@ def open_page_in_chromium(stack: AirflowStack) -> tuple[str, list[str]]:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{base}/auth/login", wait_until="networkidle")
-            page.fill("input[name=username]", "admin")
-            page.fill("input[name=password]", PASSWORDS["admin"])
-            page.get_by_role("button", name="Sign in").click()
-            page.wait_for_url(lambda url: "/auth/login" not in url, timeout=60_000)
+            page = _sign_in(browser, base, "admin")
             # from Airflow's own navigation: Browse -> Smart Triggerer
             page.get_by_role("button", name="Browse").click()
             page.get_by_role("menuitem", name="Smart Triggerer").click()
@@ -181,13 +177,30 @@ def open_page_in_chromium(stack: AirflowStack) -> tuple[str, list[str]]:
             instance_rows = [r.inner_text() for r in frame.locator("#instances tbody tr").all()]
             link.click()  # in the sandboxed frame: the page hands the URL to the UI's router
             page.wait_for_url(lambda url: url.endswith("/tasks/wait/mapped/0"), timeout=30_000)
-            page.get_by_text("wait", exact=False).first.wait_for(timeout=30_000)
-            return text, instance_rows
+            # the UI's router rendered that view: the plugin's frame is gone (a URL change alone is not)
+            page.wait_for_function("() => document.querySelectorAll('iframe').length === 0", timeout=30_000)
+            # a user who may not view triggers still gets the page: their groups, and why the rest is hidden
+            page = _sign_in(browser, base, OUTSIDER)
+            page.goto(f"{base}/smart-triggerer/ui/")
+            said = "() => document.getElementById('error').textContent.includes('Triggers view')"
+            page.wait_for_function(said, timeout=30_000)
+            return text, instance_rows, page.inner_text("body")
         except Exception as err:
             shown = "\n".join(f"{f.url}: {f.inner_text('body')[:1500]}" for f in page.frames)
             raise AssertionError(f"{err}\nthe browser showed:\n{shown}") from err
         finally:
             browser.close()
+
+
+def _sign_in(browser: Any, base: str, user: str) -> Any:
+    """A new browser context signed in on Airflow's own login page."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.goto(f"{base}/auth/login", wait_until="networkidle")
+    page.fill("input[name=username]", user)
+    page.fill("input[name=password]", PASSWORDS[user])
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(lambda url: "/auth/login" not in url, timeout=60_000)
+    return page
 
 
 def _page_frame(page: Any) -> Any:

@@ -70,7 +70,7 @@ def test_the_chart_sums_the_instances_latest_sample_of_each_minute(env: AirflowC
     assert points == [(7, 7, 0), (17, 9, 96)]
 
     with create_session() as session:  # a new sample drops the instance's own samples past two hours
-        Store(session).record_sample(1, waiters=1, groups=1, polls_saved=0.0)
+        Store(session).record_sample(1, waiters=1, groups=1, polls_saved=0.0, prune=True)
     assert rows(dsn, "SELECT 1 FROM smart_triggerer.sample WHERE at < now() - interval '2 hours'") == []
     assert len(page.overview(may_read_assets=False)["chart"]) == 3
 
@@ -183,3 +183,22 @@ def test_the_bridge_panel_over_the_bridges_own_tables(env: AirflowConfig) -> Non
     assert dead == [("b", "users", 8, "inbox said unknown_asset")]
     assert bridge["requeued"] == {"total": 2, "last_hour": 1}
     assert [(w["table_name"], w["last_id"]) for w in bridge["watermarks"]] == [("dds.h_user", 7)]
+
+
+def test_a_stopped_instance_is_not_carried_into_its_successors_minutes(env: AirflowConfig) -> None:
+    """A restart: job 1 stops, job 2 (its successor, a new job id) samples the same waiters. The chart must
+    not count them twice while job 1's last sample is still fresh; nor may the hour's first minute dip."""
+    make_supervisor()
+    rows(env.database_dsn, """
+        WITH m AS (SELECT date_trunc('minute', now() - interval '20 minutes') AS m)
+        INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, stopped_at)
+        SELECT 901, 'old', 1, m.m + interval '70 seconds' FROM m;
+        WITH m AS (SELECT date_trunc('minute', now() - interval '20 minutes') AS m)
+        INSERT INTO smart_triggerer.sample (job_id, at, waiters, groups, polls_saved_per_minute)
+        SELECT job_id, m.m + make_interval(secs => s), w, 1, 0 FROM m, (VALUES
+            (901, 10, 10), (902, 80, 10), (902, 140, 10),
+            (903, -2380, 4), (904, -2320, 4)) AS v(job_id, s, w)   -- before the hour, and its edge
+        RETURNING 1""")
+    points = [p["waiters"] for p in page.overview(may_read_assets=False)["chart"]]
+    assert points[-3:] == [10, 10, 10]  # job 901 until it stopped, then 902 alone: never 20
+    assert points[0] == 8  # the hour's first minute carries job 903's sample from just before it

@@ -260,3 +260,5 @@ def test_a_stored_template_shows_only_what_its_marker_calls_identity() -> None:
     from triggers.describe import describe
 
     assert describe("{u!p}", {"u": "https://user:tok@h.example/a?k=v"}) == "https://h.example/a"
+    assert describe("{u!p}", {"u": "https://user:p/ss@h.example/a"}) == "https://h.example/a"  # unescaped /
+    assert describe("{u!p}", {"u": ["https://a:b@h1/x?t=1", "https://h2/y#f"]}) == "https://h1/x + https://h2/y"

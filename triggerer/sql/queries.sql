@@ -210,8 +210,8 @@ WHERE xid < (SELECT min(feed_xmin) FROM smart_triggerer.instance
 
 -- name: record_sample
 -- One point of the page's chart, and points older than two hours dropped.
-WITH old AS (  -- every instance's: a restarted instance has a new job id and never prunes its old one
-    DELETE FROM smart_triggerer.sample WHERE at < now() - interval '2 hours'
+WITH old AS (  -- every instance's (a restarted one has a new job id), by the holder of shard 0 only
+    DELETE FROM smart_triggerer.sample WHERE :prune AND at < now() - interval '2 hours'
 )
 INSERT INTO smart_triggerer.sample (job_id, waiters, groups, polls_saved_per_minute)
 VALUES (:job_id, :waiters, :groups, :polls_saved);
@@ -383,11 +383,14 @@ LEFT JOIN LATERAL (
 ORDER BY p.members DESC, p.waiting_since, p.key;
 
 -- name: page_chart
--- The last hour's samples, each instance's latest of each minute (the page carries them forward, so an
--- instance that samples late in a minute does not make the sum dip), and how old each is.
-SELECT DISTINCT ON (job_id, date_trunc('minute', at))
-       job_id, date_trunc('minute', at) AS minute, waiters, groups, polls_saved_per_minute AS polls_saved,
-       extract(epoch FROM now() - at) AS age_seconds
-FROM smart_triggerer.sample
-WHERE at > now() - interval '1 hour'
-ORDER BY job_id, date_trunc('minute', at), at DESC;
+-- The last hour's samples (and 150 s before it, to carry into its first minute), each instance's latest of
+-- each minute, how old each is, and when its instance stopped (a stopped instance's last sample is not
+-- carried past its stop: its successor has a new job id).
+SELECT DISTINCT ON (s.job_id, date_trunc('minute', s.at))
+       s.job_id, date_trunc('minute', s.at) AS minute, s.waiters, s.groups,
+       s.polls_saved_per_minute AS polls_saved, extract(epoch FROM now() - s.at) AS age_seconds,
+       i.stopped_at, now() AS read_at
+FROM smart_triggerer.sample s
+LEFT JOIN smart_triggerer.instance i ON i.job_id = s.job_id
+WHERE s.at > now() - interval '1 hour 150 seconds'
+ORDER BY s.job_id, date_trunc('minute', s.at), s.at DESC;
