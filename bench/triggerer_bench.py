@@ -256,7 +256,7 @@ def database_totals(dsn: str) -> tuple[int, int]:
 
 def start_profiles(component: Component, seconds: float, folder: Path,
                    mode: str) -> list[subprocess.Popen[bytes]]:
-    """py-spy on one instance's supervisor and runner for the steady window (collapsed stacks)."""
+    """py-spy on one instance's supervisor and runner for ``seconds`` (collapsed stacks)."""
     folder.mkdir(parents=True, exist_ok=True)
     spy = Path(sys.executable).with_name("py-spy")
     started = []
@@ -267,6 +267,14 @@ def start_profiles(component: Component, seconds: float, folder: Path,
              "--format", "raw", "--nonblocking", "--output", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return started
+
+
+def finish_profiles(spies: list[subprocess.Popen[bytes]], folder: str | None, label: str) -> None:
+    """Wait for the py-spy recorders, then print where the CPU went."""
+    for spy in spies:
+        spy.wait(120)
+    for role in ("supervisor", "runner") if folder else ():
+        console.print(summarize_profile(Path(folder) / f"{label}-{role}.txt"))
 
 
 def summarize_profile(path: Path, top: int = 10) -> str:
@@ -350,19 +358,19 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             spies = (start_profiles(instances[0][0], args.steady_seconds, Path(args.profile), mode)
                      if args.profile else [])
             result.steady = measure_steady(sampler, source, dsn, statements_dir(stack), args.steady_seconds)
-            for spy in spies:
-                spy.wait(30)
-            for role in ("supervisor", "runner") if args.profile else ():
-                console.print(summarize_profile(Path(args.profile) / f"{mode}-{role}.txt"))
+            finish_profiles(spies, args.profile, mode)
             result.polls_per_interval = result.steady.polls * args.interval / 30
             phases.append(("steady", sampler.split()))
             if mode == "smart":
                 record_page(result)
             flipped_at = source.flip("k")
+            resume_spies = (start_profiles(instances[0][0], args.interval + 15, Path(args.profile_resume),
+                                           f"{mode}-resume") if args.profile_resume else [])
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
                                          "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
                        interval=0.2)
             result.resume = resume_latencies(dsn, "bench_k", flipped_at)
+            finish_profiles(resume_spies, args.profile_resume, f"{mode}-resume")
             time.sleep(1)
             phases.append(("resume", sampler.split()))
         print_phases(phases)
@@ -498,6 +506,8 @@ def main() -> int:
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="pure waiting measured")
     parser.add_argument("--profile", metavar="DIR",
                         help="py-spy the first instance's supervisor and runner while waiting (needs root)")
+    parser.add_argument("--profile-resume", metavar="DIR",
+                        help="py-spy one instance's supervisor and runner from the flip for interval + 15 s")
     parser.add_argument("--modes", default="stock,smart")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()
