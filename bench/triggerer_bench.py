@@ -20,9 +20,11 @@ Prints a table with ratios and appends it to bench/RESULTS.md with --write.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime as dt
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -41,6 +43,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 _HOME = Path(tempfile.mkdtemp(prefix="smart-triggerer-bench-"))
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)  # homes, DAG files and component logs of the run
 os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
