@@ -30,6 +30,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from triggerer import status
 from triggerer.config import Settings
 
 log = structlog.get_logger(logger_name=__name__)
@@ -127,18 +128,15 @@ def overview(may_read_assets: bool) -> dict[str, Any]:
         if not _installed(store):
             return {"installed": False, "instances": [], "totals": {}, "chart": [], "bridge": None}
         instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)]
-        chart, polls_saved = _chart(store.page_chart())
         shards = store.pinned_shards() or settings.shards  # the instances' count, not this process's
+        chart, polls_saved = _chart(store.page_chart())
         bridge = _bridge(session) if may_read_assets else None
-    live = [i for i in instances if i["healthy"]]
-    waiters, groups = sum(i["waiters"] for i in live), sum(i["groups"] for i in live)
+    found = status.totals(instances, shards)
+    waiters, groups = found["waiters"], found["groups"]
     return {
         "installed": True,
         "instances": instances,
-        "totals": {"instances": len(live), "shards": shards,
-                   "shards_owned": sum(i["shards_owned"] for i in live), "waiters": waiters,
-                   "groups": groups, "coroutines_saved": waiters - groups,
-                   "polls_saved_per_minute": polls_saved},
+        "totals": {**found, "coroutines_saved": waiters - groups, "polls_saved_per_minute": polls_saved},
         "dedup_ratio": round(waiters / groups, 2) if groups else None,
         "chart": chart,
         "bridge": bridge,
@@ -182,14 +180,9 @@ def _counts_at(sample: dict[str, Any], minute: dt.datetime) -> bool:
 
 
 def _instance(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "job_id": row["job_id"], "host": row["hostname"], "healthy": bool(row["healthy"]),
-        "stopped": row["stopped_at"] is not None, "shards_owned": int(row["shards_owned"]),
-        "waiters": int(row["waiters"]), "groups": int(row["groups"]), "queues": row["queues"],
-        "resumed_total": int(row["resumed_total"]), "failures_total": int(row["failures_total"]),
-        "heartbeat_at": _iso(row["heartbeat_at"]), "lease_expires_at": _iso(row["lease_expires_at"]),
-        "started_at": _iso(row["started_at"]),
-    }
+    """As ``status --json`` shows it, with what the page adds."""
+    return {**status.instance(row), "stopped": row["stopped_at"] is not None,
+            "lease_expires_at": _iso(row["lease_expires_at"]), "started_at": _iso(row["started_at"])}
 
 
 BRIDGE_PARTS = {

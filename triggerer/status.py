@@ -16,27 +16,32 @@ def collect(settings: Settings) -> dict[str, Any]:
     with create_session() as session:
         store = Store(session)
         rows = store.instances(settings.lease_seconds) if store.schema_exists() else []
-    instances = [_instance(r) for r in rows]
-    live = [i for i in instances if i["healthy"]]
-    waiters = sum(i["waiters"] for i in live)
-    groups = sum(i["groups"] for i in live)
+    instances = [instance(r) for r in rows]
+    found = totals(instances, settings.shards)
     return {
         "instances": instances,
-        "totals": {
-            "instances": len(live),
-            "shards": settings.shards,
-            "shards_owned": sum(i["shards_owned"] for i in live),
-            "waiters": waiters,
-            "groups": groups,
-            "events_total": sum(i["events_total"] for i in instances),
-            "resumed_total": sum(i["resumed_total"] for i in instances),
-            "failures_total": sum(i["failures_total"] for i in instances),
-        },
-        "dedup_ratio": round(waiters / groups, 3) if groups else None,
+        "totals": found,
+        "dedup_ratio": round(found["waiters"] / found["groups"], 3) if found["groups"] else None,
     }
 
 
-def _instance(row: dict[str, Any]) -> dict[str, Any]:
+def totals(instances: list[dict[str, Any]], shards: int) -> dict[str, Any]:
+    """Shards, waiters and groups over the healthy instances; event counters over all of them."""
+    live = [i for i in instances if i["healthy"]]
+    return {
+        "instances": len(live),
+        "shards": shards,
+        "shards_owned": sum(i["shards_owned"] for i in live),
+        "waiters": sum(i["waiters"] for i in live),
+        "groups": sum(i["groups"] for i in live),
+        "events_total": sum(i["events_total"] for i in instances),
+        "resumed_total": sum(i["resumed_total"] for i in instances),
+        "failures_total": sum(i["failures_total"] for i in instances),
+    }
+
+
+def instance(row: dict[str, Any]) -> dict[str, Any]:
+    """One row of the ``instances`` query, as ``status --json`` and the page show it."""
     return {
         "job_id": row["job_id"],
         "host": row["hostname"],
