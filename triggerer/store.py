@@ -138,8 +138,8 @@ class Store:
         """Refuse a shard count other than the one this deployment was created with (if it exists)."""
         if not self.schema_exists():
             return
-        stored = self._run("get_setting", key="shards").scalar()
-        if stored is not None and int(stored) != shards:
+        stored = self.pinned_shards()
+        if stored is not None and stored != shards:
             raise ShardCountMismatch(
                 f"[smart_triggerer] shards is {shards}, but this deployment was created with {stored}: "
                 f"set AIRFLOW__SMART_TRIGGERER__SHARDS={stored} (the shard count is fixed per deployment, "
