@@ -103,6 +103,10 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     # Only the three leaders ran: one trigger log per group.
     logs = list((stack.config.home / "logs").rglob("*.trigger.*.log"))
     assert len(logs) == 3, logs
+    # Each says it started and fired; "trigger completed" is left out after a fired event.
+    texts = wait_for(lambda: [log.read_text() for log in logs],
+                     lambda t: all("Trigger fired event" in text for text in t), 30, "fired lines written")
+    assert all("starting" in text and "trigger completed" not in text for text in texts), texts
 
 
 def test_a_failing_trigger_fails_every_member_with_the_cause(stack: AirflowStack) -> None:
