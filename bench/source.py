@@ -15,6 +15,7 @@ class PollSource:
         self.polls = 0
         self.per_key: Counter[str] = Counter()
         self.ready_prefixes: set[str] = set()
+        self.first_ready: dict[str, float] = {}  # key -> wall-clock time of its first "ready" answer
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -28,7 +29,10 @@ class PollSource:
         key = request.match_info["key"]
         self.polls += 1
         self.per_key[key] += 1
-        return web.json_response({"ready": any(key.startswith(p) for p in self.ready_prefixes)})
+        ready = any(key.startswith(p) for p in self.ready_prefixes)
+        if ready:
+            self.first_ready.setdefault(key, time.time())
+        return web.json_response({"ready": ready})
 
     def flip(self, prefix: str) -> float:
         """Make every key with this prefix ready; returns the wall-clock time of the flip."""

@@ -92,16 +92,21 @@ class Result:
     cpu_seconds: float = 0.0
     peak_rss_mb: float = 0.0
     resume: list[float] = field(default_factory=list)
+    # each resume split in two: flip -> the source's first "ready" answer for its key (the trigger's own
+    # poll phase), and that answer -> the task instance left DEFERRED (the triggerer's work)
+    ready_poll: list[float] = field(default_factory=list)
+    after_poll: list[float] = field(default_factory=list)
     failover_kill: float | None = None
     failover_term: float | None = None
     steady_after: float = 0.0
     page_groups_ms: float | None = None
     page_overview_ms: float | None = None
 
-    def pct(self, q: float) -> float:
-        if not self.resume:
+    def pct(self, q: float, values: list[float] | None = None) -> float:
+        values = self.resume if values is None else values
+        if not values:
             return float("nan")
-        ordered = sorted(self.resume)
+        ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
@@ -210,10 +215,17 @@ def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *
     return seeded.trigger_ids
 
 
-def resume_latencies(dsn: str, dag_id: str, flipped_at: float) -> list[float]:
-    values = rows(dsn, "SELECT extract(epoch FROM scheduled_dttm) FROM task_instance "
-                       "WHERE dag_id = %s AND state <> 'deferred'", dag_id)
-    return [float(v[0]) - flipped_at for v in values]
+def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: float, unique: int) -> None:
+    """Each waiter's resume latency, and its split at the first "ready" answer for its key (waiter ``i``
+    waits on key ``k{i % unique}``, see ``seed``)."""
+    values = rows(dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
+                       "WHERE dag_id = 'bench_k' AND state <> 'deferred'")
+    for map_index, scheduled in values:
+        result.resume.append(float(scheduled) - flipped_at)
+        ready_at = source.first_ready.get(f"k{map_index % unique}")
+        if ready_at is not None:
+            result.ready_poll.append(ready_at - flipped_at)
+            result.after_poll.append(float(scheduled) - ready_at)
 
 
 def measure_failover(stack: AirflowStack, instances: list[tuple[Component, int]], trigger_ids: list[int],
@@ -372,16 +384,14 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
                                          "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
                        interval=0.2)
-            result.resume = resume_latencies(dsn, "bench_k", flipped_at)
+            record_resumes(result, source, dsn, flipped_at, unique)
             finish_profiles(resume_spies, args.profile_resume, f"{mode}-resume")
             time.sleep(1)
             phases.append(("resume", sampler.split()))
         print_phases(phases)
         result.cpu_seconds = sampler.cpu_seconds
         result.peak_rss_mb = sampler.peak_rss / 2**20
-        console.print(f"  resumed all: p50 {result.pct(0.5):.2f}s p99 {result.pct(0.99):.2f}s "
-                      f"max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
-                      f"rss {result.peak_rss_mb:.0f}MB")
+        print_resume(result)
         batch = seed(config, source, args.failover_waiters, args.failover_waiters // 2, prefix="f",
                      interval=args.interval)
         result.failover_term, result.term_exit = measure_failover(stack, instances, batch, signal.SIGTERM)
@@ -415,6 +425,16 @@ def polls_in(source: PollSource, seconds: float) -> int:
     before = source.polls
     time.sleep(seconds)
     return source.polls - before
+
+
+def print_resume(result: Result) -> None:
+    def spread(values: list[float] | None = None) -> str:
+        return f"p50 {result.pct(0.5, values):.2f}s p99 {result.pct(0.99, values):.2f}s"
+
+    console.print(f"  resumed all: {spread()} max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
+                  f"rss {result.peak_rss_mb:.0f}MB")
+    console.print(f"  flip to the ready poll: {spread(result.ready_poll)}; ready poll to resumed: "
+                  f"{spread(result.after_poll)}")
 
 
 def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
@@ -489,6 +509,9 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     add("resume p50 (s)", lambda r: r.pct(0.5), "{:.2f}")
     add("resume p99 (s)", lambda r: r.pct(0.99), "{:.2f}")
     add("resume max (s)", lambda r: max(r.resume) if r.resume else None, "{:.2f}")
+    add("resume: flip to ready poll, p99 (s)", lambda r: r.pct(0.99, r.ready_poll), "{:.2f}")
+    add("resume: ready poll to resumed, p50 (s)", lambda r: r.pct(0.5, r.after_poll), "{:.2f}")
+    add("resume: ready poll to resumed, p99 (s)", lambda r: r.pct(0.99, r.after_poll), "{:.2f}")
     add("failover after SIGKILL (s)", lambda r: r.failover_kill, "{:.1f}")
     add("handover after SIGTERM (s)", lambda r: r.failover_term, "{:.1f}")
     add("process exit after SIGTERM (s)", lambda r: r.term_exit, "{:.1f}")
