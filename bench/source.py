@@ -16,6 +16,8 @@ class PollSource:
         self.per_key: Counter[str] = Counter()
         self.ready_prefixes: set[str] = set()
         self.first_ready: dict[str, float] = {}  # key -> wall-clock time of its first "ready" answer
+        self.last_poll: dict[str, float] = {}  # key -> wall-clock time of its latest poll
+        self.before_flip: dict[str, float] = {}  # key -> its last poll before its prefix flipped
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -29,6 +31,7 @@ class PollSource:
         key = request.match_info["key"]
         self.polls += 1
         self.per_key[key] += 1
+        self.last_poll[key] = time.time()
         ready = any(key.startswith(p) for p in self.ready_prefixes)
         if ready:
             self.first_ready.setdefault(key, time.time())
@@ -36,6 +39,7 @@ class PollSource:
 
     def flip(self, prefix: str) -> float:
         """Make every key with this prefix ready; returns the wall-clock time of the flip."""
+        self.before_flip.update((k, t) for k, t in list(self.last_poll.items()) if k.startswith(prefix))
         self.ready_prefixes.add(prefix)
         return time.time()
 

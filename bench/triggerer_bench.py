@@ -96,6 +96,8 @@ class Result:
     # poll phase), and that answer -> the task instance left DEFERRED (the triggerer's work)
     ready_poll: list[float] = field(default_factory=list)
     after_poll: list[float] = field(default_factory=list)
+    # how late each key's ready poll came: after its last poll before the flip plus the poll interval
+    poll_late: list[float] = field(default_factory=list)
     failover_kill: float | None = None
     failover_term: float | None = None
     steady_after: float = 0.0
@@ -215,7 +217,8 @@ def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *
     return seeded.trigger_ids
 
 
-def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: float, unique: int) -> None:
+def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: float, *, unique: int,
+                   interval: float) -> None:
     """Each waiter's resume latency, and its split at the first "ready" answer for its key (waiter ``i``
     waits on key ``k{i % unique}``, see ``seed``)."""
     values = rows(dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
@@ -226,6 +229,9 @@ def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: flo
         if ready_at is not None:
             result.ready_poll.append(ready_at - flipped_at)
             result.after_poll.append(float(scheduled) - ready_at)
+    for key, ready_at in source.first_ready.items():
+        if key in source.before_flip and key.startswith("k"):
+            result.poll_late.append(ready_at - source.before_flip[key] - interval)
 
 
 def measure_failover(stack: AirflowStack, instances: list[tuple[Component, int]], trigger_ids: list[int],
@@ -384,7 +390,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
                                          "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
                        interval=0.2)
-            record_resumes(result, source, dsn, flipped_at, unique)
+            record_resumes(result, source, dsn, flipped_at, unique=unique, interval=args.interval)
             finish_profiles(resume_spies, args.profile_resume, f"{mode}-resume")
             time.sleep(1)
             phases.append(("resume", sampler.split()))
@@ -434,7 +440,8 @@ def print_resume(result: Result) -> None:
     console.print(f"  resumed all: {spread()} max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
                   f"rss {result.peak_rss_mb:.0f}MB")
     console.print(f"  flip to the ready poll: {spread(result.ready_poll)}; ready poll to resumed: "
-                  f"{spread(result.after_poll)}")
+                  f"{spread(result.after_poll)}; ready poll later than last poll + interval: "
+                  f"{spread(result.poll_late)}")
 
 
 def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
@@ -510,6 +517,8 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     add("resume p99 (s)", lambda r: r.pct(0.99), "{:.2f}")
     add("resume max (s)", lambda r: max(r.resume) if r.resume else None, "{:.2f}")
     add("resume: flip to ready poll, p99 (s)", lambda r: r.pct(0.99, r.ready_poll), "{:.2f}")
+    add("resume: ready poll late (after last poll + interval), p99 (s)", lambda r: r.pct(0.99, r.poll_late),
+        "{:.2f}")
     add("resume: ready poll to resumed, p50 (s)", lambda r: r.pct(0.5, r.after_poll), "{:.2f}")
     add("resume: ready poll to resumed, p99 (s)", lambda r: r.pct(0.99, r.after_poll), "{:.2f}")
     add("failover after SIGKILL (s)", lambda r: r.failover_kill, "{:.1f}")

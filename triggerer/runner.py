@@ -6,7 +6,10 @@
 2. Latency: Airflow's loop reports fired events to the supervisor once a second. Here the loop wakes as
    soon as a trigger fires, so a shared event reaches every waiting task sooner; idle, it ticks every
    ``IDLE_TICK`` seconds, which is also how soon it picks up new coroutines (the supervisor can only answer
-   the runner's syncs): after a takeover the new owner's coroutines start within half a second.
+   the runner's syncs): after a takeover the new owner's coroutines start within half a second. While
+   events keep coming (a resume burst) it syncs at most once per ``EVENT_GATHER`` seconds: each sync is a
+   transaction in the supervisor, and hundreds a second of one or two events each cost more CPU than
+   the events themselves.
 3. Cost while waiting: Airflow looks at every coroutine on every tick to find those that ended, yielding
    to the event loop after each one. Here each coroutine reports its own end (a done callback), and a
    tick looks only at those: an idle tick costs the same for 10 coroutines as for 10,000.
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +36,7 @@ from airflow.triggers.base import TriggerEvent
 
 HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
+EVENT_GATHER = 0.1
 COMPLETED_LINE = "trigger completed"  # Airflow's last line of every coroutine (``run_trigger``)
 
 
@@ -90,6 +95,7 @@ class SmartTriggerRunner(TriggerRunner):
     def __init__(self) -> None:
         super().__init__()
         self._wake: asyncio.Event | None = None
+        self._last_sync = -math.inf
         self.events = _WakingDeque(self._on_event)
         self._ended: deque[int] = deque()
         self.triggers = _WatchedTriggers(self._ended.append)
@@ -140,28 +146,34 @@ class SmartTriggerRunner(TriggerRunner):
                            name=details["name"], trigger_id=trigger_id)
             self.failed_triggers.append((trigger_id, saved_exc))
 
-    async def _tick(self, stop_event: anyio.Event) -> None:
-        """Sleep up to ``IDLE_TICK``; wake early on stop or on a fired event."""
+    def _handle_signal(self, signum: int, frame: Any) -> None:
+        super()._handle_signal(signum, frame)
+        self._on_event()  # a waiting tick ends at once
+
+    async def _tick(self) -> None:
+        """Sleep up to ``IDLE_TICK``; wake early on stop or on a fired event, but while events keep coming,
+        no sooner than ``EVENT_GATHER`` after the last sync (one sync carries the events of that time)."""
         assert self._wake is not None
-        if self.events:
-            return
-        with anyio.move_on_after(IDLE_TICK):
-            async with anyio.create_task_group() as group:
-
-                async def first(waiter: Callable[[], Any]) -> None:
-                    await waiter()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(first, stop_event.wait)
-                group.start_soon(first, self._wake.wait)
+        if not self.events:
+            with suppress(TimeoutError):
+                async with asyncio.timeout(IDLE_TICK):
+                    await self._wake.wait()
         self._wake.clear()
+        if self.events and not self.stop:
+            rest = self._last_sync + EVENT_GATHER - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+
+    async def sync_state_to_supervisor(self, finished_ids: list[int]) -> None:
+        self._last_sync = time.monotonic()
+        await super().sync_state_to_supervisor(finished_ids)
 
     async def arun(self) -> None:
         """Airflow's ``TriggerRunner.arun`` (3.3), with ``_tick`` in place of its fixed one-second sleep."""
         await self.init_comms()
         self._wake = asyncio.Event()
         watchdog = asyncio.create_task(self.block_watchdog())
-        stop_event = self._stop_event = anyio.Event()
+        self._stop_event = anyio.Event()
         last_status = time.monotonic()
         try:
             while not self.stop:
@@ -175,7 +187,7 @@ class SmartTriggerRunner(TriggerRunner):
                 await self.sync_state_to_supervisor(finished_ids)
                 await self.create_triggers()
                 await self.cancel_triggers()
-                await self._tick(stop_event)
+                await self._tick()
                 if (now := time.monotonic()) - last_status >= 60:
                     watchers = len([t for t in self.triggers.values() if t["is_watcher"]])
                     self.log.info("%i triggers currently running", len(self.triggers) - watchers)
