@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T")
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def is_loopback(host: str) -> bool:
@@ -42,6 +43,8 @@ class Settings:
     max_new_per_loop: int = 250
     # task instances resumed in one transaction (bounds lock time and the cost of one refused batch)
     max_resumes_per_transaction: int = 2000
+    # the runner subprocess's asyncio event loop: uvloop (libuv) or Python's own
+    event_loop: str = "uvloop"
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -61,6 +64,9 @@ class Settings:
             )
         if self.resume_hold_seconds < 0:
             raise ConfigError("[smart_triggerer] resume_hold_seconds must be >= 0")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
+                              f"got {self.event_loop!r}")
 
     @classmethod
     def from_airflow(cls) -> Settings:
@@ -75,6 +81,7 @@ class Settings:
             health_token=_option("health_token", str, "").strip(),
             resume_hold_seconds=_option("resume_hold_seconds", float, cls.resume_hold_seconds),
             loop_seconds=_option("loop_seconds", float, cls.loop_seconds),
+            event_loop=_option("event_loop", str, cls.event_loop).strip().lower(),
         )
 
 

@@ -88,6 +88,14 @@ def get_provider_info() -> dict[str, Any]:
                         "example": None,
                         "default": "1",
                     },
+                    "event_loop": {
+                        "description": "Event loop of the trigger runner subprocess: uvloop (libuv; polls "
+                        "come on time under a resume burst) or asyncio (Python's own).",
+                        "version_added": "0.2.0",
+                        "type": "string",
+                        "example": "asyncio",
+                        "default": "uvloop",
+                    },
                 },
             },
             "dataset_bridge": {

@@ -1,4 +1,4 @@
-"""The async trigger runner subprocess: Airflow's own, with two changes.
+"""The async trigger runner subprocess: Airflow's own, with these changes.
 
 1. Cancellation: Airflow cancels every trigger it is told to stop as a "user action" and calls
    ``on_kill()``. A shard handover or a group whose members all left is not a user action: the supervisor
@@ -17,6 +17,8 @@
    returned; here that line is left out when the coroutine fired ("Trigger fired event" already says
    it), and kept when it was cancelled or failed. Each line costs the supervisor a secrets-masking pass
    and a write to the task's log file; in a resume burst these lines were most of its work.
+5. Event loop: uvloop by default (``[smart_triggerer] event_loop``). At 50,000 waiters on 2 cores, under
+   Python's loop the polls due during a resume burst came seconds late (p50 1-4 s), under uvloop 0.1 s.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import anyio
 import structlog
 from airflow.jobs.triggerer_job_runner import _USER_ACTION_CANCEL_MSG, TriggerRunner, log
 from airflow.triggers.base import TriggerEvent
+
+from triggerer.config import Settings
 
 HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
@@ -146,6 +150,14 @@ class SmartTriggerRunner(TriggerRunner):
                            name=details["name"], trigger_id=trigger_id)
             self.failed_triggers.append((trigger_id, saved_exc))
 
+    def run(self) -> None:
+        """Airflow's entry point, on the ``[smart_triggerer] event_loop`` (validated by the supervisor)."""
+        if Settings.from_airflow().event_loop == "uvloop":
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        super().run()
+
     def _handle_signal(self, signum: int, frame: Any) -> None:
         super()._handle_signal(signum, frame)
         self._on_event()  # a waiting tick ends at once
@@ -171,6 +183,7 @@ class SmartTriggerRunner(TriggerRunner):
     async def arun(self) -> None:
         """Airflow's ``TriggerRunner.arun`` (3.3), with ``_tick`` in place of its fixed one-second sleep."""
         await self.init_comms()
+        self.log.info("trigger runner started", event_loop=type(asyncio.get_running_loop()).__module__)
         self._wake = asyncio.Event()
         watchdog = asyncio.create_task(self.block_watchdog())
         self._stop_event = anyio.Event()

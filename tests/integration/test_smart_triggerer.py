@@ -82,7 +82,8 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     dsn = stack.config.database_dsn
     moments = [in_seconds(12 + g) for g in range(3)]
     seeded = seed(stack, 30, AT_TIME, lambda i: {"moment": moments[i % 3], "poll_interval": 0.2 + i % 2})
-    url = health_url(start(stack))
+    instance = start(stack)
+    url = health_url(instance)
 
     waiting = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 30
                        and m.get("smart_triggerer_coroutines", 0) > 0, 30, "all 30 waiters running")
@@ -107,6 +108,10 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     texts = wait_for(lambda: [log.read_text() for log in logs],
                      lambda t: all("Trigger fired event" in text for text in t), 30, "fired lines written")
     assert all("starting" in text and "trigger completed" not in text for text in texts), texts
+    # The runner subprocess runs on uvloop ([smart_triggerer] event_loop's default).
+    lines = instance.log_path.read_text().splitlines()
+    started = [line for line in lines if "trigger runner started" in line]
+    assert len(started) == 1 and "uvloop" in started[0], started
 
 
 def test_a_failing_trigger_fails_every_member_with_the_cause(stack: AirflowStack) -> None:
