@@ -369,7 +369,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         instances = [start_instance(stack, mode, f"{mode}-{n}", args.waiters) for n in range(args.instances)]
         with TreeSampler([c for c, _ in instances]) as sampler:
             t0 = time.monotonic()
-            wait_started(source, dsn, [j for _, j in instances], trigger_ids, args,
+            wait_started(source, dsn, [j for _, j in instances], trigger_ids, args, unique=unique,
                          coroutines=unique if mode == "smart" else args.waiters)
             result.steady_after = time.monotonic() - t0
             phases = [("start", sampler.split())]
@@ -413,14 +413,13 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
 
 
 def wait_started(source: PollSource, dsn: str, jobs: list[int], trigger_ids: list[int],
-                 args: argparse.Namespace, *, coroutines: int) -> None:
+                 args: argparse.Namespace, *, unique: int, coroutines: int) -> None:
     """Until every waiter is assigned, every identity polled and every coroutine polling: stock runs one
     per waiter, and its last ones may start long after each identity was polled once (its start-up would
     then count as waiting). Starting a coroutine costs Airflow a few queries: at 50,000 waiters, minutes."""
     limit = max(600, args.waiters / 50)
     wait_until(lambda: assigned_to(dsn, jobs, trigger_ids) == len(trigger_ids), limit, "all waiters assigned",
                interval=0.5)
-    unique = round(args.waiters * (1 - args.duplicates))
     wait_until(lambda: len(source.per_key) >= unique, limit, "every identity polled", interval=0.5)
     wait_until(lambda: polls_in(source, args.interval) >= 0.97 * coroutines, limit, "every coroutine polling",
                interval=0)
