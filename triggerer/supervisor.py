@@ -7,7 +7,8 @@ keeps them in identity groups and asks Airflow's runner subprocess for one corou
 in which nothing changed reads no rows and costs nothing per waiter), (4) fans every event out to all
 members of the group in one transaction, holding it back for members that deferred too recently, and
 (5) fails every member when the group's trigger fails. Everything else (the runner, trigger logs,
-connections, the task-SDK comms) is Airflow's.
+connections, the task-SDK comms) is Airflow's; trigger log files are written through a bounded pool of
+open descriptors (``trigger_logs.py``), as an instance may run more coroutines than it may open files.
 
 Every write for a member runs in a transaction that first share-locks the member's shard lease and
 checks it by the database clock (``Store.fence``): a process paused past its lease writes nothing for
@@ -27,7 +28,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import structlog
-from airflow.jobs.triggerer_job_runner import TriggerEventEntry, TriggerRunnerSupervisor, messages
+from airflow.jobs.triggerer_job_runner import (
+    TriggerEventEntry,
+    TriggerLoggingFactory,
+    TriggerRunnerSupervisor,
+    messages,
+)
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.net import get_hostname
@@ -43,6 +49,7 @@ from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
 from triggerer.runner import SmartTriggerRunner
 from triggerer.store import Store, WaitingTrigger
+from triggerer.trigger_logs import LogFilePool, PooledTriggerLoggingFactory, open_files_allowed
 
 if TYPE_CHECKING:
     from airflow.models.dagbag import DBDagBag
@@ -135,6 +142,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     resumed_total: int = attrs.field(default=0, init=False)
     failures_total: int = attrs.field(default=0, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
+    log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
 
     @classmethod
     def run_in_process(cls) -> None:
@@ -601,6 +609,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.build_bag = OneBuildDagBag(dag_bag)
         workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
                                             session)  # a DBDagBag in all Airflow asks of it
+        self._pool_log_file(trigger.id)
         group = self.groups.by_runner(trigger.id)
         if workload is None or group is None:
             return workload
@@ -610,6 +619,12 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             workload = workload.model_copy(update={"timeout_after": None})
             workload = self._with_group_settings(workload, trigger, group)
         return workload
+
+    def _pool_log_file(self, trigger_id: int) -> None:
+        """The coroutine's log file through the bounded pool, not one descriptor per coroutine."""
+        factory = self.logger_cache.get(trigger_id)
+        if type(factory) is TriggerLoggingFactory:
+            self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(factory, self.log_pool)
 
     def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group) -> Any:
         """Run the group with its members' merged settings (shortest interval, every channel...)."""

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -394,3 +395,56 @@ def test_a_push_member_joining_a_polling_group_is_woken_by_notify(stack: Airflow
         wait_for(lambda s=seeded: ti_states(dsn, s.dag_id), lambda s: set(s.values()) == {"scheduled"}, 20,
                  "resumed by the NOTIFY, not the 300 s poll")
     assert time.monotonic() - flipped < 10
+
+
+FD_LIMIT = 200
+# runs the command after it under RLIMIT_NOFILE = argv[1] (soft and hard: the process cannot raise it)
+LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); "
+           "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def open_trigger_logs(pid: int) -> int:
+    """Trigger log files the process holds open now."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    targets = []
+    for fd in fd_dir.iterdir():
+        try:
+            targets.append(os.readlink(fd))
+        except OSError:
+            continue  # closed while we looked
+    return sum(".log.trigger." in target for target in targets)
+
+
+def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
+    """Airflow keeps each running trigger's log file open; an instance running more coroutines than its
+    RLIMIT_NOFILE allows (a survivor that took over a dead peer's shards) died of "Too many open files".
+    Here 400 coroutines run, log and fire under a limit of 200 descriptors."""
+    dsn = stack.config.database_dsn
+    count = 2 * FD_LIMIT
+    fire_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=45)
+    seeded = seed(stack, count, AT_TIME, lambda i: {
+        "moment": (fire_at + dt.timedelta(milliseconds=i)).isoformat(), "poll_interval": 1.0})
+    command = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
+               "--health-port", "0"]
+    instance = stack.add("smart-limited", [sys.executable, "-c", LIMITED, str(FD_LIMIT), *command], ENV)
+    url = health_url(instance)
+
+    running = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == count, 40,
+                       f"{count} coroutines running")
+    assert running["smart_triggerer_groups"] == count
+    logs_dir = stack.config.home / "logs"
+    wait_for(lambda: len(list(logs_dir.rglob("*.trigger.*.log"))), lambda n: n == count, 20,
+             "every coroutine's log file written")
+    held = open_trigger_logs(instance.pid)
+    assert 0 < held <= FD_LIMIT // 4, held
+
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "every waiter resumed")
+    assert instance.running(), instance.log_tail()
+    assert "Too many open files" not in instance.log_path.read_text()
+    # A file closed to make room is appended to when its trigger writes again: no line is lost.
+    texts = wait_for(lambda: [log.read_text() for log in logs_dir.rglob("*.trigger.*.log")],
+                     lambda t: all("Trigger fired event" in text for text in t), 30, "fired lines written")
+    assert len(texts) == count
+    assert all(text.count("starting") == 1 for text in texts)
+    assert open_trigger_logs(instance.pid) <= FD_LIMIT // 4

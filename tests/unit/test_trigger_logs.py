@@ -1,0 +1,98 @@
+"""Trigger log files through a bounded pool of open descriptors (``triggerer/trigger_logs.py``)."""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
+
+from triggerer.trigger_logs import (
+    MAX_OPEN_LOG_FILES,
+    LogFilePool,
+    PooledLogFile,
+    PooledTriggerLoggingFactory,
+    open_files_allowed,
+)
+
+
+def test_lines_reach_every_file_in_order_with_at_most_limit_open(tmp_path: Path) -> None:
+    pool = LogFilePool(limit=3)
+    paths = [tmp_path / f"t{n}.log" for n in range(7)]
+    paths[0].write_bytes(b"a previous run's lines\n")  # the first open truncates, as Airflow's does
+    files = [PooledLogFile(path, pool) for path in paths]
+    most_open = 0
+    for line in range(5):
+        for n, log_file in enumerate(files):
+            log_file.write(f"file {n} line {line}\n".encode())
+            log_file.flush()
+            most_open = max(most_open, len(pool))
+    assert most_open == 3
+    for n, path in enumerate(paths):
+        assert path.read_text().splitlines() == [f"file {n} line {line}" for line in range(5)]
+
+
+def test_a_closed_file_gives_back_its_descriptor_and_refuses_writes(tmp_path: Path) -> None:
+    pool = LogFilePool(limit=2)
+    log_file = PooledLogFile(tmp_path / "t.log", pool)
+    log_file.write(b"one\n")
+    assert log_file.fileno() > 2 and len(pool) == 1
+    log_file.close()
+    assert log_file.closed and len(pool) == 0
+    with pytest.raises(ValueError, match="closed log file"):
+        log_file.write(b"two\n")
+    assert (tmp_path / "t.log").read_text() == "one\n"
+
+
+def test_the_factory_writes_airflow_json_lines_through_the_pool(tmp_path: Path) -> None:
+    pool = LogFilePool(limit=1)
+    made = TriggerLoggingFactory(log_path=str(tmp_path / "a" / "attempt=1.log.trigger.7.log"), ti=None)
+    factories = [PooledTriggerLoggingFactory.replacing(made, pool),
+                 PooledTriggerLoggingFactory(log_path=str(tmp_path / "b.log.trigger.7.log"), ti=None,
+                                             pool=pool)]
+    processors = [structlog.processors.JSONRenderer(), lambda _l, _m, text: text.encode()]
+    loggers = [factory(processors) for factory in factories]
+    assert factories[0](processors) is loggers[0]  # one logger per trigger, as Airflow's
+    for n in range(3):
+        for logger in loggers:
+            logger.info("line", n=n)
+    assert len(pool) == 1
+    for factory in factories:
+        lines = [json.loads(line) for line in Path(factory.log_path).read_text().splitlines()]
+        assert [line["n"] for line in lines] == [0, 1, 2]
+        factory.close()
+    assert len(pool) == 0
+
+
+@pytest.fixture
+def soft_limit() -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.usefixtures("soft_limit")
+def test_the_pool_takes_at_most_a_quarter_of_the_descriptors() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+    assert open_files_allowed() == 25
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8 * MAX_OPEN_LOG_FILES), hard))
+    assert open_files_allowed() == min(MAX_OPEN_LOG_FILES, min(hard, 8 * MAX_OPEN_LOG_FILES) // 4)
+
+
+def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Airflow's upload reads the path from the logger's file (``relative_path_from_logger``)."""
+    from airflow.sdk.log import relative_path_from_logger
+
+    monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
+    pool = LogFilePool(limit=1)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
+                                          ti=None, pool=pool)
+    factory([lambda _l, _m, event: json.dumps(event).encode()]).info("line")
+    other = PooledLogFile(tmp_path / "other.log", pool)
+    other.write(b"evicts the trigger's file\n")
+    assert relative_path_from_logger(factory.bound_logger._logger) == Path("dag_id=d/t.log.trigger.7.log")

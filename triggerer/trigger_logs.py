@@ -1,0 +1,128 @@
+"""Trigger log files with a bounded number of open descriptors.
+
+Airflow's supervisor writes each trigger's log lines to the task's trigger log file and keeps that file
+open from the trigger's first line ("trigger ... starting") until it ends: one descriptor per running
+coroutine. Past the process's ``RLIMIT_NOFILE`` every open fails, and the supervisor dies with
+"Too many open files" (the stock triggerer did at 23,000 triggers per instance under a limit of 20,000;
+a common soft limit is 1,024). A smart instance that takes over a dead peer's shards runs all their
+groups, so its count of coroutines is not bounded by its share.
+
+Here a trigger's file is opened when a line is written and stays open while it is among the most
+recently written ones; the least recently written is closed when the pool is full and opened again
+(appending) for its next line. While waiting, triggers write nothing, so reopening is rare.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import attrs
+import structlog
+from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
+
+# at most this many trigger log files open at once, and never more than a quarter of the descriptors the
+# process may open (the rest: database connections, the runner's sockets, the health server)
+MAX_OPEN_LOG_FILES = 256
+
+
+def open_files_allowed() -> int:
+    """How many trigger log files may be open at once in this process."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_LOG_FILES
+    return max(1, min(MAX_OPEN_LOG_FILES, soft // 4))
+
+
+class LogFilePool:
+    """The open handles of pooled log files, least recently written first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: OrderedDict[PooledLogFile, BinaryIO] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def handle(self, log_file: PooledLogFile) -> BinaryIO:
+        """The file's open handle, opening it (and closing the least recently written) when needed."""
+        handle = self._open.get(log_file)
+        if handle is not None:
+            self._open.move_to_end(log_file)
+            return handle
+        while len(self._open) >= self.limit:
+            _oldest, evicted = self._open.popitem(last=False)
+            evicted.close()
+        handle = log_file.open_handle()
+        self._open[log_file] = handle
+        return handle
+
+    def flush(self, log_file: PooledLogFile) -> None:
+        handle = self._open.get(log_file)
+        if handle is not None:
+            handle.flush()
+
+    def release(self, log_file: PooledLogFile) -> None:
+        handle = self._open.pop(log_file, None)
+        if handle is not None:
+            handle.close()
+
+
+class PooledLogFile:
+    """A binary file for structlog's ``BytesLogger`` whose descriptor lives in a ``LogFilePool``.
+
+    The first open truncates, as Airflow's own trigger log file does; reopening appends.
+    """
+
+    def __init__(self, path: Path, pool: LogFilePool) -> None:
+        self.name = str(path)
+        self.closed = False
+        self._pool = pool
+        self._opened = False
+
+    def open_handle(self) -> BinaryIO:
+        if self.closed:
+            raise ValueError(f"I/O operation on closed log file {self.name}")
+        handle = open(self.name, "ab" if self._opened else "wb")  # noqa: SIM115 (the pool closes it)
+        self._opened = True
+        return handle
+
+    def write(self, data: bytes) -> int:
+        return self._pool.handle(self).write(data)
+
+    def flush(self) -> None:
+        self._pool.flush(self)
+
+    def fileno(self) -> int:
+        # Airflow's remote log upload asks for it (to skip stdout); a real descriptor, as a file would give
+        return self._pool.handle(self).fileno()
+
+    def close(self) -> None:
+        self._pool.release(self)
+        self.closed = True
+
+
+@attrs.define(kw_only=True)
+class PooledTriggerLoggingFactory(TriggerLoggingFactory):
+    """Airflow's per-trigger log factory, writing through a ``LogFilePool``."""
+
+    pool: LogFilePool
+
+    def __call__(self, processors: Iterable[Any]) -> Any:
+        if hasattr(self, "bound_logger"):
+            return self.bound_logger
+        from airflow.sdk.log import init_log_file
+
+        self._filehandle = PooledLogFile(init_log_file(self.log_path), self.pool)  # type: ignore[assignment]
+        logger = structlog.wrap_logger(structlog.BytesLogger(self._filehandle),  # type: ignore[arg-type]
+                                       processors=processors).bind()
+        self.bound_logger = logger
+        return logger
+
+    @classmethod
+    def replacing(cls, factory: TriggerLoggingFactory, pool: LogFilePool) -> PooledTriggerLoggingFactory:
+        """The pooled twin of a factory Airflow made (before it wrote anything)."""
+        return cls(log_path=factory.log_path, ti=factory.ti, pool=pool)
