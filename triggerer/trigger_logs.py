@@ -9,7 +9,8 @@ groups, so its count of coroutines is not bounded by its share.
 
 Here a trigger's file is opened when a line is written and stays open while it is among the most
 recently written ones; the least recently written is closed when the pool is full and opened again
-(appending) for its next line. While waiting, triggers write nothing, so reopening is rare.
+(appending) for its next line. While waiting, most triggers write nothing, so reopening is rare; a
+trigger that logs every poll, with more of them than the pool holds, pays an open and a close per line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import resource
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import attrs
 import structlog
@@ -27,6 +28,8 @@ from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
 # at most this many trigger log files open at once, and never more than a quarter of the descriptors the
 # process may open (the rest: database connections, the runner's sockets, the health server)
 MAX_OPEN_LOG_FILES = 256
+
+log = structlog.get_logger(logger_name=__name__)
 
 
 def open_files_allowed() -> int:
@@ -53,10 +56,10 @@ class LogFilePool:
         if handle is not None:
             self._open.move_to_end(log_file)
             return handle
+        handle = log_file.open_handle()  # first: a file that cannot open closes no other
         while len(self._open) >= self.limit:
             _oldest, evicted = self._open.popitem(last=False)
             evicted.close()
-        handle = log_file.open_handle()
         self._open[log_file] = handle
         return handle
 
@@ -82,16 +85,34 @@ class PooledLogFile:
         self.closed = False
         self._pool = pool
         self._opened = False
+        self._warned = False
 
     def open_handle(self) -> BinaryIO:
         if self.closed:
             raise ValueError(f"I/O operation on closed log file {self.name}")
-        handle = open(self.name, "ab" if self._opened else "wb")  # noqa: SIM115 (the pool closes it)
+        mode: Literal["ab", "wb"] = "ab" if self._opened else "wb"
+        try:
+            handle = open(self.name, mode)  # noqa: SIM115 (the pool closes it)
+        except FileNotFoundError:
+            # its folder was removed while the trigger waited (log retention): made again as Airflow makes
+            # it, with the configured permissions
+            from airflow.sdk.log import init_log_file
+
+            handle = open(init_log_file(self.name), mode)  # noqa: SIM115
         self._opened = True
         return handle
 
     def write(self, data: bytes) -> int:
-        return self._pool.handle(self).write(data)
+        """Write a line; one that cannot be written is dropped with a warning (the stock triggerer, whose
+        file stays open, goes on writing to a removed file): a log file never stops the supervisor."""
+        try:
+            return self._pool.handle(self).write(data)
+        except OSError as err:
+            if not self._warned:
+                log.warning("cannot write a trigger log file; its lines are dropped", path=self.name,
+                            error=str(err))
+                self._warned = True
+            return 0
 
     def flush(self) -> None:
         self._pool.flush(self)
@@ -125,4 +146,5 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     @classmethod
     def replacing(cls, factory: TriggerLoggingFactory, pool: LogFilePool) -> PooledTriggerLoggingFactory:
         """The pooled twin of a factory Airflow made (before it wrote anything)."""
+        assert not hasattr(factory, "bound_logger"), "a factory that wrote already keeps its own file"
         return cls(log_path=factory.log_path, ti=factory.ti, pool=pool)

@@ -421,15 +421,17 @@ def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
     Here 400 coroutines run, log and fire under a limit of 200 descriptors."""
     dsn = stack.config.database_dsn
     count = 2 * FD_LIMIT
-    fire_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=45)
-    seeded = seed(stack, count, AT_TIME, lambda i: {
-        "moment": (fire_at + dt.timedelta(milliseconds=i)).isoformat(), "poll_interval": 1.0})
     command = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
                "--health-port", "0"]
     instance = stack.add("smart-limited", [sys.executable, "-c", LIMITED, str(FD_LIMIT), *command], ENV)
     url = health_url(instance)
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_shards_owned") == SHARDS, 30,
+             "every shard owned")
+    # waiters arrive at a running instance (as in a takeover); they fire after every coroutine started
+    seeded = seed(stack, count, AT_TIME, lambda i: {"moment": in_seconds(40 + i / 1000),
+                                                    "poll_interval": 1.0})
 
-    running = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == count, 40,
+    running = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == count, 30,
                        f"{count} coroutines running")
     assert running["smart_triggerer_groups"] == count
     logs_dir = stack.config.home / "logs"

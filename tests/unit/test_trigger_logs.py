@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import resource
-from collections.abc import Iterator
+import shutil
 from pathlib import Path
 
 import pytest
 import structlog
 from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
 
+from triggerer import trigger_logs
 from triggerer.trigger_logs import (
     MAX_OPEN_LOG_FILES,
     LogFilePool,
@@ -68,20 +69,35 @@ def test_the_factory_writes_airflow_json_lines_through_the_pool(tmp_path: Path) 
     assert len(pool) == 0
 
 
-@pytest.fixture
-def soft_limit() -> Iterator[None]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@pytest.mark.usefixtures("soft_limit")
-def test_the_pool_takes_at_most_a_quarter_of_the_descriptors() -> None:
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+def test_the_pool_takes_at_most_a_quarter_of_the_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = {"soft": 100}
+    monkeypatch.setattr(trigger_logs.resource, "getrlimit", lambda _which: (limits["soft"], 1 << 20))
     assert open_files_allowed() == 25
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8 * MAX_OPEN_LOG_FILES), hard))
-    assert open_files_allowed() == min(MAX_OPEN_LOG_FILES, min(hard, 8 * MAX_OPEN_LOG_FILES) // 4)
+    limits["soft"] = 20_000
+    assert open_files_allowed() == MAX_OPEN_LOG_FILES
+    limits["soft"] = resource.RLIM_INFINITY
+    assert open_files_allowed() == MAX_OPEN_LOG_FILES
+
+
+def test_a_removed_folder_is_made_again_and_an_unwritable_file_drops_lines(tmp_path: Path) -> None:
+    """Log retention may remove a waiting trigger's folder while its file is closed to make room; a line
+    that cannot be written at all is dropped: neither may stop the supervisor."""
+    pool = LogFilePool(limit=1)
+    folder = tmp_path / "dag_id=d"
+    folder.mkdir()
+    waiting = PooledLogFile(folder / "t.log", pool)
+    waiting.write(b"starting\n")
+    other = PooledLogFile(tmp_path / "other.log", pool)
+    other.write(b"closes the waiting trigger's file\n")
+    shutil.rmtree(folder)
+    assert waiting.write(b"fired\n") == len(b"fired\n")
+    waiting.flush()  # as structlog's BytesLogger does after every line
+    assert (folder / "t.log").read_text() == "fired\n"
+
+    blocked = PooledLogFile(tmp_path / "a-folder" / "t.log", pool)
+    (tmp_path / "a-folder").write_text("a file where the folder should be")
+    assert blocked.write(b"lost\n") == 0
+    assert len(pool) == 1 and other.write(b"still written\n") > 0  # the failed open closed nothing else
 
 
 def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
