@@ -114,7 +114,12 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     young_until: dict[int, float] = attrs.field(factory=dict, init=False)
     held: dict[int, Held] = attrs.field(factory=dict, init=False)
     user_cancels: set[int] = attrs.field(factory=set, init=False)
-    gained: set[int] = attrs.field(factory=set, init=False)
+    # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
+    # read commits (a statement failing later in the loop that took it must not leave it unread)
+    to_read: set[int] = attrs.field(factory=set, init=False)
+    # owned shards whose lease a write transaction found lapsed by the database clock: dropped after it
+    lapsed: set[int] = attrs.field(factory=set, init=False)
+    last_error: str | None = attrs.field(default=None, init=False)
     # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
     load_xmin: str | None = attrs.field(default=None, init=False)
     hash_xmin: str | None = attrs.field(default=None, init=False)
@@ -245,10 +250,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def load_triggers(self) -> None:
         """What changed since the last loop, read from the change feed: nothing changed, nothing read."""
-        self._renew_leases()
-        if not self._nothing_changed():
-            self._hash_new_triggers()
-            self._load_waiters()
+        self.read_changes()
         self._timeout_members()
         self._fail_unreadable()
         self._start_groups()
@@ -256,10 +258,17 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if self._counters() != self.published_counters:
             self._heartbeat_counters()
 
+    def read_changes(self) -> None:
+        """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
+        self._renew_leases()
+        if not self._nothing_changed():
+            self._hash_new_triggers()
+            self._load_waiters()
+
     def _nothing_changed(self) -> bool:
         """One statement: True (and both feed positions moved on) when no waiter arrived or left since
         the last read and no shard was taken: the common loop of a waiting deployment."""
-        if self.load_xmin is None or self.hash_xmin is None or self.gained:
+        if self.load_xmin is None or self.hash_xmin is None or self.to_read:
             return False
         with create_session() as session:
             xmin, changed = Store(session).feed_probe(self.load_xmin, self.hash_xmin)
@@ -359,7 +368,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if gained:
             log.info("took shards", count=len(gained))
         self.owned = claimed
-        self.gained = gained
+        self.to_read = (self.to_read | gained) & claimed
 
     def _wake_at_lapse(self, lapses_in: list[float]) -> None:
         """Load again right when another member's membership lapses (it stopped renewing: crashed or
@@ -432,7 +441,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _load_waiters(self) -> None:
         """Arrivals and departures since the last read, from the change feed; every waiter of shards just
         taken (or of all owned shards when the feed position was lost) in full."""
-        full = set(self.owned) if self.load_xmin is None else self.gained & self.owned
+        full = set(self.owned) if self.load_xmin is None else self.to_read & self.owned
         hold = self.settings.resume_hold_seconds
         gone: set[int] = set()
         with create_session() as session:
@@ -449,6 +458,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
         if self._went_back(xmin):
             return
+        self.to_read -= full  # read in full, committed
         reconcile = self.load_xmin is None
         self.load_xmin = xmin
         if reconcile:

@@ -67,10 +67,7 @@ def make_supervisor(**settings: Any) -> Any:
 def load(supervisor: Any) -> None:
     """One load step without starting coroutines (the test plays the runner)."""
     supervisor.loops += 1
-    supervisor._renew_leases()
-    if not supervisor._nothing_changed():
-        supervisor._hash_new_triggers()
-        supervisor._load_waiters()
+    supervisor.read_changes()
 
 
 def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None) -> Any:
@@ -423,3 +420,44 @@ def test_starting_many_groups_deserializes_each_dag_version_once(env: AirflowCon
         ours = started[workload.id]
         assert (ours.classpath, ours.ti, ours.dag_data) == (workload.classpath, workload.ti,
                                                             workload.dag_data)
+
+
+def blip_once(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str]:
+    """The next call of ``Store.<method>`` loses its connection first: its own backend is terminated by
+    the server (a real connection blip, seen by SQLAlchemy as an invalidated connection)."""
+    from sqlalchemy import text
+
+    from triggerer.store import Store
+
+    original = getattr(Store, method)
+    blips: list[str] = []
+
+    def blipping(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not blips:
+            blips.append(method)
+            self.session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, method, blipping)
+    return blips
+
+
+def test_shards_taken_in_a_loop_that_then_fails_are_read_when_it_recovers(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25.1, a rolling deploy: A stops gracefully; B takes A's shards in a loop whose next statement
+    loses its connection. The shards stay "to be read in full" until that read commits."""
+    first = make_supervisor()
+    seeded = seed_deferred(env.database_dsn, env.dags_folder, count=12, classpath=AT_TIME,
+                           kwargs_for=lambda i: {"moment": f"2099-01-{i + 1:02d}T00:00:00+00:00"})
+    load(first)
+    second = make_supervisor()
+    load(second)  # A's leases hold: B owns nothing yet, but has read the feed (its position is set)
+    assert set(first.member_info) == set(seeded.trigger_ids) and not second.owned
+    first.release_all()
+
+    blips = blip_once(monkeypatch, "waiting_triggers")
+    second._db_step("load", second.read_changes)
+    assert blips and second.owned == {0, 1, 2, 3} and not second.db_ok  # taken, then the blip
+    second._db_step("load", second.read_changes)
+    assert set(second.member_info) == set(seeded.trigger_ids)
+    assert not second.to_read
