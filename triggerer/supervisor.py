@@ -218,29 +218,57 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         try:
             step()
         except SQLAlchemyError as err:
+            self.last_error = _cause(err)
             if self.db_ok:
-                log.warning("database unavailable; retrying every loop", step=name, error=_cause(err))
+                log.warning("database unavailable; retrying every loop", step=name, error=self.last_error)
             self.db_ok = False
         else:
             if not self.db_ok and name == "load":
                 log.info("database reachable again")
                 self.db_ok = True
+        finally:
+            self._drop_lapsed()
 
     def _guard_leases(self) -> None:
-        """Stop running shards before their leases can expire when renewal keeps failing."""
-        if not self.owned:
+        """Stop running shards before their leases can expire when they cannot be renewed.
+
+        A slow loop (a busy host, a long burst) is not a reason: the leases are renewed now, and those
+        still valid by the database clock keep their groups running (stopping and restarting coroutines
+        is itself a stall). Only when the database cannot be reached are all shards stopped.
+        """
+        if not self.owned or not self._renewal_overdue():
             return
-        if time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6:
+        self._db_step("renewal", self._renew_leases)
+        if self.owned and self._renewal_overdue():
             log.warning("cannot renew shard leases; stopping all shards before they expire",
-                        shards=len(self.owned))
+                        shards=len(self.owned), cause=self.last_error)
             self._drop_shards(set(self.owned))
             self.owned = set()
 
+    def _renewal_overdue(self) -> bool:
+        return time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6
+
     def _fence(self, session: Session) -> set[int]:
-        """The owned shards whose lease still holds, share-locked until this transaction ends."""
+        """The owned shards whose lease still holds, share-locked until this transaction ends. Owned shards
+        whose lease lapsed by the database clock are dropped once the caller is done (``_drop_lapsed``)."""
         if not self.owned:
             return set()
-        return Store(session).fence(self.job_id, self.owned, self.queues_key)
+        fenced = Store(session).fence(self.job_id, self.owned, self.queues_key)
+        self.lapsed |= self.owned - fenced
+        return fenced
+
+    def _drop_lapsed(self) -> None:
+        """Shards whose lease lapsed while this instance thought it held them (the database clock stepped,
+        a loop was slow): their members are dropped, not kept without a coroutine, and the shards leave
+        ``owned``, so whoever claims them next (this instance too) reads them in full."""
+        lapsed, self.lapsed = self.lapsed & self.owned, set()
+        if not lapsed:
+            return
+        log.warning("shard leases lapsed by the database clock; dropping them until claimed again",
+                    shards=sorted(lapsed))
+        self._drop_shards(lapsed)
+        self.owned -= lapsed
+        self.to_read -= lapsed
 
     def _shard_of(self, trigger_id: int) -> int | None:
         info = self.member_info.get(trigger_id)
@@ -719,8 +747,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             fenced = self._fence(session)
             for entry in entries:
                 group = self.groups.by_runner(entry.trigger_id)
-                if group is None:
-                    # not ours any more (handed over): neither stored nor acknowledged
+                if group is None or self._in_lapsed_shard(group):
+                    # not ours any more (handed over, lease lapsed): neither stored nor acknowledged
                     outcomes.append((entry, None, set()))
                     continue
                 mine = {m for m in group.members if self._shard_of(m) in fenced}
@@ -742,6 +770,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             if entry.persist_seq is not None and stored_all:
                 self.persisted_event_seqs.append(entry.persist_seq)
             self._after_event(group, entry.event, mine, now)
+
+    def _in_lapsed_shard(self, group: Group) -> bool:
+        return any(self._shard_of(m) in self.lapsed for m in group.members)
 
     def _poisoned(self, entry: TriggerEventEntry, err: SQLAlchemyError) -> None:
         """An event the database refuses on its own: its members fail with the cause; others go on."""

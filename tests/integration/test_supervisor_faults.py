@@ -20,7 +20,7 @@ import structlog
 
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import Seeded, seed_deferred
-from tests.helpers.waiting import rows, ti_states
+from tests.helpers.waiting import rows, ti_states, wait_for
 from triggerer.config import Settings
 from triggerer.devstack import AirflowConfig
 from triggerer.health import is_healthy
@@ -461,3 +461,79 @@ def test_shards_taken_in_a_loop_that_then_fails_are_read_when_it_recovers(
     second._db_step("load", second.read_changes)
     assert set(second.member_info) == set(seeded.trigger_ids)
     assert not second.to_read
+
+
+def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(env: AirflowConfig) -> None:
+    """Issue 25.3: a slow loop lets the instance's own leases lapse by the database clock; the event it
+    then stores is fenced out. Renewing the same shards must read their waiters again, not leave them
+    deferred with no coroutine; the event is stored once they are back."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor(lease_seconds=3.0)
+    seeded = seed(env, 3)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor.running_triggers.add(runner)  # the coroutine runs on, and fires
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
+                               "WHERE expires_at > clock_timestamp()"),
+             lambda r: r == [(0,)], 10, "the leases to lapse by the database clock", interval=0.05)
+    supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=21))
+    supervisor._db_step("events", supervisor.handle_events)
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}  # fenced out
+    assert not supervisor.owned and list(supervisor.persisted_event_seqs) == []
+
+    load(supervisor)  # the same instance claims the same shards again
+    assert set(seeded.trigger_ids) <= set(supervisor.member_info)
+    supervisor._start_groups()
+    supervisor._db_step("events", supervisor.handle_events)
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+    assert list(supervisor.persisted_event_seqs) == [21] and supervisor.resumed_total == 3
+
+
+def lease_expiries(dsn: str) -> dict[int, dt.datetime]:
+    return dict(rows(dsn, "SELECT shard, expires_at FROM smart_triggerer.shard_lease WHERE queues = ''"))
+
+
+def test_a_slow_loop_with_valid_leases_keeps_its_groups_running(env: AirflowConfig) -> None:
+    """Issue 25.11: a busy host made one loop take longer than 0.6 of a lease; the leases were still
+    valid by the database clock, yet every shard was dropped and taken back (a stall for every wait)."""
+    from structlog.testing import capture_logs
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 3)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    before = lease_expiries(dsn)
+    time.sleep(supervisor.settings.lease_seconds * 0.7)  # the slow loop itself (the fault, not a wait)
+    with capture_logs() as logs:
+        supervisor._guard_leases()
+    assert supervisor.owned == {0, 1, 2, 3}
+    assert supervisor.groups.by_runner(runner) is not None
+    assert set(supervisor.member_info) == set(seeded.trigger_ids)
+    after = lease_expiries(dsn)
+    assert all(after[shard] > before[shard] for shard in before)  # renewed on the database clock
+    assert not [entry for entry in logs if "stopping all shards" in entry["event"]]
+
+
+def test_shards_stop_before_expiry_when_the_database_is_unreachable_and_the_cause_is_logged(
+        env: AirflowConfig) -> None:
+    from structlog.testing import capture_logs
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 3)
+    load(supervisor)
+    runner_of(supervisor, seeded)
+    dbname = dsn.rsplit("/", 1)[1]
+    admin = dsn.rsplit("/", 1)[0] + "/postgres"
+    rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false; SELECT 1')
+    rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", dbname)
+    try:
+        time.sleep(supervisor.settings.lease_seconds * 0.7)  # the loop that could not renew
+        with capture_logs() as logs:
+            supervisor._guard_leases()
+    finally:
+        rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
+    assert not supervisor.owned and not supervisor.member_info
+    stopped = [entry for entry in logs if "stopping all shards" in entry["event"]]
+    assert len(stopped) == 1 and "OperationalError" in stopped[0]["cause"], logs
