@@ -56,8 +56,11 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.relay_target (
     since timestamptz NOT NULL DEFAULT now()
 );
 ALTER TABLE dataset_bridge.relay_target ADD COLUMN IF NOT EXISTS swept_until timestamptz;
-CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_at) WHERE status = 'delivered'
-"""
+CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_at)
+    WHERE status = 'delivered';
+-- NULL: the event's extra could not be copied (jsonb refuses it), so the row is dead and never sent
+ALTER TABLE dataset_bridge.outbox ALTER COLUMN extra DROP NOT NULL;
+""" + ddl.JSONB_ERROR
 
 INSERT_ROW = """
 INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp)
@@ -65,11 +68,18 @@ VALUES (:target, :event_id, :uri, :name, CAST(:extra AS jsonb), :at)
 ON CONFLICT DO NOTHING
 """
 
+# An event whose extra jsonb refuses gets a dead row with the reason (and no extra): it is never sent, and
+# the events after it are.
 SWEEP = """
-INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp)
-SELECT :target, e.id, a.uri, a.name, CAST(CAST(e.extra AS text) AS jsonb), e.timestamp
+INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp,
+                                   status, last_error)
+SELECT :target, e.id, a.uri, a.name,
+       CASE WHEN j.error IS NULL THEN CAST(CAST(e.extra AS text) AS jsonb) END, e.timestamp,
+       CASE WHEN j.error IS NULL THEN 'pending' ELSE 'dead' END,
+       'not relayed: PostgreSQL cannot store its extra as jsonb (' || j.error || ')'
 FROM asset_event e
 JOIN asset a ON a.id = e.asset_id
+CROSS JOIN LATERAL (SELECT dataset_bridge.jsonb_error(CAST(e.extra AS text)) AS error OFFSET 0) j
 JOIN dataset_bridge.relay_target t ON t.target = :target
 WHERE (a.uri = ANY(:assets) OR a.name = ANY(:assets))
   AND e.timestamp >= t.since
@@ -120,8 +130,34 @@ def _targets_registered(session: Session, routes: Routes) -> bool:
     return int(found or 0) == len(names)
 
 
+def jsonb_refusal(value: Any) -> str | None:
+    """Why jsonb would refuse this JSON value, or None: a string (or key) holding a NUL character or an
+    unpaired surrogate, which Python and Airflow's json column take. Walked without recursion: however
+    deep the value, it never fails the producer's transaction."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            if "\x00" in item:
+                return "a string holds \\u0000 (NUL)"
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "a string holds an unpaired UTF-16 surrogate"
+    return None
+
+
 def record(session: Session, routes: Routes, event: Any, uri: str, name: str) -> int:
-    """Outbox rows for one new asset event (in the caller's transaction); how many targets want it."""
+    """Outbox rows for one new asset event (in the caller's transaction); how many targets want it.
+
+    An extra jsonb would refuse gets no row here (the insert would fail the producer's transaction): the
+    relay's sweep finds the event without one and dead-letters it with PostgreSQL's reason."""
     seen = (session.connection().engine.url.render_as_string(hide_password=True), routes)
     if seen not in _registered:
         # the first events this process sees, routed or not: routing is configured from here on, whether
@@ -133,10 +169,16 @@ def record(session: Session, routes: Routes, event: Any, uri: str, name: str) ->
     targets = routes.targets_for(uri, name)
     if not targets:
         return 0
+    extra = json.dumps(event.extra or {}, default=str)
+    refusal = jsonb_refusal(json.loads(extra))
+    if refusal is not None:
+        log.warning("asset event left to the relay's sweep, which dead-letters it: its extra cannot be "
+                    "stored as jsonb", event_id=event.id, asset=name, cause=refusal)
+        return 0
     for target in targets:
         session.execute(text(INSERT_ROW), {
-            "target": target.name, "event_id": event.id, "uri": uri, "name": name,
-            "extra": json.dumps(event.extra or {}, default=str), "at": event.timestamp,
+            "target": target.name, "event_id": event.id, "uri": uri, "name": name, "extra": extra,
+            "at": event.timestamp,
         })
     session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
     return len(targets)

@@ -47,8 +47,12 @@ WITH ours AS (
     WHERE e.id >= :from_id
       AND e.timestamp < now() - make_interval(secs => :grace)
       AND e.timestamp > now() - make_interval(secs => :lookback)
-      AND (CAST(e.extra AS jsonb) ? 'idempotency_key'
-           OR CAST(e.extra AS jsonb) -> 'payload' ? 'idempotency_key')
+      -- CASE keeps the cast away from an extra jsonb refuses (a NUL character, say): such an event is not
+      -- read as ours, and the others still are
+      AND CASE WHEN strpos(CAST(e.extra AS text), 'idempotency_key') = 0 THEN false
+               WHEN dataset_bridge.jsonb_error(CAST(e.extra AS text)) IS NOT NULL THEN false
+               ELSE CAST(e.extra AS jsonb) ? 'idempotency_key'
+                    OR CAST(e.extra AS jsonb) -> 'payload' ? 'idempotency_key' END
 ), consumers AS (
     SELECT o.id AS event_id, r.dag_id, r.created_at AS since
     FROM ours o JOIN dag_schedule_asset_reference r ON r.asset_id = o.asset_id
@@ -72,8 +76,10 @@ SELECT o.id AS event_id, o.asset_id, o.timestamp, c.dag_id,
                  AND l.dttm >= o.timestamp
                  AND (l.dag_id = c.dag_id OR l.dag_id IS NULL)
                  AND (l.event = 'delete_dag_asset_queued_events'
-                      -- only these API events' extra is JSON for sure: CASE keeps the cast away from others
+                      -- only these API events' extra is JSON (and then not always one jsonb takes): CASE
+                      -- keeps the cast away from the others
                       OR CASE WHEN l.event IN ('delete_dag_asset_queued_event', 'delete_asset_queued_events')
+                                   AND dataset_bridge.jsonb_error(l.extra) IS NULL
                               THEN CAST(l.extra AS jsonb) ->> 'asset_id' END = CAST(o.asset_id AS text)))
        AS cleared
 FROM ours o

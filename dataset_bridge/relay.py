@@ -22,7 +22,7 @@ import json
 import random
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,10 +205,13 @@ class Relay:
                         retry_in=round(delay, 1), error=error)
 
     async def sweep(self) -> None:
-        await asyncio.to_thread(_sweep_blocking, self.routes)
+        """Outbox rows for events made without one, and now and then the prune of delivered rows. Either
+        failing is logged and tried again at the next sweep: delivery goes on regardless (a database that
+        is away fails the delivery too, and the pass backs off)."""
+        await _logged("outbox sweep", asyncio.to_thread(_sweep_blocking, self.routes))
         if time.monotonic() - self.last_prune >= self.settings.prune_every:
             self.last_prune = time.monotonic()
-            await asyncio.to_thread(_prune_blocking, self.settings.retention)
+            await _logged("outbox prune", asyncio.to_thread(_prune_blocking, self.settings.retention))
 
     def notified(self, *args: object) -> None:
         self.wake.set()
@@ -254,6 +257,18 @@ class Relay:
         listener, self.listener = self.listener, None
         if listener is not None:
             await listener.close()
+
+
+async def _logged(what: str, work: Awaitable[None]) -> None:
+    try:
+        await work
+    except Exception as err:
+        log.warning("relay step failed; trying again at the next sweep", step=what, error=_first_line(err))
+
+
+def _first_line(err: BaseException) -> str:
+    """The error's type and first line (SQLAlchemy's later lines hold the statement and its parameters)."""
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
 
 
 @functools.cache
@@ -396,10 +411,11 @@ async def relay_status() -> list[dict[str, Any]]:
 
 
 # Dead letters back into the queue, from their first attempt: their ids are older than the pending rows,
-# so the relay sends them first and per-target order is kept.
+# so the relay sends them first and per-target order is kept. A row without its extra (jsonb refused it)
+# cannot be sent and stays dead.
 REPLAY = """
 UPDATE dataset_bridge.outbox SET status = 'pending', attempts = 0, next_attempt_at = now()
-WHERE status = 'dead' AND target = ANY($1::text[]) RETURNING target
+WHERE status = 'dead' AND target = ANY($1::text[]) AND extra IS NOT NULL RETURNING target
 """
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from sqlalchemy import text
 
-from dataset_bridge import reconcile, retention, task_success
+from dataset_bridge import ddl, reconcile, retention, task_success
 from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
 from dataset_bridge.retention import Retention
 from dataset_bridge.task_success import TaskMapping
@@ -95,29 +96,55 @@ def reconcile_once(settings: BridgeSettings) -> int:
     return requeued
 
 
+def _step(what: str, action: Callable[[], int | None]) -> int | None:
+    """One part of a pass; a failure is logged and that part tried again next pass, while the other parts
+    go on (a reconciler that cannot read some event must not stop the pruning, nor the reverse)."""
+    try:
+        return action()
+    except Exception:
+        # the database may be restarting; the ledgers make the retry safe
+        log.exception("bridge pass step failed; retrying next pass", step=what)
+        return None
+
+
+class _Pass:
+    """What one bridge process does each interval, and when it last reconciled and pruned."""
+
+    def __init__(self, mapping: TaskMapping | None, settings: BridgeSettings) -> None:
+        self.mapping, self.settings = mapping, settings
+        self.counters = Counters()
+        self.last_reconcile = self.last_prune = float("-inf")
+
+    def run(self) -> None:
+        mapping, settings = self.mapping, self.settings
+        if mapping is not None:
+            emitted = _step("task successes", lambda: emit_pending(mapping, settings.retention))
+            self.counters.emitted += emitted or 0
+        if time.monotonic() - self.last_reconcile >= settings.reconcile_every:
+            requeued = _step("reconciler", lambda: reconcile_once(settings))
+            if requeued is not None:
+                self.counters.requeued += requeued
+                self.last_reconcile = time.monotonic()
+        if time.monotonic() - self.last_prune >= settings.prune_every:
+            self.last_prune = time.monotonic()
+            _step("ledger pruning", lambda: _prune(settings))
+
+
+def _prune(settings: BridgeSettings) -> None:
+    retention.prune(_session, BRIDGE_LEDGERS, settings.retention)
+
+
 def run(mapping: TaskMapping | None, settings: BridgeSettings, stop: threading.Event | None = None) -> int:
     stop = stop or threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     prepare(mapping)
-    counters = Counters()
-    last_reconcile = last_prune = float("-inf")
+    bridge = _Pass(mapping, settings)
     log.info("dataset bridge running", mapped_tasks=len(mapping.entries) if mapping else 0)
     while not stop.is_set():
-        try:
-            if mapping is not None:
-                counters.emitted += emit_pending(mapping, settings.retention)
-            if time.monotonic() - last_reconcile >= settings.reconcile_every:
-                counters.requeued += reconcile_once(settings)
-                last_reconcile = time.monotonic()
-            if time.monotonic() - last_prune >= settings.prune_every:
-                last_prune = time.monotonic()
-                retention.prune(_session, BRIDGE_LEDGERS, settings.retention)
-        except Exception:
-            # the database may be restarting; the ledger makes the retry safe
-            log.exception("bridge pass failed; retrying")
+        bridge.run()
         stop.wait(settings.interval)
-    log.info("dataset bridge stopped", emitted=counters.emitted, requeued=counters.requeued)
+    log.info("dataset bridge stopped", emitted=bridge.counters.emitted, requeued=bridge.counters.requeued)
     return 0
 
 
@@ -135,6 +162,8 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         exists = session.execute(text("SELECT to_regclass('dataset_bridge.emitted') IS NOT NULL")).scalar()
         if not exists:
             return {"initialized": False}
+        if not session.execute(text("SELECT to_regprocedure('dataset_bridge.jsonb_error(text)')")).scalar():
+            ddl.apply(session, ddl.JSONB_ERROR)  # tables made by an earlier version: the reconciler needs it
         result: dict[str, Any] = {"initialized": True}
         result["emitted"] = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["emitted"])).all()}
         result["horizons"] = {str(k): v.isoformat() for k, v in session.execute(text(STATUS_SQL["horizons"]))}

@@ -69,7 +69,7 @@ CREATE TABLE IF NOT EXISTS dataset_bridge.reconciled (
 ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS outcome text NOT NULL DEFAULT 'requeued';
 ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS reason text;
 CREATE INDEX IF NOT EXISTS reconciled_queued ON dataset_bridge.reconciled (queued_at);
-"""
+""" + ddl.JSONB_ERROR  # the reconciler's
 
 # Mapped refs resolve to the active asset with that URI, else with that name (as the inbox does).
 # Successful tries come from task_instance (the current try) and task_instance_history (tries that were

@@ -99,3 +99,51 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
         query = "SELECT asset_event_id FROM dataset_bridge.outbox ORDER BY id"
         ids = [r[0] for r in session.execute(text(query))]
     assert ids == [by_manager.id, by_watcher.id]
+
+
+def test_an_extra_jsonb_cannot_hold_never_fails_its_producer_and_is_dead_lettered_alone(
+        airflow_db: str, tmp_path: Path) -> None:
+    """Airflow stores ``extra`` as json, which takes a NUL character or an unpaired surrogate; jsonb, the
+    outbox's type, refuses both. The producer's transaction still commits, the event is dead-lettered
+    alone with the reason (by the sweep, for events made through the manager and without it alike) and
+    every other event gets its row."""
+    from airflow.assets.manager import AssetManager
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+    from dataset_bridge.asset_manager import OutboxAssetManager
+    from dataset_bridge.routes import Routes
+
+    use_airflow_db(airflow_db)
+    routes_file = tmp_path / "routes.yaml"
+    routes_file.write_text(ROUTES)
+    manager = OutboxAssetManager(routes=str(routes_file))
+    uri = "warehouse://dds/h_user"
+    with create_session() as session:
+        outbox.ensure_schema(session)
+        session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    with create_session() as session:
+        routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
+        first = manager.register_asset_change(asset=routed, extra={"n": 1}, session=session)
+        nul = manager.register_asset_change(asset=routed, extra={"note": "a\x00b"}, session=session)
+        nul_key = manager.register_asset_change(asset=routed, extra={"k\x00": {"deep": [1]}}, session=session)
+        last = manager.register_asset_change(asset=routed, extra={"n": 2}, session=session)
+    with create_session() as session:  # asset watchers' events (no manager)
+        surrogate = AssetManager.register_asset_change(asset=routed, extra={"s": "\ud800"}, session=session)
+        watcher_nul = AssetManager.register_asset_change(asset=routed, extra={"p": ["\x00"]}, session=session)
+        watcher_ok = AssetManager.register_asset_change(asset=routed, extra={"ok": True}, session=session)
+    with create_session() as session:
+        outbox.sweep(session, Routes.load(routes_file), settle_seconds=0)
+    with create_session() as session:
+        rows = {r[0]: r[1:] for r in session.execute(text(
+            "SELECT asset_event_id, status, extra, last_error FROM dataset_bridge.outbox"))}
+    assert {i: rows[i][:2] for i in (first.id, last.id, watcher_ok.id)} == {
+        first.id: ("pending", {"n": 1}), last.id: ("pending", {"n": 2}),
+        watcher_ok.id: ("pending", {"ok": True})}
+    for bad in (nul, nul_key, watcher_nul):
+        status, extra, error = rows[bad.id]
+        assert (status, extra) == ("dead", None)
+        assert "cannot store its extra as jsonb" in error and "\\u0000" in error, error
+    assert rows[surrogate.id][:2] == ("dead", None)
+    assert "surrogate" in rows[surrogate.id][2]

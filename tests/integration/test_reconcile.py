@@ -186,3 +186,81 @@ def test_the_window_starts_at_its_first_event_id_and_only_moves_forward(seeded: 
         assert reconcile.window_start(session, lookback_seconds=0.001) == newest + 1
         held = reconcile.held_back(session, grace_seconds=15, lookback_seconds=86400, from_id=first)
     assert {r.event_id for r in held} == {events["ours_unconsumed"], events["watcher_unconsumed"]}
+
+
+def _add_unreadable(seeded: dict[str, Any]) -> int:
+    """An event of ours whose extra jsonb cannot hold (a NUL character), and an audit-log row with one."""
+    import json
+
+    from airflow.models.asset import AssetEvent
+    from airflow.models.log import Log
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        event = AssetEvent(asset_id=seeded["asset_id"], extra={"idempotency_key": "nul", "note": "a\x00b"},
+                           timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1))
+        session.add(event)
+        session.add(Log(event="delete_asset_queued_events", extra=json.dumps({"asset_id": 0, "q": "\x00"})))
+        session.flush()
+        return int(event.id)
+
+
+def test_an_extra_jsonb_cannot_hold_does_not_stop_the_reconciler(seeded: dict[str, Any]) -> None:
+    from airflow.utils.session import create_session
+
+    unreadable = _add_unreadable(seeded)
+    with create_session() as session:
+        assert reconcile.requeue(session, grace_seconds=15) == 2  # the two readable events of ours
+        decided = {r[0] for r in session.execute(text(
+            "SELECT asset_event_id FROM dataset_bridge.reconciled"))}
+    assert decided == {seeded["events"]["ours_unconsumed"], seeded["events"]["watcher_unconsumed"]}
+    assert unreadable not in decided
+
+
+def test_the_bridge_process_keeps_reconciling_and_pruning_with_an_unreadable_event(
+        seeded: dict[str, Any]) -> None:
+    """``dataset-bridge run``: one event whose extra jsonb cannot hold stops neither the reconciler nor the
+    ledgers' pruning (each part of a pass fails or succeeds on its own)."""
+    import signal
+    import threading
+
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import service
+    from dataset_bridge.retention import Retention
+    from tests.helpers.waiting import wait_for
+
+    _add_unreadable(seeded)
+    with create_session() as session:
+        session.execute(text("INSERT INTO dataset_bridge.emitted (asset_id, idempotency_key, source, "
+                             "created_at) VALUES (1, 'old', 'task_success', now() - interval '40 days')"))
+
+    def progress() -> tuple[int, int]:
+        with create_session() as session:
+            queued = session.execute(text("SELECT count(*) FROM asset_dag_run_queue")).scalar()
+            old = session.execute(text("SELECT count(*) FROM dataset_bridge.emitted")).scalar()
+        return int(queued or 0), int(old or 0)
+
+    stop = threading.Event()
+    seen: list[tuple[int, int]] = []
+
+    def watch() -> None:
+        try:
+            seen.append(wait_for(progress, lambda p: p == (1, 0), timeout=30,
+                                 what="a queued consumer run and the old ledger row pruned"))
+        finally:
+            stop.set()
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        settings = service.BridgeSettings(interval=0.1, reconcile_every=0.1, prune_every=0.1,
+                                          retention=Retention(days=30))
+        assert service.run(None, settings, stop) == 0
+    finally:
+        stop.set()
+        watcher.join()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert seen == [(1, 0)]

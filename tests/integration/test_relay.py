@@ -15,8 +15,9 @@ from typing import Any
 import asyncpg
 import pytest
 from aiohttp import web
+from sqlalchemy import text as sql_text
 
-from dataset_bridge import outbox, signing
+from dataset_bridge import ddl, outbox, signing
 from dataset_bridge.relay import Relay, RelaySettings
 from dataset_bridge.routes import Routes
 from tests.helpers.airflow_orm import use_airflow_db
@@ -77,9 +78,8 @@ def _routes(url: str, max_attempts: int = 10) -> Routes:
 async def _outbox(dsn: str) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
     async with pool.acquire() as conn:
-        for statement in outbox.SCHEMA_DDL.split(";"):
-            if statement.strip():
-                await conn.execute(statement)
+        for statement in ddl.statements(outbox.SCHEMA_DDL):
+            await conn.execute(statement)
     return pool
 
 
@@ -287,3 +287,51 @@ async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(pg
         assert (await _rows(pool))[1][:2] == ("delivered", 1)
     finally:
         await pool.close()
+
+
+async def test_the_relay_keeps_sweeping_delivering_and_pruning_with_an_unreadable_event(
+        airflow_db: str, inbox: Inbox) -> None:
+    """A watcher event whose extra jsonb cannot hold (a NUL character) among others: the sweep dead-letters
+    it alone with the reason, the others are delivered, the prune still runs, and a replay leaves it dead
+    (it cannot be sent)."""
+    from airflow.assets.manager import AssetManager
+    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.utils.session import create_session
+
+    from dataset_bridge.relay import prepare, replay_dead
+
+    use_airflow_db(airflow_db)
+    routes = _routes(inbox.url)
+    await asyncio.to_thread(prepare, routes)
+    with create_session() as session:
+        session.add_all([AssetModel(name="x", uri="x"), AssetActive(name="x", uri="x")])
+    with create_session() as session:
+        asset = session.query(AssetModel).filter_by(uri="x").one().to_serialized()
+        events = [AssetManager.register_asset_change(asset=asset, extra=extra, session=session).id
+                  for extra in ({"n": 1}, {"note": "a\x00b"}, {"n": 3})]
+        session.execute(sql_text(
+            "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, "
+            "event_timestamp, status, delivered_at) "
+            "VALUES ('b', -1, 'x', 'x', now(), 'delivered', now() - interval '40 days')"))
+    pool = await asyncpg.create_pool(airflow_db, min_size=1, max_size=4)
+    stop = asyncio.Event()
+    settings = RelaySettings(poll_seconds=0.2, sweep_every=0.2, prune_every=0.2, backoff_base=0.2)
+    relay = asyncio.create_task(Relay(pool, routes, settings).run(stop))
+    try:
+        await _until(lambda: inbox.received == [events[0], events[2]], timeout=30)
+        await _until_ok(lambda: _pruned(pool, -1), timeout=30)
+        status, _, error = (await _rows(pool))[events[1]]
+        assert status == "dead"
+        assert "cannot store its extra as jsonb" in str(error) and "\\u0000" in str(error)
+        async with pool.acquire() as conn:
+            assert await replay_dead(conn, ["b"]) == {}
+        assert not relay.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(relay, 15)
+        await pool.close()
+
+
+async def _pruned(pool: asyncpg.Pool, event_id: int) -> None:
+    if await pool.fetchval("SELECT count(*) FROM dataset_bridge.outbox WHERE asset_event_id = $1", event_id):
+        raise OSError("not yet")
