@@ -9,7 +9,8 @@ must carry a valid HMAC signature from a known source within the timestamp windo
 Each source may create events only for the assets ``[dataset_bridge] inbox_allowed_assets`` lists for it
 (JSON: source -> [asset URI or name, ...], ``"*"`` for any); a source not listed may create none.
 
-Answers: 401 bad or missing signature, 413 body over 1 MiB (checked while reading, also for chunked
+Answers: 401 bad or missing signature (the same answer for a source B does not know, so that no caller
+learns which sources exist), 413 body over 1 MiB (checked while reading, also for chunked
 bodies), 400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused:
 it would make signatures forgeable); else 200 with one result per event: ``created``, ``duplicate`` (this
 source's event id was received before: nothing is created), ``forbidden`` (the source may not use that
@@ -279,7 +280,10 @@ def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: 
     try:
         source = signing.verify(secrets, headers, body)
     except signing.SignatureError as err:
-        log.warning("inbox request rejected", reason=str(err))
+        # the log, for B's operators, says whether the claimed source is configured; the answer does not
+        claimed = headers.get(signing.SOURCE_HEADER.lower(), "")[:100]
+        log.warning("inbox request rejected", reason=str(err), source=claimed,
+                    known_source=claimed in secrets)
         raise Refused(401, f"not authenticated: {err}") from err
     try:
         raw = json.loads(body)

@@ -17,8 +17,16 @@ TIMESTAMP_HEADER = "X-Bridge-Timestamp"
 SIGNATURE_HEADER = "X-Bridge-Signature"
 
 
+# The same answer for a source the receiver does not know and a signature that does not match: a caller
+# must not learn which source names exist.
+NOT_AUTHENTIC = "unknown source or bad signature (is the source's secret the same on both sides?)"
+# the HMAC key for an unknown source, so that its refusal costs the time a known one's does
+_DECOY = "dataset-bridge: no such source"
+
+
 class SignatureError(Exception):
-    """The request is not authentic (the message says why, never what the secret is)."""
+    """The request is not authentic (the message says why, never what the secret is, nor whether the
+    source named exists)."""
 
 
 def signature(secret: str, timestamp: str, body: bytes) -> str:
@@ -33,21 +41,21 @@ def sign(source: str, secret: str, body: bytes, now: float | None = None) -> dic
 
 
 def verify(secrets: dict[str, str], headers: dict[str, str], body: bytes, now: float | None = None) -> str:
-    """The authenticated source name; SignatureError otherwise."""
+    """The authenticated source name; SignatureError otherwise. Whatever does not depend on the source
+    (headers, timestamp) is checked first, and an unknown source fails as a bad signature does."""
     source = headers.get(SOURCE_HEADER.lower(), "")
     timestamp = headers.get(TIMESTAMP_HEADER.lower(), "")
     given = headers.get(SIGNATURE_HEADER.lower(), "")
     if not source or not timestamp or not given:
         raise SignatureError(f"missing {SOURCE_HEADER}, {TIMESTAMP_HEADER} or {SIGNATURE_HEADER}")
-    secret = secrets.get(source)
-    if not secret:  # an empty secret would accept an HMAC anyone can compute
-        raise SignatureError(f"unknown source {source!r}")
     try:
         age = abs((now if now is not None else time.time()) - int(timestamp))
     except ValueError as err:
         raise SignatureError("the timestamp is not a unix time") from err
     if age > WINDOW_SECONDS:
         raise SignatureError(f"the timestamp is {age:.0f}s off (window {WINDOW_SECONDS}s): check the clocks")
-    if not given.isascii() or not hmac.compare_digest(given, signature(secret, timestamp, body)):
-        raise SignatureError("bad signature (wrong secret for this source?)")
+    secret = secrets.get(source) or ""  # an empty secret would accept an HMAC anyone can compute
+    expected = signature(secret or _DECOY, timestamp, body)
+    if not secret or not given.isascii() or not hmac.compare_digest(given, expected):
+        raise SignatureError(NOT_AUTHENTIC)
     return source

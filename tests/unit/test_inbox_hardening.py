@@ -4,6 +4,7 @@ would make signatures forgeable, bodies read only up to the limit, and per-sourc
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -84,3 +85,21 @@ def test_each_source_may_use_only_its_allowed_assets() -> None:
         "warehouse://dds/h_user", "warehouse://dds/orders", "warehouse://dds/payroll"]
     with pytest.raises(InboxConfigError, match="inbox_allowed_assets"):
         parse_allowed('{"deployment_a": "warehouse://dds/h_user"}', SECRETS)
+
+
+def _refusal(source: str, secret: str, age: float = 0.0) -> str:
+    body = _body("warehouse://dds/h_user")
+    signed = signing.sign(source, secret, body, now=time.time() - age)
+    with pytest.raises(Refused) as refused:
+        authenticated_batch(SECRETS, {k.lower(): v for k, v in signed.items()}, body)
+    assert refused.value.status == 401
+    return refused.value.detail
+
+
+def test_a_401_does_not_tell_which_sources_exist() -> None:
+    unknown = _refusal("deployment_x", "s3cret-s3cret-s3cret")
+    assert unknown == _refusal("deployment_a", "a wrong secret")
+    assert "deployment_x" not in unknown
+    # a stale timestamp is refused the same way whether or not the source exists
+    assert _refusal("deployment_x", "anything", age=3600) == _refusal("deployment_a", SECRETS["deployment_a"],
+                                                                       age=3600)
