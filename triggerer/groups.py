@@ -12,10 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from triggers.identity import merge_values
-
-# execution kwargs that say how often a group polls (its merged value: the shortest of its members')
-INTERVAL_KWARGS = ("poll_interval", "poke_interval")
+from triggers.identity import INTERVAL_KWARGS, merge_values
 
 
 @dataclass
@@ -69,6 +66,8 @@ class Groups:
     hash_of_member: dict[int, int] = field(default_factory=dict)
     hash_of_runner: dict[int, int] = field(default_factory=dict)
     unstarted: dict[int, Group] = field(default_factory=dict)  # groups with members and no coroutine
+    # groups whose coroutine failed and that start again at a time.monotonic(): identity hash -> time
+    suspended: dict[int, float] = field(default_factory=dict)
     version: int = 0
     _with_members: int = 0
 
@@ -82,7 +81,7 @@ class Groups:
         group.members.add(trigger_id)
         group.merge_settings(execution or {})
         self.hash_of_member[trigger_id] = identity_hash
-        if group.runner_id is None:
+        if group.runner_id is None and identity_hash not in self.suspended:
             self.unstarted[identity_hash] = group
         return group
 
@@ -97,6 +96,7 @@ class Groups:
         if group.empty:
             self._with_members -= 1
             self.unstarted.pop(identity_hash, None)
+            self.suspended.pop(identity_hash, None)
         return group
 
     def start(self, group: Group, runner: int | None = None) -> int | None:
@@ -111,6 +111,7 @@ class Groups:
         group.running_settings = dict(group.settings)
         self.hash_of_runner[runner] = group.identity_hash
         self.unstarted.pop(group.identity_hash, None)
+        self.suspended.pop(group.identity_hash, None)
         self.version += 1
         return runner
 
@@ -134,6 +135,7 @@ class Groups:
             if not group.empty:
                 self._with_members -= 1
         self.unstarted.pop(group.identity_hash, None)
+        self.suspended.pop(group.identity_hash, None)
         self.version += 1
 
     def stop_runner(self, group: Group) -> None:
@@ -144,6 +146,21 @@ class Groups:
         if not group.empty and self.by_hash.get(group.identity_hash) is group:
             self.unstarted[group.identity_hash] = group
         self.version += 1
+
+    def suspend(self, group: Group, until: float) -> None:
+        """The coroutine failed: the group keeps its members but starts again only at ``until``."""
+        self.stop_runner(group)
+        if self.unstarted.pop(group.identity_hash, None) is not None:
+            self.suspended[group.identity_hash] = until
+
+    def wake(self, now: float) -> None:
+        """Suspended groups whose time has come wait for a coroutine again."""
+        for identity_hash, until in list(self.suspended.items()):
+            if until <= now:
+                del self.suspended[identity_hash]
+                group = self.by_hash[identity_hash]
+                if group.runner_id is None and not group.empty:
+                    self.unstarted[identity_hash] = group
 
     def members(self) -> set[int]:
         return set(self.hash_of_member)

@@ -33,6 +33,10 @@ METRICS = (
     ("smart_triggerer_failures_total", "counter", "Task instances failed by a trigger failure",
      "failures_total"),
     ("smart_triggerer_events_pending", "gauge", "Events received but not yet stored", "events_pending"),
+    ("smart_triggerer_watchers_failing", "gauge",
+     "Asset-watcher groups whose coroutine failed and has not stored an event since", "watchers_failing"),
+    ("smart_triggerer_watcher_restarts_total", "counter",
+     "Asset-watcher coroutines started again after a failure", "watcher_restarts_total"),
 )
 
 

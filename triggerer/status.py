@@ -37,6 +37,7 @@ def totals(instances: list[dict[str, Any]], shards: int) -> dict[str, Any]:
         "events_total": sum(i["events_total"] for i in instances),
         "resumed_total": sum(i["resumed_total"] for i in instances),
         "failures_total": sum(i["failures_total"] for i in instances),
+        "watchers_failing": sum(i["watchers_failing"] for i in live),
     }
 
 
@@ -55,6 +56,8 @@ def instance(row: dict[str, Any]) -> dict[str, Any]:
         "events_total": int(row["events_total"]),
         "resumed_total": int(row["resumed_total"]),
         "failures_total": int(row["failures_total"]),
+        "watchers_failing": int(row["watchers_failing"]),
+        "watcher_restarts_total": int(row["watcher_restarts_total"]),
         "heartbeat_at": _iso(row["heartbeat_at"]),
         "stopped_at": _iso(row["stopped_at"]),
     }

@@ -66,6 +66,9 @@ PRUNE_SECONDS = 30.0
 LINGERING_SECONDS = 60.0
 SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
 FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
+# a failed asset watcher starts again after 1 s, then 2, 4... up to a minute while it keeps failing
+WATCHER_BACKOFF_SECONDS = 1.0
+WATCHER_BACKOFF_MAX_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,11 @@ def is_connectivity_error(err: SQLAlchemyError) -> bool:
         return False
     return bool(err.connection_invalidated) or isinstance(
         err.orig, psycopg2.OperationalError | psycopg2.InterfaceError)
+
+
+def is_outage(err: BaseException) -> bool:
+    """The database could not be reached: retry later, blame no event."""
+    return isinstance(err, SQLAlchemyError) and is_connectivity_error(err)
 
 
 def _cause(err: BaseException) -> str:
@@ -146,6 +154,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     events_total: int = attrs.field(default=0, init=False)
     resumed_total: int = attrs.field(default=0, init=False)
     failures_total: int = attrs.field(default=0, init=False)
+    # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
+    watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
+    watcher_restarts_total: int = attrs.field(default=0, init=False)
+    last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
 
@@ -348,6 +360,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 self.load_xmin = self.hash_xmin = None  # the next loop installs it and reads everything
             self.last_prune = now
         if now - self.last_lingering >= LINGERING_SECONDS:
+            self.watcher_failures = {h: n for h, n in self.watcher_failures.items()
+                                     if h in self.groups.by_hash}
             self._forget_lingering()
             self.last_lingering = now
         if now - self.last_sample >= SAMPLE_SECONDS:
@@ -590,6 +604,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _start_groups(self) -> None:
         # Building a workload costs Airflow a few queries per trigger: start a bounded number per loop so
         # every loop stays short and renews its leases in time (stock Airflow takes 50 per loop).
+        self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
         for group in list(self.groups.unstarted.values())[: self.settings.max_new_per_loop]:
             self.groups.start(group)
         # ask the runner only when the coroutines wanted or running changed (idle loops cost nothing);
@@ -689,8 +704,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             chunk = self._front_chunk()
             try:
                 self._store_events(chunk)
-            except SQLAlchemyError as err:
-                if is_connectivity_error(err):
+            except Exception as err:
+                # a statement the database refuses, or a listener, a callback, the asset manager raising:
+                # find the event it belongs to; only an outage leaves the events queued
+                if is_outage(err):
                     raise
                 self._store_one_by_one(len(chunk))
                 continue
@@ -733,8 +750,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             entry = self.events[0]
             try:
                 self._store_events([entry])
-            except SQLAlchemyError as err:
-                if is_connectivity_error(err):
+            except Exception as err:
+                if is_outage(err):
                     raise
                 self._poisoned(entry, err)
             self.events.popleft()
@@ -766,6 +783,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 # not stored, not acknowledged: kept while its coroutine may still be ours
                 self.orphans.append(entry)
                 continue
+            self.watcher_failures.pop(group.identity_hash, None)  # it works again
             stored_all = mine >= {m for m in group.members if not self._is_task(m)}
             if entry.persist_seq is not None and stored_all:
                 self.persisted_event_seqs.append(entry.persist_seq)
@@ -774,21 +792,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _in_lapsed_shard(self, group: Group) -> bool:
         return any(self._shard_of(m) in self.lapsed for m in group.members)
 
-    def _poisoned(self, entry: TriggerEventEntry, err: SQLAlchemyError) -> None:
-        """An event the database refuses on its own: its members fail with the cause; others go on."""
+    def _poisoned(self, entry: TriggerEventEntry, err: BaseException) -> None:
+        """An event that cannot be stored on its own (the database refuses it, a listener or callback
+        raises): its task members fail with the cause, its watchers restart with backoff; others go on."""
         cause = _cause(err)
         group = self.groups.by_runner(entry.trigger_id)
         log.error("an event could not be stored; failing its members", runner_id=entry.trigger_id,
                   members=len(group.members) if group else 0, error=cause)
         self.events_total += 1
-        if group is None:
+        if group is None or self._in_lapsed_shard(group):
             return
-        message = [f"smart-triggerer: the trigger's event could not be stored: {cause}\n"]
-        with create_session() as session:
-            fenced = self._fence(session)
-            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
-            self.failures_total += fanout.fail(session, tasks, message)
-        self._end_group(group)
+        self._group_failed(group, [f"smart-triggerer: the trigger's event could not be stored: {cause}\n"],
+                           cause)
 
     def _after_event(self, group: Group, event: TriggerEvent, mine: set[int], now: float) -> None:
         """Task members are done once the event is stored (young ones held); watchers keep running."""
@@ -807,10 +822,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _end_group(self, group: Group) -> None:
         for trigger_id in list(group.members):
-            if trigger_id not in self.held:
-                self.member_info.pop(trigger_id, None)
-                self.young_until.pop(trigger_id, None)
+            self._forget_info(trigger_id)
         self.groups.finish(group)
+
+    def _forget_info(self, trigger_id: int) -> None:
+        """What the loop knows of a member that left its group (kept while an event is held for it)."""
+        if trigger_id not in self.held:
+            self.member_info.pop(trigger_id, None)
+            self.young_until.pop(trigger_id, None)
 
     def _split_by_age(self, members: Iterable[int], now: float) -> tuple[list[int], list[int]]:
         ready: list[int] = []
@@ -847,24 +866,41 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- failures ---
 
     def handle_failed_triggers(self) -> None:
-        if not self.failed_triggers:
-            return
-        entries = list(self.failed_triggers)
-        plans = [(runner_id, exc, self.groups.by_runner(runner_id)) for runner_id, exc in entries]
+        while self.failed_triggers:
+            runner_id, exc = self.failed_triggers[0]
+            group = self.groups.by_runner(runner_id)
+            if group is None or self._in_lapsed_shard(group):
+                log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
+            else:
+                cause = _cause(exc) if exc is not None else "the trigger exited without sending an event"
+                self._group_failed(group, exc, cause)
+            self.runner_changes += 1
+            self.failed_triggers.popleft()
+
+    def _group_failed(self, group: Group, exc: Any, cause: str) -> None:
+        """Fail the group's task members (fenced) with ``exc``. Asset watchers and callbacks among its
+        members are not failed: the group starts again after a backoff that doubles with each failure in
+        a row (stock Airflow restarts a failed watcher every loop), and the failure is reported."""
         with create_session() as session:
             fenced = self._fence(session)
-            for runner_id, exc, group in plans:
-                if group is None:
-                    log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
-                    continue
-                tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
-                self.failures_total += fanout.fail(session, tasks, exc)
-        self.runner_changes += 1
-        for _ in entries:
-            self.failed_triggers.popleft()
-        for _runner_id, _exc, group in plans:
-            if group is not None:
-                self._end_group(group)
+            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
+            self.failures_total += fanout.fail(session, tasks, exc)
+        watchers = [m for m in group.members if not self._is_task(m)]
+        if not watchers or self._in_lapsed_shard(group):
+            self._end_group(group)
+            return
+        for trigger_id in group.members - set(watchers):
+            self.groups.leave(trigger_id)
+            self._forget_info(trigger_id)
+        runner_id = group.runner_id
+        attempt = self.watcher_failures.get(group.identity_hash, 0) + 1
+        self.watcher_failures[group.identity_hash] = attempt
+        delay = min(WATCHER_BACKOFF_MAX_SECONDS, WATCHER_BACKOFF_SECONDS * 2 ** (attempt - 1))
+        self.groups.suspend(group, time.monotonic() + delay)
+        self.watcher_restarts_total += 1
+        self.last_watcher_error = cause
+        log.warning("an asset watcher failed; starting it again after a backoff", runner_id=runner_id,
+                    watchers=len(watchers), attempt=attempt, retry_in=delay, error=cause)
 
     # --- cancellation without on_kill ---
 
@@ -894,6 +930,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             "events_total": self.events_total,
             "resumed_total": self.resumed_total,
             "failures_total": self.failures_total,
+            "watchers_failing": sum(1 for h in self.watcher_failures if h in self.groups.by_hash),
+            "watcher_restarts_total": self.watcher_restarts_total,
             "health_url": self.health_url,
         }
 
@@ -901,7 +939,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """Copy the counters for the HTTP thread (it must never iterate what this loop mutates)."""
         counters = self._counters()
         counters.update(shards_owned=len(self.owned), job_id=self.job_id,
-                        coroutines=len(self.running_triggers), events_pending=len(self.events))
+                        coroutines=len(self.running_triggers), events_pending=len(self.events),
+                        last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None)
         self.published = counters
 
     def snapshot(self) -> dict[str, Any]:

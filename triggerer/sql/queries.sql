@@ -38,6 +38,7 @@ ON CONFLICT (job_id) DO UPDATE SET hostname = EXCLUDED.hostname, capacity = EXCL
 UPDATE smart_triggerer.instance
 SET heartbeat_at = now(), runner_alive = :runner_alive, waiters = :waiters, groups = :groups,
     events_total = :events_total, resumed_total = :resumed_total, failures_total = :failures_total,
+    watchers_failing = :watchers_failing, watcher_restarts_total = :watcher_restarts_total,
     health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin)
 WHERE job_id = :job_id
 RETURNING now() AS db_now;
@@ -225,7 +226,7 @@ WHERE id = ANY(:ids) AND triggerer_id IS DISTINCT FROM :job_id;
 -- Every known instance and what it owns, for `smart-triggerer status`.
 SELECT i.job_id, i.hostname, i.capacity, i.queues, i.health_url, i.started_at, i.heartbeat_at,
        i.stopped_at, i.runner_alive, i.waiters, i.groups, i.events_total, i.resumed_total,
-       i.failures_total,
+       i.failures_total, i.watchers_failing, i.watcher_restarts_total,
        (i.stopped_at IS NULL AND i.heartbeat_at > now() - make_interval(secs => :lease_seconds)
         AND i.runner_alive) AS healthy,
        (SELECT count(*) FROM smart_triggerer.shard_lease l
