@@ -25,7 +25,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+import traceback
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -253,6 +256,35 @@ def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status)
 
 
+def _failure(source: str, err: Exception) -> JSONResponse:
+    """503 when B's database cannot be reached or gave up on the transaction (the relay retries without
+    end), else 500, which the relay counts toward the event's ``max_server_errors``. Neither answer nor
+    log carries the error's message: it may quote the events' values."""
+    from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(err, (OperationalError, DisconnectionError, PoolTimeout)) or (
+            isinstance(err, DBAPIError) and err.connection_invalidated):
+        log.warning("inbox database unavailable; answered 503", source=source, error=type(err).__name__)
+        return _error(503, "the inbox's database is unavailable; retry later")
+    error_id = uuid.uuid4().hex[:12]
+    cause = _where(err)
+    log.error("inbox batch failed; answered 500", source=source, error=cause, error_id=error_id)
+    return _error(500, f"the inbox failed on this batch: {cause} (error id {error_id} in B's api-server "
+                       "log)")
+
+
+def _where(err: BaseException) -> str:
+    """The error's type (with its SQLSTATE for a database error) and the line that raised it."""
+    from sqlalchemy.exc import DBAPIError
+
+    kind = type(err).__name__
+    code = getattr(getattr(err, "orig", None), "pgcode", None) if isinstance(err, DBAPIError) else None
+    frames = traceback.extract_tb(err.__traceback__)
+    place = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{kind}{f' (SQLSTATE {code})' if code else ''}{place}"
+
+
 app = FastAPI(title="dataset bridge inbox")
 
 
@@ -322,7 +354,10 @@ async def inbox(request: Request) -> JSONResponse:
                         assets=refused[:10])
     except Refused as err:
         return _error(err.status, err.detail)
-    results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))
+    try:
+        results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))
+    except Exception as err:
+        return _failure(batch.source, err)
     await run_in_threadpool(_prune_now_and_then)
     created = sum(1 for r in results if r["status"] == "created")
     log.info("inbox batch received", source=batch.source, events=len(results), created=created)

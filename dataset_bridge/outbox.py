@@ -60,6 +60,8 @@ CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_
     WHERE status = 'delivered';
 -- NULL: the event's extra could not be copied (jsonb refuses it), so the row is dead and never sent
 ALTER TABLE dataset_bridge.outbox ALTER COLUMN extra DROP NOT NULL;
+-- server errors (a 5xx that is not an outage) of this row: the relay dead-letters it at max_server_errors
+ALTER TABLE dataset_bridge.outbox ADD COLUMN IF NOT EXISTS server_errors integer NOT NULL DEFAULT 0;
 """ + ddl.JSONB_ERROR
 
 INSERT_ROW = """

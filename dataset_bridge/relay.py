@@ -8,6 +8,10 @@
   last error, and the target moves on. An event the inbox refuses for good (unknown asset) is dead-lettered
   at once. A batch the inbox finds too large (413) is sent in halves; a single event still too large is
   dead-lettered. A reply without a result for every event sent is a failure, never a delivery.
+- A server error that is not an outage (a 5xx other than 502/503/504: B failing on what it was sent) splits
+  the batch in halves, so the events before the one B fails on are delivered; that one alone counts its
+  server errors and is dead-lettered at the target's ``max_server_errors``, with the error B's answer gives
+  (secrets masked). Connection errors, timeouts, 502-504, 408 and 429 never count toward that bound.
 - A database error (PostgreSQL restarting) fails that pass only: the relay backs off, listens again and
   carries on from the outbox.
 - All state is in the outbox table, so a relay that crashes resumes where it was: a batch delivered but
@@ -20,6 +24,7 @@ import asyncio
 import functools
 import json
 import random
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Sequence
@@ -53,14 +58,16 @@ UPDATE dataset_bridge.outbox SET status = 'dead', attempts = attempts + 1, last_
 WHERE id = ANY($1::bigint[]) AND status = 'pending'
 """
 # Each row counts its own attempts (rows join a batch at different times): a row that reached
-# max_attempts is dead-lettered, the others wait for the retry.
+# max_attempts ($4), or max_server_errors ($6) with this server error ($5: 1, else 0), is dead-lettered,
+# the others wait for the retry.
 MARK_RETRY = """
 UPDATE dataset_bridge.outbox SET attempts = attempts + 1, last_error = $2,
-next_attempt_at = now() + make_interval(secs => $3),
-status = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE status END
+next_attempt_at = now() + make_interval(secs => $3), server_errors = server_errors + $5,
+status = CASE WHEN attempts + 1 >= $4 OR server_errors + $5 >= $6 THEN 'dead' ELSE status END
 WHERE id = ANY($1::bigint[]) AND status = 'pending'
 RETURNING id, status, attempts
 """
+NEVER = 2**31 - 1  # a bound no row reaches
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,18 @@ class RelaySettings:
     prune_every: float = 600.0
 
 
+# what a target that is down or overloaded answers (a proxy in front of a stopped api-server, B's database
+# unreachable): retried without end
+OUTAGE = (502, 503, 504)
+
+
 class DeliveryError(Exception):
     """The target did not take the batch; ``permanent`` when retrying the same request cannot help.
 
-    Only a refusal (a 4xx other than 408/429, a reply that is not the inbox's) counts toward a target's
-    ``max_attempts``: an unreachable or failing target (connection error, timeout, 5xx, 408, 429) is
-    retried without end, backing off, so that an outage of B never dead-letters A's events.
+    A refusal (a 4xx other than 408/429, a reply that is not the inbox's) counts toward a target's
+    ``max_attempts``; a server error (a 5xx other than 502-504: B fails on what it was sent) toward its
+    ``max_server_errors``. An unreachable or overloaded target (connection error, timeout, 502-504, 408,
+    429) is retried without end, backing off, so that an outage of B never dead-letters A's events.
     """
 
     def __init__(self, message: str, *, permanent: bool = False, status: int | None = None,
@@ -90,6 +103,7 @@ class DeliveryError(Exception):
         self.permanent = permanent
         self.status = status
         self.refusal = refusal or (status is not None and 400 <= status < 500 and status not in (408, 429))
+        self.server_error = status is not None and status >= 500 and status not in OUTAGE
 
 
 def backoff(attempts: int, base: float, cap: float) -> float:
@@ -141,10 +155,10 @@ class Relay:
         try:
             results = await self._post(session, target, body_for(self.routes.source, rows))
         except DeliveryError as err:
-            if err.status == 413 and len(rows) > 1:
-                return await self._split(session, target, rows)
-            await self._failed(target, rows, str(err), permanent=err.permanent or err.status == 413,
-                               counts=err.refusal)
+            if (err.status == 413 or err.server_error) and len(rows) > 1:
+                # too large, or B fails on one of them: the events before that one still go
+                return await self._split(session, target, rows, err)
+            await self._failed(target, rows, err)
             return 0
         refused = {int(r["id"]): str(r.get("error", r.get("status"))) for r in results
                    if r.get("status") not in ("created", "duplicate")}
@@ -160,10 +174,13 @@ class Relay:
             log.warning("events refused by the target, dead-lettered", target=target.name, events=len(dead))
         return len(done)
 
-    async def _split(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any]) -> int:
-        """The target refused the batch as too large: send it in halves, in order, stopping at a failure."""
+    async def _split(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any],
+                     err: DeliveryError) -> int:
+        """The target refused the batch as too large, or failed on it: send it in halves, in order,
+        stopping at a failure."""
         half = len(rows) // 2
-        log.info("batch too large for the target; splitting", target=target.name, events=len(rows))
+        log.info("batch not taken whole by the target; splitting", target=target.name, events=len(rows),
+                 status=err.status)
         delivered = await self._send(session, target, rows[:half])
         if delivered < half:
             return delivered  # the first half is not through (backing off or dead): keep the order
@@ -171,8 +188,8 @@ class Relay:
 
     async def _post(self, session: aiohttp.ClientSession, target: Target,
                     body: bytes) -> list[dict[str, Any]]:
-        signed = signing.sign(self.routes.source, target.secret(), body)
-        headers = {"Content-Type": "application/json", **signed}
+        secret = target.secret()
+        headers = {"Content-Type": "application/json", **signing.sign(self.routes.source, secret, body)}
         tls = _tls_context(target.ca_file) if target.ca_file else True
         try:
             async with session.post(target.url, data=body, headers=headers, ssl=tls) as response:
@@ -180,26 +197,29 @@ class Relay:
                 if response.status >= 400:
                     # 4xx other than 408/429 will not change by retrying the same request as is, but the
                     # target's config might (a rotated secret): retry until max_attempts anyway
-                    raise DeliveryError(f"HTTP {response.status}: {text[:300]}", status=response.status)
+                    raise DeliveryError(f"HTTP {response.status}: {answer_error(text, secret)}",
+                                        status=response.status)
                 return _results(json.loads(text), body, response.status)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err
 
-    async def _failed(self, target: Target, rows: Sequence[Any], error: str, *, permanent: bool,
-                      counts: bool = True) -> None:
-        ids = [row["id"] for row in rows]
-        if permanent:
+    async def _failed(self, target: Target, rows: Sequence[Any], err: DeliveryError) -> None:
+        ids, error = [row["id"] for row in rows], str(err)
+        if err.permanent or err.status == 413:
             await self.pool.execute(MARK_DEAD, ids, error)
             log.error("events dead-lettered", target=target.name, events=len(ids), error=error)
             return
         # the head row decides when the batch is tried again (later rows cannot overtake it)
         delay = backoff(rows[0]["attempts"] + 1, self.settings.backoff_base, self.settings.backoff_cap)
-        limit = target.max_attempts if counts else 2**31 - 1  # a transient failure never dead-letters
-        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, limit)
+        # a transient failure never dead-letters
+        limit = target.max_attempts if err.refusal else NEVER
+        server_limit = target.max_server_errors if err.server_error else NEVER
+        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, limit, int(err.server_error),
+                                       server_limit)
         dead = [r["id"] for r in marked if r["status"] == "dead"]
         if dead:
             log.error("events dead-lettered", target=target.name, events=len(dead),
-                      attempts=target.max_attempts, error=error)
+                      bound="max_server_errors" if err.server_error else "max_attempts", error=error)
         if len(dead) < len(ids):
             log.warning("delivery failed; backing off", target=target.name, attempt=rows[0]["attempts"] + 1,
                         retry_in=round(delay, 1), error=error)
@@ -329,6 +349,30 @@ async def _listen(pool: asyncpg.Pool, callback: Any) -> _Listener:
     return _Listener(pool, conn, callback)
 
 
+_CREDENTIALS = (
+    re.compile(r"(?P<keep>[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s]+(?=@)", re.IGNORECASE),  # scheme://user:***@
+    re.compile(r"(?P<keep>\b(?:password|passwd|pwd|secret|token|api[_-]?key)\b\s*[=:]\s*)[^\s,;&)'\"]+",
+               re.IGNORECASE),
+)
+
+
+def answer_error(text: str, secret: str, limit: int = 300) -> str:
+    """What a failing target's answer says went wrong, for the log and the dead letter: its JSON
+    ``detail`` (or ``error``) when it has one, else the text; one line, at most ``limit`` characters,
+    with this target's secret and anything that looks like a credential masked."""
+    try:
+        reply = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        reply = None
+    said = reply.get("detail", reply.get("error")) if isinstance(reply, dict) else None
+    message = " ".join((said if isinstance(said, str) else text).split())
+    if secret:
+        message = message.replace(secret, "***")
+    for pattern in _CREDENTIALS:
+        message = pattern.sub(r"\g<keep>***", message)
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
 def _results(reply: Any, body: bytes, status: int) -> list[dict[str, Any]]:
     """The per-event results of an inbox reply; DeliveryError when the reply does not account for every
     event sent (a proxy's page, a wrong URL answering 200): nothing is marked delivered on faith."""
@@ -414,7 +458,7 @@ async def relay_status() -> list[dict[str, Any]]:
 # so the relay sends them first and per-target order is kept. A row without its extra (jsonb refused it)
 # cannot be sent and stays dead.
 REPLAY = """
-UPDATE dataset_bridge.outbox SET status = 'pending', attempts = 0, next_attempt_at = now()
+UPDATE dataset_bridge.outbox SET status = 'pending', attempts = 0, server_errors = 0, next_attempt_at = now()
 WHERE status = 'dead' AND target = ANY($1::text[]) AND extra IS NOT NULL RETURNING target
 """
 

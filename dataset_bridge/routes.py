@@ -7,7 +7,8 @@
         secret_env: DATASET_BRIDGE_SECRET_B   # the shared secret, from the environment, never the file
         assets: [warehouse://dds/h_user, users_loaded]   # asset URIs or names
         ca_file: /etc/ssl/b-ca.pem       # optional: verify the target's TLS certificate with this CA
-        max_attempts: 10                 # optional: attempts before an event is dead-lettered
+        max_attempts: 10                 # optional: refusals (4xx) before an event is dead-lettered
+        max_server_errors: 10            # optional: server errors (5xx but 502-504) before it is
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Target:
     assets: tuple[str, ...]
     ca_file: str | None = None
     max_attempts: int = 10
+    max_server_errors: int = 10
 
     def secret(self) -> str:
         value = os.environ.get(self.secret_env, "")
@@ -94,10 +96,16 @@ def _target(source_file: str, name: Any, spec: Any) -> Target:
     if not isinstance(assets, list) or not assets or not all(isinstance(a, str) and a for a in assets):
         hint = f" (write [{assets!r}])" if isinstance(assets, str) else ""
         raise RoutesError(f"{where}: assets must be a non-empty list of asset URIs or names{hint}")
-    attempts = spec.get("max_attempts", 10)
-    if not isinstance(attempts, int) or attempts < 1:
-        raise RoutesError(f"{where}: max_attempts must be a positive integer, got {attempts!r}")
+    attempts = _positive(where, spec, "max_attempts")
+    server_errors = _positive(where, spec, "max_server_errors")
     ca_file = spec.get("ca_file")
     if ca_file is not None and not isinstance(ca_file, str):
         raise RoutesError(f"{where}: ca_file must be a path")
-    return Target(name, url, secret_env, tuple(assets), ca_file, attempts)
+    return Target(name, url, secret_env, tuple(assets), ca_file, attempts, server_errors)
+
+
+def _positive(where: str, spec: dict[str, Any], key: str, default: int = 10) -> int:
+    value = spec.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RoutesError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value

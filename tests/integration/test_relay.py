@@ -24,6 +24,9 @@ from tests.helpers.airflow_orm import use_airflow_db
 from triggerer.pgserver import free_port
 
 SECRET = "s3cret"
+# what a buggy inbox answers: the dead letter keeps the error, never the secrets it may carry
+BUG = ("the inbox failed on this batch: KeyError at bulk_events.py:88 "
+       f"(db postgresql://airflow:hunter2@db/b, password=hunter2, key {SECRET})")
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Inbox:
     max_events: int = 1000
     fail_with: int | None = None
     reply: Callable[[list[dict[str, Any]]], Any] | None = None
+    fails_on: int | None = None  # an event id the inbox answers 500 for, in any batch (a bug in B)
     received: list[int] = field(default_factory=list)
     requests: int = 0
 
@@ -51,6 +55,8 @@ async def inbox() -> AsyncIterator[Inbox]:
             return web.Response(status=state.fail_with, text="refused by the test")
         if len(events) > state.max_events:
             return web.Response(status=413, text="body too large")
+        if state.fails_on in {e["id"] for e in events}:
+            return web.json_response({"detail": BUG}, status=500)
         if state.reply is not None:
             return web.json_response(state.reply(events))
         state.received.extend(e["id"] for e in events)
@@ -69,10 +75,10 @@ async def inbox() -> AsyncIterator[Inbox]:
         await runner.cleanup()
 
 
-def _routes(url: str, max_attempts: int = 10) -> Routes:
+def _routes(url: str, max_attempts: int = 10, max_server_errors: int = 10) -> Routes:
     return Routes.parse({"source": "deployment_a", "targets": {"b": {
         "url": url, "secret_env": "BRIDGE_SECRET_RELAY_TEST", "assets": ["x"],
-        "max_attempts": max_attempts}}})
+        "max_attempts": max_attempts, "max_server_errors": max_server_errors}}})
 
 
 async def _outbox(dsn: str) -> asyncpg.Pool:
@@ -123,7 +129,7 @@ async def test_each_row_counts_its_own_attempts(pg_db: str, inbox: Inbox) -> Non
         await pool.close()
 
 
-@pytest.mark.parametrize("status", [503, 500, 429, 408, None])
+@pytest.mark.parametrize("status", [502, 503, 504, 429, 408, None])
 async def test_an_unreachable_or_failing_target_never_dead_letters(pg_db: str, inbox: Inbox,
                                                                    status: int | None) -> None:
     pool = await _outbox(pg_db)
@@ -282,7 +288,7 @@ async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(pg
         assert await _deliver(pool, _routes(inbox.url)) == 1
         ids = [r["id"] for r in await pool.fetch("SELECT id FROM dataset_bridge.outbox")]
         # a second relay that read the row before the first marked it now reports its own failure
-        assert await pool.fetch(MARK_RETRY, ids, "HTTP 503", 1.0, 1) == []
+        assert await pool.fetch(MARK_RETRY, ids, "HTTP 500", 1.0, 1, 1, 1) == []
         await pool.execute(MARK_DEAD, ids, "refused")
         assert (await _rows(pool))[1][:2] == ("delivered", 1)
     finally:
@@ -335,3 +341,32 @@ async def test_the_relay_keeps_sweeping_delivering_and_pruning_with_an_unreadabl
 async def _pruned(pool: asyncpg.Pool, event_id: int) -> None:
     if await pool.fetchval("SELECT count(*) FROM dataset_bridge.outbox WHERE asset_event_id = $1", event_id):
         raise OSError("not yet")
+
+
+async def test_a_server_error_on_one_event_dead_letters_it_alone_after_max_server_errors(
+        pg_db: str, inbox: Inbox) -> None:
+    """B answers 500 for any batch holding event 3 (a bug in B, not an outage): the batch is split until
+    event 3 is alone, the events before it are delivered, event 3 is dead-lettered after
+    max_server_errors with the body's error (its secrets masked), and the events after it follow. Earlier
+    outage failures (timeouts, 503) do not count toward that bound."""
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 6), attempts=50)  # after a long outage of B
+        inbox.fails_on = 3
+        routes = _routes(inbox.url, max_server_errors=3)
+        settings = RelaySettings(backoff_base=0.01, backoff_cap=0.02)
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await _rows(pool))[5][0] != "delivered":
+            assert asyncio.get_running_loop().time() < deadline, await _rows(pool)
+            await _deliver(pool, routes, settings)
+            await asyncio.sleep(0.01)  # the head backs off for up to 0.02 s between passes
+        assert inbox.received == [1, 2, 4, 5]
+        rows = await _rows(pool)
+        status, attempts, error = rows[3]
+        assert status == "dead" and attempts == 53
+        assert "HTTP 500" in str(error) and "KeyError at bulk_events.py:88" in str(error)
+        assert "hunter2" not in str(error) and SECRET not in str(error)
+        counted = "SELECT server_errors FROM dataset_bridge.outbox WHERE asset_event_id = 3"
+        assert await pool.fetchval(counted) == 3
+    finally:
+        await pool.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from dataset_bridge import signing
 from dataset_bridge.inbox import (
@@ -103,3 +105,30 @@ def test_a_401_does_not_tell_which_sources_exist() -> None:
     # a stale timestamp is refused the same way whether or not the source exists
     assert _refusal("deployment_x", "anything", age=3600) == _refusal("deployment_a", SECRETS["deployment_a"],
                                                                        age=3600)
+
+
+@pytest.mark.parametrize(("failure", "status"), [
+    (lambda: OperationalError("INSERT ...", {"extra": "hunter2"}, Exception("server closed the connection")),
+     503),
+    (lambda: KeyError("hunter2"), 500),
+])
+def test_a_database_b_cannot_reach_is_a_503_and_anything_else_a_500_naming_the_error_only(
+        monkeypatch: pytest.MonkeyPatch, failure: Callable[[], Exception], status: int) -> None:
+    """The relay retries a 503 without end (an outage of B) and dead-letters an event whose batch keeps
+    failing with a 500 (a bug in B): the answer names the error, never the values it may carry."""
+    from fastapi.testclient import TestClient
+
+    from dataset_bridge import inbox
+
+    def receive(*args: Any) -> Any:
+        raise failure()
+
+    monkeypatch.setattr(inbox, "_settings", lambda: (SECRETS, {"deployment_a": frozenset({"*"})}))
+    monkeypatch.setattr(inbox, "receive", receive)
+    body = _body("warehouse://dds/h_user")
+    headers = signing.sign("deployment_a", SECRETS["deployment_a"], body)
+    answer = TestClient(inbox.app).post("/inbox", content=body, headers=headers)
+    assert answer.status_code == status
+    assert "hunter2" not in answer.text
+    if status == 500:
+        assert "KeyError" in answer.json()["detail"]

@@ -44,6 +44,7 @@ def test_routes_select_targets_by_uri_or_name() -> None:
     assert [t.name for t in routes.targets_for("warehouse://x", "x")] == ["b"]
     assert [t.name for t in routes.targets_for("other://z", "users")] == ["b"]
     assert routes.targets[1].max_attempts == 3 and routes.targets[1].assets == ("warehouse://y",)
+    assert routes.targets[0].max_server_errors == 10  # the default
 
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -58,6 +59,10 @@ def test_routes_select_targets_by_uri_or_name() -> None:
      r"assets must be a non-empty list .*\(write \['x, y'\]\)"),
     ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": ["x"],
                                        "max_attempts": 0}}}, "max_attempts"),
+    ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": ["x"],
+                                       "max_server_errors": "5"}}}, "max_server_errors must be a positive"),
+    ({"source": "a", "targets": {"b": {"url": "http://b", "secret_env": "B", "assets": ["x"],
+                                       "max_server_errors": True}}}, "max_server_errors must be a positive"),
 ])
 def test_routes_errors_name_the_entry(raw: object, message: str) -> None:
     with pytest.raises(RoutesError, match=message):
