@@ -10,6 +10,7 @@ from airflow.jobs.job import Job, run_job
 from airflow.jobs.triggerer_job_runner import TriggererJobRunner
 from sqlalchemy.exc import SQLAlchemyError
 
+from triggerer.bounded import bound_waits
 from triggerer.config import Settings
 from triggerer.health import HealthServer
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
@@ -85,6 +86,7 @@ def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_
     from airflow.cli.commands.triggerer_command import _serve_logs
     from airflow.configuration import conf
 
+    bound_waits(settings.lease_seconds)  # before the first connection of the run: every one carries them
     preflight(settings)
     with _serve_logs(skip_serve_logs):
         runner = SmartTriggererJobRunner(

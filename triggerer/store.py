@@ -103,6 +103,7 @@ class Store:
 
     def migrate(self, shards: int) -> list[int]:
         """Apply pending migrations and pin the shard count, safely when instances start at once."""
+        self._run("startup_lock_timeout")
         self._run("lock_schema")
         self.session.execute(text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
         self.session.execute(text(

@@ -104,6 +104,14 @@ def is_outage(err: BaseException) -> bool:
     return isinstance(err, SQLAlchemyError) and is_connectivity_error(err)
 
 
+def _failure_cause(exc: Any) -> str:
+    """A runner-reported failure in one line: an exception, the traceback lines it was sent as, or none."""
+    if isinstance(exc, BaseException):
+        return _cause(exc)
+    lines = [line.strip() for line in exc or () if isinstance(line, str) and line.strip()]
+    return lines[-1].splitlines()[-1] if lines else "the trigger exited without sending an event"
+
+
 def _cause(err: BaseException) -> str:
     """The database's own first line (never the statement's parameters: they may carry payloads)."""
     orig = getattr(err, "orig", None) or err
@@ -872,8 +880,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             if group is None or self._in_lapsed_shard(group):
                 log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
             else:
-                cause = _cause(exc) if exc is not None else "the trigger exited without sending an event"
-                self._group_failed(group, exc, cause)
+                self._group_failed(group, exc, _failure_cause(exc))
             self.runner_changes += 1
             self.failed_triggers.popleft()
 

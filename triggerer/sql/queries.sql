@@ -58,14 +58,16 @@ SELECT DISTINCT coalesce(queues, '') FROM smart_triggerer.instance
 WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
 
 -- name: claim_shards
--- Renews the leases this instance holds among :shards and takes those that are free or expired, locking
--- them in shard order (as fence_shards does) so two instances never deadlock. Database clock only.
+-- Renews the leases this instance holds among :shards and takes those that are free or expired. Database
+-- clock only. A row another transaction locks is skipped, never waited for: only a lapsed owner's open
+-- transaction (its fence) or a competing claim can lock it, and a frozen host must not stall the fleet;
+-- the row is taken in a later loop, once the server has ended that transaction.
 WITH candidates AS (
     SELECT shard FROM smart_triggerer.shard_lease
     WHERE queues = :queues AND shard = ANY(:shards)
       AND (owner_job_id = :job_id OR owner_job_id IS NULL OR expires_at < clock_timestamp())
     ORDER BY shard
-    FOR UPDATE
+    FOR UPDATE SKIP LOCKED
 )
 UPDATE smart_triggerer.shard_lease AS l
 SET owner_job_id = :job_id, expires_at = clock_timestamp() + make_interval(secs => :lease_seconds),
@@ -78,12 +80,13 @@ RETURNING l.shard;
 -- The shards among :shards whose lease this instance still holds by the database clock, share-locked
 -- until the transaction ends: every write for a member runs after this in the same transaction, so a
 -- process paused past its lease can never write for a shard another instance took over (the taker's
--- claim waits for this transaction, then finds the lease expired).
+-- claim skips the row while this transaction lasts, then finds the lease expired). A row locked by a
+-- claim is one whose lease has expired: skipped, it counts as lapsed.
 SELECT shard FROM smart_triggerer.shard_lease
 WHERE queues = :queues AND shard = ANY(:shards) AND owner_job_id = :job_id
   AND expires_at > clock_timestamp()
 ORDER BY shard
-FOR SHARE;
+FOR SHARE SKIP LOCKED;
 
 -- name: release_shards
 -- Gives up leases at once (handover, graceful stop) so the next owner need not wait for expiry.
@@ -317,6 +320,11 @@ REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_
 SELECT count(*) FROM smart_triggerer.instance
 WHERE job_id <> :job_id AND stopped_at IS NULL AND feed_xmin IS NOT NULL
   AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
+
+-- name: startup_lock_timeout
+-- Migrations at start wait for another instance's migrations (the schema lock) longer than a loop's
+-- statements may wait for a lock (bounded.py), but not for ever.
+SET LOCAL lock_timeout = '60s';
 
 -- name: short_lock_timeout
 -- Dropping or creating a trigger on Airflow's tables waits for every open transaction on them, and every

@@ -1,0 +1,75 @@
+"""Every wait of ours on the metadata database ends well within a lease.
+
+A host can stop in the middle of a transaction and never come back (SIGSTOP, a paused VM, a network
+partition). Its locks would then stay until PostgreSQL notices the dead client, about two hours with
+default keepalives, and every other instance's takeover (and then its own renewal) would queue behind
+them. So the triggerer's connections carry, from the moment they open:
+
+- ``idle_in_transaction_session_timeout`` (half a lease): the server ends a session that sits inside a
+  transaction without sending anything, and with it that session's locks, before its leases expire;
+- ``lock_timeout`` (a quarter of a lease): no statement of ours queues behind a lock for longer; the loop
+  retries it next time (shard claims and the lease fence skip locked rows altogether);
+- TCP keepalives and ``tcp_user_timeout`` on both ends: a peer that stopped answering is noticed within
+  about half a lease, on the server's side and on ours.
+
+They are set as startup parameters of each connection, so they win over the database's and the role's
+defaults; a connection pooler between the triggerer and PostgreSQL must pass them on (PgBouncer: not in
+``ignore_startup_parameters``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# server settings (GUCs) per connection; values in ms or s as PostgreSQL takes them
+KEEPALIVE_INTERVAL_SECONDS = 1
+KEEPALIVE_COUNT = 2
+
+
+def limits(lease_seconds: float) -> dict[str, int]:
+    """The server settings each of our connections starts with, for this lease."""
+    keepalive_idle = max(1, math.floor(lease_seconds / 4))
+    return {
+        "lock_timeout": _ms(lease_seconds / 4),
+        "idle_in_transaction_session_timeout": _ms(lease_seconds / 2),
+        "tcp_user_timeout": _ms(lease_seconds / 2),
+        "tcp_keepalives_idle": keepalive_idle,
+        "tcp_keepalives_interval": KEEPALIVE_INTERVAL_SECONDS,
+        "tcp_keepalives_count": KEEPALIVE_COUNT,
+    }
+
+
+def connect_params(lease_seconds: float, options: str | None = None) -> dict[str, Any]:
+    """libpq parameters: the server settings (added to ``options`` already given) and our own side's
+    keepalives and user timeout."""
+    server = limits(lease_seconds)
+    ours = " ".join(f"-c {name}={value}" for name, value in server.items())
+    return {
+        "options": f"{options} {ours}" if options else ours,
+        "keepalives": 1,
+        "keepalives_idle": server["tcp_keepalives_idle"],
+        "keepalives_interval": KEEPALIVE_INTERVAL_SECONDS,
+        "keepalives_count": KEEPALIVE_COUNT,
+        "tcp_user_timeout": server["tcp_user_timeout"],
+    }
+
+
+def bound_waits(lease_seconds: float) -> None:
+    """From now on, every psycopg2 connection this process opens carries the limits; open ones are
+    replaced (Airflow's pool is emptied)."""
+    from airflow import settings
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def with_limits(dialect: Any, _record: Any, _args: Any, params: dict[str, Any]) -> None:
+        if dialect.driver == "psycopg2":
+            params.update(connect_params(lease_seconds, params.get("options")))
+
+    event.listen(Engine, "do_connect", with_limits)
+    if settings.engine is not None:
+        settings.engine.dispose()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
