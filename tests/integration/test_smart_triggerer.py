@@ -286,7 +286,9 @@ def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, 
                     and sum(m["smart_triggerer_waiters"] for m in ms) == 26
                     and sum(m["smart_triggerer_coroutines"] for m in ms) == 10, 40, "shards split over two")
     assert both[0]["smart_triggerer_shards_owned"] + both[1]["smart_triggerer_shards_owned"] == SHARDS
-    time.sleep(2)  # cancellations reach the runner within a loop
+    # 10 coroutines over both: the first instance's handed-over ones have ended, and a cancel calls on_kill
+    # (if it does) before its coroutine ends; so no marker now means none was written
+    assert both[0]["smart_triggerer_coroutines"] < 10
     assert list(markers.iterdir()) == [], "a shard handover called on_kill"
     assert set(ti_states(dsn, shared.dag_id).values()) == {"deferred"}
 
@@ -387,7 +389,15 @@ def test_a_push_member_joining_a_polling_group_is_woken_by_notify(stack: Airflow
     pushed = seed(stack, 1, table_load, lambda i: {"conn_id": "wh", "required_tables": ["dds.user"],
                                                     "poll_interval": 300.0, "notify_channel": "loads"})
     wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 3, 30, "the push member")
-    time.sleep(2)  # the restarted coroutine LISTENs before its first check
+    # The restarted coroutine LISTENs, then checks: once a check ran after the LISTEN, only the NOTIFY can
+    # wake it within 300 s (a broken LISTEN fails here, or at the bound below).
+    listening = wait_for(lambda: rows(dsn, "SELECT max(query_start) FROM pg_stat_activity "
+                                           "WHERE query ILIKE 'LISTEN %%loads%%'"),
+                         lambda r: r[0][0] is not None, 30, "the push member's LISTEN")[0][0]
+    # (a check returns its pooled connection, which asyncpg resets: the reset is its last query)
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' "
+                               "AND query ILIKE '%%RESET ALL%%' AND query_start > %s", listening),
+             lambda r: r[0][0] > 0, 30, "the group's first check after its LISTEN")
     rows(dsn, "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ('dds.user', "
               "'SUCCESS'); NOTIFY loads; SELECT 1")
     flipped = time.monotonic()
