@@ -183,22 +183,24 @@ def test_an_event_of_a_coroutine_being_cancelled_is_dropped(env: AirflowConfig) 
 
 
 def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
-    """Issue 11.7: another instance took the shard while this one was paused; its event must not land."""
+    """Issue 11.7, 25.10: another instance took the shards while this one was paused (it ran no loop past
+    its lease); woken, its event and its due timeouts must not land."""
     dsn = env.database_dsn
-    supervisor = make_supervisor()
-    seeded = seed(env, 3)
-    load(supervisor)
-    runner = runner_of(supervisor, seeded)
-    # the pause: the lease expired and another instance (job 999) owns the shard now
-    rows(dsn, "UPDATE smart_triggerer.shard_lease SET owner_job_id = 999, "
-              "expires_at = now() + interval '1 minute' RETURNING 1")
-    supervisor.events.append(event_entry(runner, {"moment": LATER}))
-    supervisor.handle_events()
-    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() - interval '1 second' WHERE dag_id = %s "
-              "RETURNING 1", seeded.dag_id)
-    supervisor._timeout_members()
+    paused = make_supervisor(lease_seconds=3.0)
+    seeded = seed(env, 3, trigger_timeout=dt.timedelta(seconds=2))
+    load(paused)
+    runner = runner_of(paused, seeded)
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
+                               "WHERE expires_at > clock_timestamp()"),
+             lambda r: r == [(0,)], 10, "the paused instance's leases to lapse", interval=0.05)
+    taker = make_supervisor(lease_seconds=3.0)
+    load(taker)
+    assert taker.owned == {0, 1, 2, 3}
+    paused.events.append(event_entry(runner, {"moment": LATER}))
+    paused._db_step("events", paused.handle_events)
+    paused._db_step("load", paused._timeout_members)  # their trigger_timeout passed meanwhile
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
-    assert supervisor.resumed_total == 0
+    assert paused.resumed_total == 0 and paused.failures_total == 0 and not paused.owned
 
 
 def test_timeouts_never_wait_on_rows_another_transaction_holds(env: AirflowConfig) -> None:
