@@ -8,7 +8,10 @@ API events through the configured asset manager, so the outbox row commits or ro
 Airflow 3.3's ``Trigger.submit_event`` calls the base ``AssetManager`` directly, so asset-watcher events
 (under the stock triggerer) bypass any custom manager. The relay's sweeper covers them: every few seconds
 it adds outbox rows for events of routed assets that have none (``sweep``), from the moment a target was
-first seen. Such rows may be ordered after events created later; nothing is lost.
+first seen. Such rows may be ordered after events created later; nothing is lost. The sweeper reads
+``asset_event`` by id from a per-target cursor that only passes ids no open transaction can still commit
+(``horizon.py``): an event committed late is never skipped, and no clock is read (Airflow stamps an event
+with its host's clock, which may be minutes off the database's).
 
 A target is "first seen" by the earliest of: ``dataset-bridge init --routes`` (run it when you configure
 routing), the asset manager's first event in any process (it creates the outbox schema too, so events
@@ -26,12 +29,12 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from dataset_bridge import ddl
+from dataset_bridge.horizon import Horizon
 from dataset_bridge.routes import Routes
 
 log = structlog.get_logger(__name__)
 
 CHANNEL = "dataset_bridge_outbox"
-SWEEP_OVERLAP_SECONDS = 300.0
 SCHEMA_DDL = """
 CREATE SCHEMA IF NOT EXISTS dataset_bridge;
 CREATE TABLE IF NOT EXISTS dataset_bridge.outbox (
@@ -62,6 +65,19 @@ CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_
 ALTER TABLE dataset_bridge.outbox ALTER COLUMN extra DROP NOT NULL;
 -- server errors (a 5xx that is not an outage) of this row: the relay dead-letters it at max_server_errors
 ALTER TABLE dataset_bridge.outbox ADD COLUMN IF NOT EXISTS server_errors integer NOT NULL DEFAULT 0;
+-- the sweeper's cursor: every asset_event id up to it has committed (or never will) and was swept
+ALTER TABLE dataset_bridge.relay_target ADD COLUMN IF NOT EXISTS swept_id bigint;
+-- A target first seen now is swept from the events after those committed now. Its registering transaction's
+-- own are left out: the manager registers in a producer's transaction, whose event may need the sweep.
+CREATE OR REPLACE FUNCTION dataset_bridge.asset_events_before() RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT coalesce(max(id), 0) FROM asset_event
+            WHERE xmin <> coalesce(xid(pg_current_xact_id_if_assigned()), CAST('0' AS xid)));
+END
+$$;
+ALTER TABLE dataset_bridge.relay_target
+    ALTER COLUMN swept_id SET DEFAULT dataset_bridge.asset_events_before();
 """ + ddl.JSONB_ERROR
 
 INSERT_ROW = """
@@ -82,16 +98,26 @@ SELECT :target, e.id, a.uri, a.name,
 FROM asset_event e
 JOIN asset a ON a.id = e.asset_id
 CROSS JOIN LATERAL (SELECT dataset_bridge.jsonb_error(CAST(e.extra AS text)) AS error OFFSET 0) j
-JOIN dataset_bridge.relay_target t ON t.target = :target
 WHERE (a.uri = ANY(:assets) OR a.name = ANY(:assets))
-  AND e.timestamp >= t.since
-  -- only what is new since the last sweep, with an overlap far longer than any event's transaction;
-  -- delivered outbox rows are pruned only after days, so the overlap always finds its rows
-  AND e.timestamp >= coalesce(t.swept_until - make_interval(secs => :overlap), t.since)
-  AND e.timestamp < now() - make_interval(secs => :settle)
+  AND e.id > :after  -- the target's cursor: a primary-key range, only what may be new
   AND NOT EXISTS (SELECT 1 FROM dataset_bridge.outbox o WHERE o.target = :target AND o.asset_event_id = e.id)
 ORDER BY e.id
 ON CONFLICT DO NOTHING
+"""
+
+# A target registered by an earlier version has no cursor yet: its first sweep starts an hour before its
+# last one (by the events' timestamps, this once), or where it was first seen if it was never swept.
+START_CURSOR = """
+UPDATE dataset_bridge.relay_target t SET swept_id = coalesce(
+    (SELECT min(e.id) - 1 FROM asset_event e JOIN asset a ON a.id = e.asset_id
+     WHERE (a.uri = ANY(:assets) OR a.name = ANY(:assets))
+       AND e.timestamp >= coalesce(t.swept_until - interval '1 hour', t.since)),
+    dataset_bridge.asset_events_before())
+WHERE t.target = :target AND t.swept_id IS NULL
+"""
+CURSOR = "SELECT swept_id FROM dataset_bridge.relay_target WHERE target = :target"
+ADVANCE = """
+UPDATE dataset_bridge.relay_target SET swept_id = greatest(swept_id, :final) WHERE target = :target
 """
 
 
@@ -186,15 +212,26 @@ def record(session: Session, routes: Routes, event: Any, uri: str, name: str) ->
     return len(targets)
 
 
-def sweep(session: Session, routes: Routes, settle_seconds: float = 5.0) -> int:
-    """Outbox rows for events of routed assets created without one (asset watchers); returns how many."""
+# per database (URL): what the sweeps of this process have seen of asset_event's open writers
+_horizons: dict[str, Horizon] = {}
+
+
+def sweep(session: Session, routes: Routes) -> int:
+    """Outbox rows for events of routed assets created without one (asset watchers); returns how many.
+
+    Each target's cursor moves only over asset_event ids that are final (no open transaction can still
+    commit one of them), as this process's looks at the table's writers prove; what is above it is read
+    again at the next sweep."""
+    database = session.connection().engine.url.render_as_string(hide_password=True)
+    # looked at before the events are read: what the look proves final, the read below sees
+    final = _horizons.setdefault(database, Horizon()).look_sync(session, "asset_event")
     added = 0
     for target in routes.targets:
+        params = {"target": target.name, "assets": list(target.assets)}
         session.execute(text(REGISTER_TARGET), {"t": target.name})
-        result = session.execute(text(SWEEP), {"target": target.name, "assets": list(target.assets),
-                                               "settle": settle_seconds, "overlap": SWEEP_OVERLAP_SECONDS})
+        session.execute(text(START_CURSOR), params)
+        after = int(session.execute(text(CURSOR), params).scalar() or 0)
+        result = session.execute(text(SWEEP), {**params, "after": after})
         added += int(getattr(result, "rowcount", 0) or 0)
-        session.execute(text("UPDATE dataset_bridge.relay_target SET swept_until = now() - "
-                             "make_interval(secs => :settle) WHERE target = :t"),
-                        {"settle": settle_seconds, "t": target.name})
+        session.execute(text(ADVANCE), {"target": target.name, "final": final})
     return added

@@ -2,8 +2,10 @@
 
 - Wakes on ``LISTEN dataset_bridge_outbox`` (the outbox notifies on commit), polls as the safety net.
 - Per target: pending rows go in outbox order, in batches; a target whose head batch fails waits (retries
-  with exponential backoff and full jitter) so a later event never overtakes an earlier one. Targets are
-  delivered concurrently, at most ``concurrency`` at a time.
+  with exponential backoff and full jitter) so a later event never overtakes an earlier one. Nothing past
+  an outbox id whose transaction may still commit is sent (``horizon.py``): a lower id that commits late
+  goes first, never after. Whether a row is due is the database's clock's say, never the relay host's.
+  Targets are delivered concurrently, at most ``concurrency`` at a time.
 - After ``max_attempts`` failed attempts of its own a row is dead-lettered (``status = 'dead'``) with its
   last error, and the target moves on. An event the inbox refuses for good (unknown asset) is dead-lettered
   at once. A batch the inbox finds too large (413) is sent in halves; a single event still too large is
@@ -36,6 +38,7 @@ import asyncpg
 import structlog
 
 from dataset_bridge import signing
+from dataset_bridge.horizon import Horizon
 from dataset_bridge.outbox import CHANNEL
 from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
 from dataset_bridge.retention import Retention
@@ -43,9 +46,12 @@ from dataset_bridge.routes import Routes, Target
 
 log = structlog.get_logger(__name__)
 
+# pending rows after id $3 up to the final id $4; due: the database's clock says it may be sent now
 PENDING = """
-SELECT id, asset_event_id, asset_uri, asset_name, extra, event_timestamp, attempts, next_attempt_at
-FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' AND id > $3 ORDER BY id LIMIT $2
+SELECT id, asset_event_id, asset_uri, asset_name, extra, event_timestamp, attempts,
+       next_attempt_at <= now() AS due
+FROM dataset_bridge.outbox WHERE target = $1 AND status = 'pending' AND id > $3 AND id <= $4
+ORDER BY id LIMIT $2
 """
 # Only pending rows change: with two relays overlapping (a rolling deploy) one's late failure must not turn
 # the other's delivery into a dead letter.
@@ -127,17 +133,27 @@ class Relay:
         self.gate = asyncio.Semaphore(settings.concurrency)
         self.listener: _Listener | None = None
         self.last_sweep = self.last_prune = float("-inf")
+        self.horizon = Horizon()
 
-    async def deliver_target(self, session: aiohttp.ClientSession, target: Target) -> int:
-        """Deliver what is due for one target, batch after batch; returns rows delivered."""
+    async def final_id(self) -> int:
+        """The outbox ids no open transaction can still commit below (read before any of this pass's
+        marks: they too lock the outbox)."""
+        async with self.pool.acquire() as conn:
+            return await self.horizon.look(conn, "dataset_bridge.outbox")
+
+    async def deliver_target(self, session: aiohttp.ClientSession, target: Target,
+                             final: int | None = None) -> int:
+        """Deliver what is due for one target, batch after batch, up to the ``final`` outbox id (read now
+        when not given); returns rows delivered."""
         delivered, batch = 0, self.settings.batch
+        final = await self.final_id() if final is None else final
         async with self.gate:
-            rows = await self.pool.fetch(PENDING, target.name, batch, 0)
+            rows = await self.pool.fetch(PENDING, target.name, batch, 0, final)
             # nothing due when the head of this target's queue is backing off
-            while rows and rows[0]["next_attempt_at"].timestamp() <= time.time():
+            while rows and rows[0]["due"]:
                 # pipelined: the next batch is read while this one is on the wire (still sent after it)
                 after = rows[-1]["id"]
-                upcoming = (asyncio.ensure_future(self.pool.fetch(PENDING, target.name, batch, after))
+                upcoming = (asyncio.ensure_future(self.pool.fetch(PENDING, target.name, batch, after, final))
                             if len(rows) == batch else None)
                 sent = await self._send(session, target, rows)
                 delivered += sent
@@ -147,7 +163,7 @@ class Relay:
                     rows = await upcoming
                 else:  # some failed or were dead-lettered: start again from the head of the queue
                     await asyncio.gather(upcoming, return_exceptions=True)
-                    rows = await self.pool.fetch(PENDING, target.name, batch, 0)
+                    rows = await self.pool.fetch(PENDING, target.name, batch, 0, final)
         return delivered
 
     async def _send(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any]) -> int:
@@ -267,8 +283,10 @@ class Relay:
         if time.monotonic() - self.last_sweep >= self.settings.sweep_every:
             await self.sweep()
             self.last_sweep = time.monotonic()
-        outcomes = await asyncio.gather(*(self.deliver_target(session, t) for t in self.routes.targets),
-                                        return_exceptions=True)
+        final = await self.final_id()
+        outcomes = await asyncio.gather(
+            *(self.deliver_target(session, target, final) for target in self.routes.targets),
+            return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -478,6 +496,16 @@ async def replay(targets: Sequence[str]) -> dict[str, int]:
     try:
         if not await conn.fetchval("SELECT to_regclass('dataset_bridge.outbox') IS NOT NULL"):
             return {}
+        await asyncio.to_thread(_ensure_schema)  # an outbox made by an earlier version gains its columns
         return await replay_dead(conn, targets)
     finally:
         await conn.close()
+
+
+def _ensure_schema() -> None:
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+
+    with create_session() as session:
+        outbox.ensure_schema(session)

@@ -370,3 +370,52 @@ async def test_a_server_error_on_one_event_dead_letters_it_alone_after_max_serve
         assert await pool.fetchval(counted) == 3
     finally:
         await pool.close()
+
+
+async def test_a_lower_outbox_id_committed_late_is_delivered_before_the_higher_ones(
+        pg_db: str, inbox: Inbox) -> None:
+    """Two writers: the one holding the lower outbox id commits after the other. The relay delivers
+    nothing past it while its transaction is open, then both in id order: a later event never
+    overtakes an earlier one, and none is skipped."""
+    pool = await _outbox(pg_db)
+    late = await asyncpg.connect(pg_db)
+    try:
+        open_transaction = late.transaction()
+        await open_transaction.start()
+        await late.execute("INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, "
+                           "asset_name, event_timestamp) VALUES ('b', 1, 'x', 'x', now())")
+        await _add(pool, range(2, 4))  # committed, with higher ids
+        assert await _deliver(pool, _routes(inbox.url)) == 0
+        assert inbox.requests == 0
+        await open_transaction.commit()
+        assert await _deliver(pool, _routes(inbox.url)) == 3
+        assert inbox.received == [1, 2, 3]
+    finally:
+        await late.close()
+        await pool.close()
+
+
+async def test_the_relay_tells_due_rows_by_the_database_clock(pg_db: str, inbox: Inbox,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's host 5 minutes behind the database: a row the database made due now is sent now (and
+    one backing off by the database's clock is not sent early by a host ahead of it)."""
+    import time
+    from types import SimpleNamespace
+
+    from dataset_bridge import relay
+
+    host = {"skew": -300.0}
+    monkeypatch.setattr(relay, "time", SimpleNamespace(time=lambda: time.time() + host["skew"],
+                                                       monotonic=time.monotonic))
+    pool = await _outbox(pg_db)
+    try:
+        await _add(pool, range(1, 3))
+        assert await _deliver(pool, _routes(inbox.url)) == 2
+        await _add(pool, range(3, 4))
+        await pool.execute("UPDATE dataset_bridge.outbox SET next_attempt_at = now() + interval '1 minute' "
+                           "WHERE asset_event_id = 3")
+        host["skew"] = 300.0
+        assert await _deliver(pool, _routes(inbox.url)) == 0
+        assert inbox.received == [1, 2]
+    finally:
+        await pool.close()
