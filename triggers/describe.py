@@ -4,12 +4,17 @@ Our triggers name their description with ``wait_description``, a format string o
 (see :class:`triggers.identity.DedupableTrigger`), carried in the identity marker so the triggerer formats it
 without importing trigger code. Airflow's own deduplicated triggers get one here. Only the kwargs a
 template names are shown, never the others (they may hold secrets), and only plain names: ``{a.b}`` and
-``{a[0]}`` are refused. Conversion ``!p`` drops a URL's query, fragment and credentials.
+``{a[0]}`` are refused. Conversion ``!p`` drops a URL's query, fragment and credentials; ``!h`` shows a
+fingerprint of a value instead of the value (a statement that may hold a rendered secret). A part in
+square brackets is left out when a kwarg it shows has no value: ``loaded[ since {since}]``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
+import re
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +28,21 @@ BUILTIN_DESCRIPTIONS: dict[str, str] = {
         "DAG {external_dag_id}, tasks {external_task_ids}",
     "airflow.providers.standard.triggers.external_task.DagStateTrigger": "DAG {dag_id} runs in {states}",
 }
+
+
+# Templates our triggers carried in earlier releases: the markers of tasks deferred before an upgrade still
+# hold them, and each is read as the template that replaced it (the first showed a SQL statement, which may
+# hold a rendered secret; the others a dangling "-" for a kwarg without a value).
+REPLACED_TEMPLATES: dict[str, str] = {
+    "a true answer from {conn_id}: {sql}": "a true answer from {conn_id} to query {sql!h}",
+    "{required_tables} loaded since {since} ({status_table} on {conn_id})":
+        "{required_tables} loaded[ since {since}] ({status_table} on {conn_id})",
+    "DAG {external_dag_id} run {run_id}, tasks {external_task_ids} in {allowed_states}":
+        "DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "
+        "tasks {external_task_ids} in {allowed_states}",
+}
+CONVERSIONS = (None, "p", "h")
+_OPTIONAL = re.compile(r"\[([^\[\]]*)\]")
 
 
 class DescriptionError(ValueError):
@@ -41,14 +61,16 @@ def template_names(template: str) -> set[str]:
             continue
         if not name.isidentifier():
             raise DescriptionError(f"description template field {name!r}: only plain kwarg names")
-        if conversion not in (None, "p"):
-            raise DescriptionError(f"description template field {name!r}: only the conversion !p")
+        if conversion not in CONVERSIONS:
+            raise DescriptionError(f"description template field {name!r}: only the conversions !p and !h")
         names.add(name)
     return names
 
 
 class _Formatter(string.Formatter):
     def convert_field(self, value: Any, conversion: str | None) -> Any:
+        if conversion == "h":
+            return fingerprint(value)
         if conversion == "p":
             if isinstance(value, str):
                 return _without_secrets(value)
@@ -58,6 +80,14 @@ class _Formatter(string.Formatter):
 
     def format_field(self, value: Any, format_spec: str) -> str:
         return _plain(value)
+
+
+def fingerprint(value: Any) -> str | None:
+    """``#`` and 8 hex digits of the value's SHA-256: tells two values apart without showing either."""
+    if value is None:
+        return None
+    encoded = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False).encode("utf-8")
+    return "#" + hashlib.sha256(encoded).hexdigest()[:8]
 
 
 def _without_secrets(url: str) -> str:
@@ -85,7 +115,22 @@ def describe(template: str | None, kwargs: Mapping[str, Any]) -> str | None:
         return None
     try:
         names = template_names(template)
-        text = _Formatter().vformat(template, (), {name: kwargs.get(name) for name in names})
+        values = {name: kwargs.get(name) for name in names}
+        text = _Formatter().vformat(_without_empty_parts(template, values), (), values)
     except (DescriptionError, ValueError, TypeError):
         return None
     return text if len(text) <= MAX_LENGTH else text[: MAX_LENGTH - 1] + "…"
+
+
+def _without_empty_parts(template: str, values: Mapping[str, Any]) -> str:
+    """The template without its bracketed parts that show a kwarg without a value (None, empty)."""
+    def part(match: re.Match[str]) -> str:
+        shown = template_names(match.group(1))
+        return "" if any(_empty(values.get(name)) for name in shown) else match.group(1)
+
+    return _OPTIONAL.sub(part, template)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or (isinstance(value, str | Sequence | Mapping) and not isinstance(value, bytes)
+                             and len(value) == 0)

@@ -83,7 +83,8 @@ class ExternalTarget:
 class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("external_dag_id", "external_task_ids", "logical_date", "run_id", "allowed_states",
                        "failed_states", "skipped_states")
-    wait_description = "DAG {external_dag_id} run {run_id}, tasks {external_task_ids} in {allowed_states}"
+    wait_description = ("DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "
+                        "tasks {external_task_ids} in {allowed_states}")
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("external_dag_id", "external_task_ids", "logical_date", "run_id")
 

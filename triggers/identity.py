@@ -29,7 +29,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from triggers.describe import BUILTIN_DESCRIPTIONS, DescriptionError, describe, template_names
+from triggers.describe import (
+    BUILTIN_DESCRIPTIONS,
+    REPLACED_TEMPLATES,
+    DescriptionError,
+    describe,
+    template_names,
+)
 
 # Airflow's own state-based triggers: each observes a state (a time, a file, a DAG run's state) that every
 # waiter sees alike, and firing consumes nothing, so one poll serves every waiter.
@@ -47,6 +53,8 @@ BUILTIN_DEDUP_CLASSPATHS: frozenset[str] = frozenset(
 )
 
 _DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
+# execution kwargs that say how often a trigger polls (a group polls at the shortest of its members')
+INTERVAL_KWARGS = ("poll_interval", "poke_interval")
 
 
 _TIME_TYPES = (dt.datetime, dt.date, dt.time)
@@ -91,7 +99,7 @@ class DeclaresIdentity:
     execution_merge: ClassVar[Mapping[str, str]] = {}
     shared_stream_kwargs: ClassVar[tuple[str, ...]] = ()
     # what is waited on, in plain words for the Smart Triggerer page: a format string over identity kwargs
-    # (e.g. "{required_tables} loaded since {since}"; see triggers/describe.py)
+    # (e.g. "{required_tables} loaded[ since {since}]"; see triggers/describe.py)
     wait_description: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -314,7 +322,7 @@ class IdentityPolicy:
         found = self._identity(classpath, kwargs, marker, trigger_id)
         template = BUILTIN_DESCRIPTIONS.get(classpath)
         if isinstance(marker, Mapping) and isinstance(marker.get("describe"), str):
-            template = marker["describe"]
+            template = REPLACED_TEMPLATES.get(marker["describe"], marker["describe"])
             # the kwargs are data from the database: shown are only those the marker says are identity,
             # whatever the template (checked at class creation too) names
             allowed = {*(marker.get("identity") or ()), *(marker.get("shared_stream") or ())}
@@ -331,7 +339,8 @@ class IdentityPolicy:
             return alone
         if classpath in self.allowed_classpaths:
             normalized = _NORMALIZERS.get(classpath, lambda k: k)(kwargs)
-            return Identity(identity_hash(classpath, normalized), dedupable=True)
+            return Identity(identity_hash(classpath, normalized), dedupable=True,
+                            execution=_intervals(kwargs))
         if not isinstance(marker, Mapping):
             return alone
         if marker.get("shared_stream"):
@@ -362,6 +371,12 @@ class IdentityPolicy:
         if split:
             what["$split"] = split
         return Identity(identity_hash(classpath, what), dedupable=True, execution=execution)
+
+
+def _intervals(kwargs: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """An allow-listed trigger's poll interval, also as an execution setting: it is identity like all its
+    kwargs (members agree on it), and the group's polls saved are counted from its settings."""
+    return {k: ("min", kwargs[k]) for k in INTERVAL_KWARGS if _is_number(kwargs.get(k))}
 
 
 def _names(value: Any, classpath: str) -> list[str]:

@@ -50,7 +50,8 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
     identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
     execution_merge = {"notify_channel": "union", "read_only_role": "any"}
-    wait_description = "a true answer from {conn_id}: {sql}"
+    # never the SQL itself: it may hold a rendered secret (a fingerprint tells two statements apart)
+    wait_description = "a true answer from {conn_id} to query {sql!h}"
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("sql", "parameters", "failure_sql", "failure_parameters")
 

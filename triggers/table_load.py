@@ -157,7 +157,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
                        "time_column", "since", "end_from_trigger")
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
     execution_merge = {"notify_channel": "union"}
-    wait_description = "{required_tables} loaded since {since} ({status_table} on {conn_id})"
+    wait_description = "{required_tables} loaded[ since {since}] ({status_table} on {conn_id})"
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("required_tables", "since")
 

@@ -262,3 +262,77 @@ def test_a_stored_template_shows_only_what_its_marker_calls_identity() -> None:
     assert describe("{u!p}", {"u": "https://user:tok@h.example/a?k=v"}) == "https://h.example/a"
     assert describe("{u!p}", {"u": "https://user:p/ss@h.example/a"}) == "https://h.example/a"  # unescaped /
     assert describe("{u!p}", {"u": ["https://a:b@h1/x?t=1", "https://h2/y#f"]}) == "https://h1/x + https://h2/y"
+
+
+SECRET_SQL = "SELECT count(*) > 0 FROM loads WHERE api_key = 'sk-live-0123456789'"
+
+
+def test_a_sql_condition_is_described_by_its_connection_and_a_fingerprint_never_its_sql() -> None:
+    """The SQL may hold a rendered secret: the description (stored, and served by the page) never shows it."""
+    from triggers.sql_condition import SqlConditionTrigger
+
+    trigger = SqlConditionTrigger("dwh", SECRET_SQL, failure_sql="SELECT 'sk-live-9876543210' IS NULL")
+    found = POLICY.identity(*trigger.serialize(), trigger_id=1)
+    assert found.description is not None
+    assert "dwh" in found.description and "sk-live" not in found.description
+    assert "SELECT" not in found.description
+    other = SqlConditionTrigger("dwh", SECRET_SQL.replace("0123", "4567")).serialize()
+    assert POLICY.identity(*other, trigger_id=2).description != found.description  # told apart
+
+
+def test_markers_written_by_an_earlier_release_are_described_as_this_one_describes() -> None:
+    """Tasks deferred before an upgrade carry the template of their release in their marker: one showed the
+    SQL, one a dangling "since -"; both are read as this release's template."""
+    from triggers.sql_condition import SqlConditionTrigger
+    from triggers.table_load import TableLoadTrigger
+
+    classpath, kwargs = SqlConditionTrigger("dwh", SECRET_SQL).serialize()
+    kwargs[IDENTITY_KWARG] = {**kwargs[IDENTITY_KWARG], "describe": "a true answer from {conn_id}: {sql}"}
+    described = POLICY.identity(classpath, kwargs, trigger_id=1).description
+    assert described is not None and "sk-live" not in described
+    assert described.startswith("a true answer from dwh")
+
+    classpath, kwargs = TableLoadTrigger("dwh", ["dds.h_user"], status_table="meta.status").serialize()
+    before = "{required_tables} loaded since {since} ({status_table} on {conn_id})"
+    kwargs[IDENTITY_KWARG] = {**kwargs[IDENTITY_KWARG], "describe": before}
+    described = POLICY.identity(classpath, kwargs, trigger_id=1).description
+    assert described == "dds.h_user loaded (meta.status on dwh)"
+
+
+def test_a_wait_without_since_has_no_dangling_dash() -> None:
+    from triggers.external_dag import ExternalDagTrigger
+    from triggers.table_load import TableLoadTrigger
+
+    without = TableLoadTrigger("dwh", ["dds.h_user", "dds.s_user"], status_table="meta.status").serialize()
+    assert POLICY.identity(*without, trigger_id=1).description == (
+        "dds.h_user + dds.s_user loaded (meta.status on dwh)")
+    since = TableLoadTrigger("dwh", ["dds.h_user"], status_table="meta.status",
+                             since="2026-11-23T00:00:00+00:00").serialize()
+    assert POLICY.identity(*since, trigger_id=2).description == (
+        "dds.h_user loaded since 2026-11-23T00:00:00+00:00 (meta.status on dwh)")
+    by_date = ExternalDagTrigger("etl", external_task_ids=["load"], logical_date="2026-11-23T00:00:00+00:00")
+    described = POLICY.identity(*by_date.serialize(), trigger_id=3).description
+    assert described is not None and " -" not in described and "2026-11-23" in described
+
+
+def test_optional_parts_of_a_template_and_the_fingerprint_conversion() -> None:
+    from triggers.describe import describe, template_names
+
+    assert describe("{a}[ since {b}] ok", {"a": "x", "b": None}) == "x ok"
+    assert describe("{a}[ since {b}] ok", {"a": "x", "b": "y"}) == "x since y ok"
+    assert describe("{a}[ of {b}]", {"a": "x", "b": []}) == "x"
+    assert template_names("{a}[ since {b!h}]") == {"a", "b"}
+    fingerprint = describe("{s!h}", {"s": "SELECT 1"})
+    assert fingerprint is not None and "SELECT" not in fingerprint
+    assert fingerprint == describe("{s!h}", {"s": "SELECT 1"}) != describe("{s!h}", {"s": "SELECT 2"})
+
+
+def test_each_replaced_template_is_what_its_trigger_shows_today() -> None:
+    from triggers.describe import REPLACED_TEMPLATES
+    from triggers.external_dag import ExternalDagTrigger
+    from triggers.sql_condition import SqlConditionTrigger
+    from triggers.table_load import TableLoadTrigger
+
+    current = {t.wait_description for t in (SqlConditionTrigger, TableLoadTrigger, ExternalDagTrigger)}
+    assert set(REPLACED_TEMPLATES.values()) == current
+    assert not set(REPLACED_TEMPLATES) & current
