@@ -150,6 +150,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
     last_sample: float = attrs.field(factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS,
                                      init=False)
+    # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved" card
+    # comes from it, next to groups from the heartbeat, so a change is sampled within FIRST_SAMPLE_SECONDS
+    sampled: tuple[int, int] | None = attrs.field(default=None, init=False)
+    sampled_at: float = attrs.field(factory=time.monotonic, init=False)
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
@@ -372,13 +376,22 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                                      if h in self.groups.by_hash}
             self._forget_lingering()
             self.last_lingering = now
-        if now - self.last_sample >= SAMPLE_SECONDS:
-            with create_session() as session:
-                Store(session).record_sample(self.job_id, len(self.member_info), self.groups.group_count(),
-                                             self.groups.polls_saved_per_minute(), prune=0 in self.owned)
+        counts = (len(self.member_info), self.groups.group_count())
+        due = now - self.last_sample >= SAMPLE_SECONDS
+        if due or (counts != self.sampled and now - self.sampled_at >= FIRST_SAMPLE_SECONDS):
+            self._record_sample(counts, now)
+        if due:
             # a minute apart, not a minute after the last (which would drift and skip a minute), unless
             # this loop fell behind
             self.last_sample = max(self.last_sample + SAMPLE_SECONDS, now - SAMPLE_SECONDS / 2)
+
+    def _record_sample(self, counts: tuple[int, int], now: float) -> None:
+        """A point of the page's chart: once a minute, and when the waiters or groups changed since the
+        last one (else the page would show that sample's polls saved beside groups formed after it)."""
+        with create_session() as session:
+            Store(session).record_sample(self.job_id, *counts, self.groups.polls_saved_per_minute(),
+                                         prune=0 in self.owned)
+        self.sampled, self.sampled_at = counts, now
 
     def _forget_lingering(self) -> None:
         """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while
