@@ -11,13 +11,19 @@ An Airflow plugin (entry point ``airflow.plugins``) with two parts:
   React version (a ``react_apps`` entry would); the page is one HTML file that reads the JSON API
   with the user's own session, the same origin as the UI.
 
-Each panel is one query, aggregated in PostgreSQL (``sql/queries.sql``: ``instances``, ``page_groups``,
-``page_chart``, and the bridge's below), so a page of 5,000 waiters costs the same as one of 50.
+Each panel is aggregated in PostgreSQL (``sql/queries.sql``: ``instances``, ``page_chart``, the bridge's
+below, and for the groups ``page_group_order``, counts only, and ``page_groups``, the page's own groups). The
+groups' order is kept a few seconds per set of readable DAGs (:class:`GroupOrders`): a page then costs only
+its own groups, whatever the number of waiters.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any
 
@@ -38,9 +44,15 @@ log = structlog.get_logger(logger_name=__name__)
 # stopped instances stay on the page this long (a crash or a scale-down is worth seeing for a while)
 KEEP_STOPPED_SECONDS = 3600.0
 MEMBERS_SHOWN = 20
+DEFAULT_PAGE = 50
 MAX_PAGE = 200
 MAX_OFFSET = 1_000_000
-PAGE_SCHEMA = 6  # the migration that added what the page reads (sql/0006_page.sql)
+PAGE_SCHEMA = 9  # the migration that added what the page reads (sql/0009_page_groups.sql)
+# the groups' order of a set of readable DAGs is read again once it is this old (the page refreshes every
+# 10 s), and dropped when no request read it for ORDER_KEEP_SECONDS; at most ORDERS_KEPT sets are kept
+ORDER_FRESH_SECONDS = 10.0
+ORDER_KEEP_SECONDS = 300.0
+ORDERS_KEPT = 16
 # a sample is an instance's latest for this long (a minute apart, with room for a slow loop)
 SAMPLE_FRESH_SECONDS = 150
 BRIDGE_TABLES = ("dataset_bridge.outbox", "dataset_bridge.status_watermark", "dataset_bridge.reconciled")
@@ -100,6 +112,16 @@ def _may_view_triggers(user: Any) -> bool:
     from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
 
     return bool(get_auth_manager().is_authorized_view(access_view=AccessView.TRIGGERS, user=user))
+
+
+def _task_instance_dag_ids(user: Any, dag_ids: frozenset[str]) -> frozenset[str]:
+    """Of these DAGs, those whose task instances the user may read."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
+
+    manager = get_auth_manager()
+    return frozenset(d for d in dag_ids if manager.is_authorized_dag(
+        method="GET", access_entity=DagAccessEntity.TASK_INSTANCE, details=DagDetails(id=d), user=user))
 
 
 def _may_read_assets(user: Any) -> bool:
@@ -220,32 +242,171 @@ def _bridge(session: Any) -> dict[str, Any] | None:
     return {"targets": [], "dead_letters": [], "watermarks": [], "requeued": None, **found}
 
 
-def groups_page(dag_ids: set[str], limit: int, offset: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Viewer:
+    """What one user may see of the groups."""
+
+    dag_ids: frozenset[str]  # the DAGs they may read: groups are counted over their deferred tasks
+    views_triggers: bool  # Airflow's Triggers view: serving hosts, and the tasks of every DAG above
+    task_dag_ids: frozenset[str] = frozenset()  # DAGs whose task instances they may read: those tasks listed
+
+    def listed_dag_ids(self) -> frozenset[str]:
+        """The DAGs whose tasks are listed by id (the others are only counted)."""
+        return self.dag_ids if self.views_triggers else self.dag_ids & self.task_dag_ids
+
+
+def _viewer(user: Any) -> Viewer:
+    dag_ids = frozenset(_readable_dag_ids(user))
+    if not dag_ids:
+        return Viewer(dag_ids, views_triggers=False)
+    if _may_view_triggers(user):
+        return Viewer(dag_ids, views_triggers=True)
+    readable_tasks = frozenset(_task_instance_dag_ids(user, dag_ids))
+    return Viewer(dag_ids, views_triggers=False, task_dag_ids=readable_tasks)
+
+
+# identity hash, the trigger id of a waiter that runs alone (else None), queue set ('' for none)
+GroupKey = tuple[int, int | None, str]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCount:
+    """One group of a :class:`GroupOrders` order: its key and what it counts over the readable DAGs."""
+
+    key: GroupKey
+    members: int
+    dags: int
+    waiting_since: dt.datetime | None
+
+
+@dataclass
+class _Order:
+    groups: list[GroupCount]
+    read_at: float
+    used_at: float
+    refreshing: bool = False
+
+
+def _in_thread(work: Callable[[], None]) -> None:
+    threading.Thread(target=work, name="smart-triggerer page: groups order", daemon=True).start()
+
+
+@dataclass
+class GroupOrders:
+    """The groups of each set of readable DAGs, biggest first, read at most every ``fresh_seconds``.
+
+    Ordering groups by size takes a count over every waiter of the readable DAGs (a tenth of a second at
+    50,000); every page is cut from the kept order instead, so a request reads only its own groups. An order
+    gone stale is still served while one thread reads it again (the page refreshes every 10 s: what it shows
+    is at most a refresh older than the database); the first request for a set of DAGs reads it itself.
+    """
+
+    read: Callable[[frozenset[str]], list[GroupCount]]
+    clock: Callable[[], float] = time.monotonic
+    spawn: Callable[[Callable[[], None]], None] = _in_thread
+    fresh_seconds: float = ORDER_FRESH_SECONDS
+    keep_seconds: float = ORDER_KEEP_SECONDS
+    kept: int = ORDERS_KEPT
+    _orders: dict[frozenset[str], _Order] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def get(self, dag_ids: frozenset[str]) -> list[GroupCount]:
+        now = self.clock()
+        with self._lock:
+            order = self._orders.get(dag_ids)
+            if order is not None:
+                order.used_at = now
+                if now - order.read_at >= self.fresh_seconds and not order.refreshing:
+                    order.refreshing = True
+                    self.spawn(lambda: self._refresh(dag_ids, order))
+                return order.groups
+        groups = self.read(dag_ids)
+        self._keep(dag_ids, groups, now)
+        return groups
+
+    def clear(self) -> None:
+        with self._lock:
+            self._orders.clear()
+
+    def _refresh(self, dag_ids: frozenset[str], order: _Order) -> None:
+        started = self.clock()
+        try:
+            groups = self.read(dag_ids)
+        except Exception as err:  # the next request tries again; the database being down shows there
+            log.warning("smart triggerer page: could not read the groups again", error=type(err).__name__)
+            order.refreshing = False
+            return
+        self._keep(dag_ids, groups, started)
+
+    def _keep(self, dag_ids: frozenset[str], groups: list[GroupCount], read_at: float) -> None:
+        with self._lock:
+            self._orders[dag_ids] = _Order(groups, read_at, used_at=self.clock())
+            unused = [k for k, o in self._orders.items() if self.clock() - o.used_at > self.keep_seconds]
+            for key in unused:
+                del self._orders[key]
+            while len(self._orders) > self.kept:
+                del self._orders[min(self._orders, key=lambda k: self._orders[k].used_at)]
+
+
+def _read_order(dag_ids: frozenset[str]) -> list[GroupCount]:
     from triggerer.store import Store
 
     with _session() as session:
-        store = Store(session)
-        rows = store.page_groups(sorted(dag_ids), limit, offset, MEMBERS_SHOWN) if _installed(store) else []
+        found = Store(session).page_group_order(sorted(dag_ids))
+    return [GroupCount((identity_hash, alone, queue), members, dags, since)
+            for identity_hash, alone, queue, members, dags, since in found]
+
+
+GROUP_ORDERS = GroupOrders(_read_order)
+
+
+def groups_page(viewer: Viewer, limit: int, offset: int) -> dict[str, Any]:
+    """One page of the groups the viewer may see, cut from the kept order; ``total``: over all pages."""
+    order = _group_order(viewer.dag_ids)
+    shown = order[offset: offset + limit]
+    details = _details(shown, viewer) if shown else []
     return {
-        "total": int(rows[0]["total"]) if rows else 0,
+        "total": len(order),
         "limit": limit,
         "offset": offset,
-        "groups": [_group(r) for r in rows],
+        # a group whose members all left since the order was read has no first member: left out
+        "groups": [_group(count, row, viewer) for count, row in zip(shown, details, strict=True)
+                   if row["classpath"] is not None],
     }
 
 
-def _group(row: dict[str, Any]) -> dict[str, Any]:
+def _group_order(dag_ids: frozenset[str]) -> list[GroupCount]:
+    from triggerer.store import Store
+
+    with _session() as session:
+        installed = _installed(Store(session))
+    return GROUP_ORDERS.get(dag_ids) if installed and dag_ids else []
+
+
+def _details(shown: list[GroupCount], viewer: Viewer) -> list[dict[str, Any]]:
+    from triggerer.store import Store
+
+    with _session() as session:
+        return Store(session).page_groups([c.key for c in shown], sorted(viewer.listed_dag_ids()),
+                                          MEMBERS_SHOWN)
+
+
+def _group(count: GroupCount, row: dict[str, Any], viewer: Viewer) -> dict[str, Any]:
+    identity_hash, alone, queue = count.key
     classpath = row["classpath"]
+    members = [_member(m) for m in row["first_members"] or []]
     return {
-        "key": row["key"],
+        "key": f"i{identity_hash}:{queue}" if alone is None else f"t{alone}",
         "waits_on": row["description"] or classpath.rsplit(".", 1)[-1],
         "trigger_class": classpath,
-        "members": int(row["members"]),
-        "dags": int(row["dags"]),
-        "waiting_since": _iso(row["waiting_since"]),
-        "serving_instance": ({"job_id": row["owner_job_id"], "host": row["hostname"]}
+        "members": count.members,
+        "dags": count.dags,
+        "waiting_since": _iso(count.waiting_since),
+        # the host: with the Triggers view, or beside tasks whose task instances (which name it) they read
+        "serving_instance": ({"job_id": row["owner_job_id"],
+                              "host": row["hostname"] if viewer.views_triggers or members else None}
                              if row["owner_job_id"] is not None else None),
-        "first_members": [_member(m) for m in row["first_members"] or []],
+        "first_members": members,
     }
 
 
@@ -270,10 +431,10 @@ async def api_overview(user: User) -> dict[str, Any]:
 
 
 @app.get("/api/groups")
-async def api_groups(user: User, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+async def api_groups(user: User, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
                      offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
-    dag_ids = await run_in_threadpool(_readable_dag_ids, user)
-    return await run_in_threadpool(groups_page, dag_ids, limit, offset)
+    viewer = await run_in_threadpool(_viewer, user)
+    return await run_in_threadpool(groups_page, viewer, limit, offset)
 
 
 @app.get("/ui/", response_class=HTMLResponse)

@@ -226,10 +226,18 @@ class Store:
         return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds,
                                                      keep_stopped_seconds=keep_stopped_seconds)]
 
-    def page_groups(self, dag_ids: Sequence[str], limit: int, offset: int,
+    def page_group_order(self, dag_ids: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Every group of deferred tasks in these DAGs, biggest first: (identity_hash, alone, queue,
+        members, dags, waiting_since)."""
+        return [tuple(r) for r in self._run("page_group_order", dag_ids=list(dag_ids))]
+
+    def page_groups(self, groups: Sequence[tuple[int, int | None, str]], dag_ids: Sequence[str],
                     members: int) -> list[dict[str, Any]]:
-        return [dict(r._mapping) for r in self._run("page_groups", dag_ids=list(dag_ids), limit=limit,
-                                                     offset=offset, members=members)]
+        """Details of these groups ((identity_hash, alone, queue), in page order), with their first
+        ``members`` deferred tasks in ``dag_ids``."""
+        rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
+                         queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members)
+        return [dict(r._mapping) for r in rows]
 
     def page_chart(self) -> list[dict[str, Any]]:
         return [dict(r._mapping) for r in self._run("page_chart")]

@@ -4,7 +4,10 @@ panel, with or without the bridge's tables. The e2e test covers the same through
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from airflow.utils.net import get_hostname
@@ -20,7 +23,14 @@ from triggerer.devstack import AirflowConfig
 @pytest.fixture
 def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
     use_airflow_db(airflow_config.database_dsn)
+    page.GROUP_ORDERS.clear()  # kept per set of DAGs: each test has a database of its own
     yield airflow_config
+    page.GROUP_ORDERS.clear()
+
+
+def viewer(dag_ids: set[str]) -> page.Viewer:
+    """A user who may read these DAGs and view triggers."""
+    return page.Viewer(frozenset(dag_ids), views_triggers=bool(dag_ids))
 
 
 def seed(env: AirflowConfig, dag_id: str, days: list[int]) -> list[int]:
@@ -33,7 +43,7 @@ def test_groups_are_the_supervisors_counted_over_readable_dags_biggest_first(env
     seed(env, "dag_a", [1, 1, 1, 2])
     seed(env, "dag_b", [1, 3, 3])
     load(supervisor)
-    everything = page.groups_page({"dag_a", "dag_b"}, limit=10, offset=0)
+    everything = page.groups_page(viewer({"dag_a", "dag_b"}), limit=10, offset=0)
     assert everything["total"] == len(supervisor.groups.by_hash) == 3
     assert [(g["members"], g["dags"]) for g in everything["groups"]] == [(4, 2), (2, 1), (1, 1)]
     biggest = everything["groups"][0]
@@ -43,11 +53,12 @@ def test_groups_are_the_supervisors_counted_over_readable_dags_biggest_first(env
     member = biggest["first_members"][0]
     assert member["url"].startswith("dags/dag_a/runs/") and "/tasks/" in member["url"]
 
-    only_a = page.groups_page({"dag_a"}, limit=10, offset=0)
+    only_a = page.groups_page(viewer({"dag_a"}), limit=10, offset=0)
     assert [g["members"] for g in only_a["groups"]] == [3, 1]
-    second_page = page.groups_page({"dag_a", "dag_b"}, limit=2, offset=2)
+    second_page = page.groups_page(viewer({"dag_a", "dag_b"}), limit=2, offset=2)
     assert second_page["total"] == 3 and [g["members"] for g in second_page["groups"]] == [1]
-    assert page.groups_page(set(), limit=10, offset=0) == {"total": 0, "limit": 10, "offset": 0, "groups": []}
+    nothing = {"total": 0, "limit": 10, "offset": 0, "groups": []}
+    assert page.groups_page(viewer(set()), limit=10, offset=0) == nothing
 
 
 def test_the_chart_sums_the_instances_latest_sample_of_each_minute(env: AirflowConfig) -> None:
@@ -108,7 +119,7 @@ def test_one_identity_on_two_queue_sets_is_two_groups(env: AirflowConfig) -> Non
     ids = seed(env, "dag_q", [1, 1, 1])
     load(supervisor)  # identities stored; then one row stands for a waiter an instance of 'other' hashed
     rows(env.database_dsn, "UPDATE trigger SET queue = 'other' WHERE id = %s RETURNING 1", ids[0])
-    found = page.groups_page({"dag_q"}, limit=10, offset=0)
+    found = page.groups_page(viewer({"dag_q"}), limit=10, offset=0)
     assert sorted(g["members"] for g in found["groups"]) == [1, 2]
     served = {g["members"]: g["serving_instance"] for g in found["groups"]}
     assert served[2] == {"job_id": supervisor.job_id, "host": get_hostname()}
@@ -121,7 +132,7 @@ def test_a_schema_older_than_the_page_is_a_clear_503(env: AirflowConfig) -> None
     with pytest.raises(page.PageUnavailable, match=r"schema is at version 5 .* upgraded smart-triggerer"):
         page.overview(may_read_assets=False)
     with pytest.raises(page.PageUnavailable):
-        page.groups_page({"x"}, limit=10, offset=0)
+        page.groups_page(viewer({"x"}), limit=10, offset=0)
 
 
 def test_an_unreachable_database_is_a_503_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,3 +213,150 @@ def test_a_stopped_instance_is_not_carried_into_its_successors_minutes(env: Airf
     points = [p["waiters"] for p in page.overview(may_read_assets=False)["chart"]]
     assert points[-3:] == [10, 10, 10]  # job 901 until it stopped, then 902 alone: never 20
     assert points[0] == 8  # the hour's first minute carries job 903's sample from just before it
+
+
+def test_a_page_past_the_last_still_counts_every_group(env: AirflowConfig) -> None:
+    load(make_supervisor())
+    seed(env, "dag_a", [1, 1, 2])
+    seed(env, "dag_b", [3])
+    load_all()
+    past = page.groups_page(viewer({"dag_a", "dag_b"}), limit=2, offset=10)
+    assert past["groups"] == [] and past["total"] == 3
+
+
+SQL_CONDITION = "triggers.sql_condition.SqlConditionTrigger"
+SECRET = "sk-live-0123456789"
+
+
+def test_a_sql_conditions_text_is_neither_stored_nor_served(env: AirflowConfig) -> None:
+    """The SQL may hold a rendered secret: the page describes the wait by its connection (and a fingerprint);
+    descriptions stored in clear by the release before are forgotten when this one migrates."""
+    supervisor = make_supervisor()
+    seed_deferred(env.database_dsn, env.dags_folder, count=2, classpath=SQL_CONDITION, dag_id="dag_sql",
+                  kwargs_for=lambda i: {"conn_id": "dwh", "sql": f"SELECT api_key = '{SECRET}' FROM k"})
+    load(supervisor)
+    stored = rows(env.database_dsn, "SELECT description FROM smart_triggerer.trigger_identity")
+    assert stored and all(SECRET not in (d or "") for (d,) in stored)
+    [group] = page.groups_page(viewer({"dag_sql"}), limit=10, offset=0)["groups"]
+    assert group["members"] == 2 and group["waits_on"].startswith("a true answer from dwh")
+    assert SECRET not in json.dumps(group) and "SELECT" not in json.dumps(group)
+
+    # what the release before stored, then this release's migrations
+    rows(env.database_dsn, "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
+         f"a true answer from dwh: SELECT api_key = '{SECRET}' FROM k")
+    remigrate(env, PAGE_MIGRATION)
+    assert SECRET not in json.dumps(page.groups_page(viewer({"dag_sql"}), limit=10, offset=0))
+    assert all(SECRET not in (d or "") for (d,) in rows(
+        env.database_dsn, "SELECT description FROM smart_triggerer.trigger_identity"))
+
+
+def test_a_stored_loaded_since_dash_is_rewritten_without_the_dash(env: AirflowConfig) -> None:
+    supervisor = make_supervisor()
+    wait = {"conn_id": "dwh", "required_tables": ["dds.h_user"], "status_table": "meta.status"}  # no since
+    seed_deferred(env.database_dsn, env.dags_folder, count=1, dag_id="dag_load",
+                  classpath="triggers.table_load.TableLoadTrigger", kwargs_for=lambda i: wait)
+    load(supervisor)
+    [group] = page.groups_page(viewer({"dag_load"}), limit=10, offset=0)["groups"]
+    assert group["waits_on"] == "dds.h_user loaded (meta.status on dwh)"
+    rows(env.database_dsn, "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
+         "dds.h_user loaded since - (meta.status on dwh)")  # as the release before stored it
+    remigrate(env, PAGE_MIGRATION)
+    [group] = page.groups_page(viewer({"dag_load"}), limit=10, offset=0)["groups"]
+    assert group["waits_on"] == "dds.h_user loaded (meta.status on dwh)"
+
+
+def test_polls_saved_count_groups_of_airflows_own_polling_triggers(env: AirflowConfig) -> None:
+    """FileTrigger is deduplicated by all its kwargs, its poke interval among them: its groups save polls."""
+    supervisor = make_supervisor()
+    seed_deferred(env.database_dsn, env.dags_folder, count=3, dag_id="dag_file",
+                  classpath="airflow.providers.standard.triggers.file.FileTrigger",
+                  kwargs_for=lambda i: {"filepath": "/data/ready.flag", "poke_interval": 5.0})
+    load(supervisor)
+    supervisor._heartbeat_counters()
+    record_sample_now(supervisor)
+    totals = page.overview(may_read_assets=False)["totals"]
+    assert totals["groups"] == 1 and totals["waiters"] == 3
+    assert totals["polls_saved_per_minute"] == 24.0  # 2 polls saved every 5 s
+
+
+def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An instance sampled before its waiters came (the first sample is 10 s after start): the card must
+    not say 0 polls saved next to groups that wait until the next minute's sample."""
+    import types
+
+    supervisor = make_supervisor()
+    load(supervisor)
+    record_sample_now(supervisor)  # nothing waits yet
+    seed(env, "dag_late", [1, 1, 1])
+    load(supervisor)
+    supervisor._heartbeat_counters()
+    later = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
+    later.monotonic = lambda: time.monotonic() + 15  # the supervisor's clock, 15 s on
+    monkeypatch.setattr("triggerer.supervisor.time", later)
+    supervisor._housekeeping()
+    totals = page.overview(may_read_assets=False)["totals"]
+    assert totals["groups"] == 1 and totals["polls_saved_per_minute"] == 2 * 60 / 0.2
+
+
+def record_sample_now(supervisor: Any) -> None:
+    supervisor.last_sample = time.monotonic() - 3600
+    supervisor._housekeeping()
+
+
+def load_all() -> None:
+    """Identities of every seeded waiter (a fresh instance reads every trigger row once)."""
+    load(make_supervisor())
+
+
+PAGE_MIGRATION = 9
+
+
+def remigrate(env: AirflowConfig, version: int) -> None:
+    """Run a migration again, as an upgrade from the release before it does."""
+    from airflow.utils.session import create_session
+
+    from triggerer.store import Store
+
+    rows(env.database_dsn, "DELETE FROM smart_triggerer.migration WHERE version = %s RETURNING 1", version)
+    with create_session() as session:
+        assert Store(session).migrate(shards=4) == [version]
+
+
+def test_hosts_and_task_ids_need_the_triggers_view_or_task_instance_read(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts for every DAG a user may read; the serving host and the tasks only with the Triggers view, or
+    for the tasks of DAGs whose task instances the user may read."""
+    from fastapi.testclient import TestClient
+
+    supervisor = make_supervisor()
+    seed(env, "dag_a", [1, 1])
+    seed(env, "dag_b", [1])
+    load(supervisor)
+    monkeypatch.setattr(page, "_readable_dag_ids", lambda user: {"dag_a", "dag_b"})
+    access = {"triggers": False, "task_dags": set()}
+    monkeypatch.setattr(page, "_may_view_triggers", lambda user: access["triggers"])
+    monkeypatch.setattr(page, "_task_instance_dag_ids", lambda user, dag_ids: access["task_dags"] & dag_ids,
+                        raising=False)
+    page.app.dependency_overrides[page._user] = object
+    try:
+        client = TestClient(page.app)
+
+        def biggest() -> dict[str, Any]:
+            response = client.get("/api/groups")
+            assert response.status_code == 200, response.text
+            return dict(response.json()["groups"][0])
+
+        counted = biggest()
+        assert (counted["members"], counted["dags"]) == (3, 2)
+        assert counted["first_members"] == [] and counted["serving_instance"]["host"] is None
+        access["task_dags"] = {"dag_b"}
+        only_b = biggest()
+        assert [m["dag_id"] for m in only_b["first_members"]] == ["dag_b"]
+        assert only_b["serving_instance"]["host"] == get_hostname()
+        access.update(triggers=True, task_dags=set())
+        everything = biggest()
+        assert sorted(m["dag_id"] for m in everything["first_members"]) == ["dag_a", "dag_a", "dag_b"]
+        assert everything["serving_instance"] == {"job_id": supervisor.job_id, "host": get_hostname()}
+    finally:
+        page.app.dependency_overrides.clear()

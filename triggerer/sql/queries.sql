@@ -351,45 +351,66 @@ DROP TRIGGER IF EXISTS smart_triggerer_feed_deleted ON public.trigger;
 DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
 DELETE FROM smart_triggerer.trigger_change;
 
--- name: page_groups
--- The Smart Triggerer page: identity groups of deferred tasks the user may see (DAGs in :dag_ids), biggest
--- first, one page of them, each with its first :members members and the instance serving it; `total` is
--- the number of groups over all pages. Members of groups that run alone (not deduplicated) are groups of one.
-WITH member AS MATERIALIZED (
-    -- a group is one identity within one queue set's shard space (each set runs its own coroutine)
-    SELECT CASE WHEN i.dedupable THEN 'i' || i.identity_hash || ':' || coalesce(t.queue, '')
-                ELSE 't' || i.trigger_id END AS key,
-           i.trigger_id, i.shard, i.description, t.classpath, t.queue, t.created_date,
-           ti.dag_id, ti.run_id, ti.task_id, ti.map_index
-    FROM smart_triggerer.trigger_identity i
-    JOIN trigger t ON t.id = i.trigger_id
-    JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
-    WHERE ti.dag_id = ANY(:dag_ids)
-), grouped AS (
-    SELECT key, count(*) AS members, count(DISTINCT dag_id) AS dags, min(created_date) AS waiting_since,
-           min(classpath) AS classpath, min(description) AS description, min(shard) AS shard,
-           min(queue) AS queue
-    FROM member GROUP BY key
-), page AS (
-    SELECT g.*, count(*) OVER () AS total FROM grouped g
-    ORDER BY members DESC, waiting_since, key LIMIT :limit OFFSET :offset
+-- name: page_group_order
+-- The Smart Triggerer page's groups: identity groups of deferred tasks of the DAGs in :dag_ids, biggest
+-- first (then the longest waiting), each with its DAGs and oldest member's deferral: what every page is cut
+-- from (page.py keeps it a few seconds). Keys and counts only, no member's details. A group is one identity
+-- within one queue set's shard space (each set runs its own coroutine); a waiter not deduplicated is a group
+-- of one (alone: its trigger id).
+WITH per_dag AS (
+    SELECT i.identity_hash, CASE WHEN NOT i.dedupable THEN i.trigger_id END AS alone,
+           coalesce(t.queue, '') AS queue, ti.dag_id, count(*) AS members, min(t.created_date) AS since
+    FROM task_instance ti
+    JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id
+    JOIN trigger t ON t.id = ti.trigger_id
+    WHERE ti.state = 'deferred' AND ti.dag_id = ANY(:dag_ids)
+    GROUP BY 1, 2, 3, 4
 )
-SELECT p.key, p.members, p.dags, p.waiting_since, p.classpath, p.description, p.total,
-       serving.owner_job_id, serving.hostname,
+SELECT identity_hash, alone, queue, sum(members)::integer AS members, count(*)::integer AS dags,
+       min(since) AS waiting_since
+FROM per_dag
+GROUP BY identity_hash, alone, queue
+ORDER BY members DESC, waiting_since, identity_hash, alone, queue;
+
+-- name: page_groups
+-- One page of the groups page_group_order found (as arrays, in page order): each one's trigger class,
+-- description and shard from its first member, the instance serving it, and its first :members deferred
+-- tasks in the DAGs :dag_ids, in the order they deferred. Reads the page's groups only, each through
+-- trigger_identity_hash_member from its first member on: nothing of any other group.
+SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.hostname,
        (SELECT json_agg(json_build_object('dag_id', m.dag_id, 'run_id', m.run_id, 'task_id', m.task_id,
                                           'map_index', m.map_index, 'since', m.created_date)
-                        ORDER BY m.created_date, m.trigger_id)
-        FROM (SELECT * FROM member m WHERE m.key = p.key
-              ORDER BY m.created_date, m.trigger_id LIMIT :members) m) AS first_members
-FROM page p
+                        ORDER BY m.trigger_id)
+        FROM (SELECT i.trigger_id, ti.dag_id, ti.run_id, ti.task_id, ti.map_index, t.created_date
+              FROM smart_triggerer.trigger_identity i
+              JOIN trigger t ON t.id = i.trigger_id
+              JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
+              WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
+                AND coalesce(t.queue, '') = g.queue AND ti.dag_id = ANY(:dag_ids)
+              ORDER BY i.identity_hash, i.trigger_id
+              LIMIT :members) m) AS first_members
+FROM unnest(CAST(:hashes AS bigint[]), CAST(:alone AS integer[]), CAST(:queues AS text[]))
+     WITH ORDINALITY AS g(identity_hash, alone, queue, n)
+LEFT JOIN LATERAL (
+    SELECT t.classpath, i.description, i.shard
+    FROM smart_triggerer.trigger_identity i
+    JOIN trigger t ON t.id = i.trigger_id
+    WHERE i.trigger_id = (  -- the first member, found in index order (a big group is never read whole)
+        SELECT f.trigger_id FROM smart_triggerer.trigger_identity f
+        JOIN trigger ft ON ft.id = f.trigger_id
+        WHERE f.identity_hash = g.identity_hash AND f.trigger_id = coalesce(g.alone, f.trigger_id)
+          AND coalesce(ft.queue, '') = g.queue
+        ORDER BY f.identity_hash, f.trigger_id
+        LIMIT 1)
+) first ON true
 LEFT JOIN LATERAL (
     SELECT l.owner_job_id, inst.hostname FROM smart_triggerer.shard_lease l
     JOIN smart_triggerer.instance inst ON inst.job_id = l.owner_job_id
-    WHERE l.shard = p.shard AND l.expires_at > now()
-      AND (p.queue IS NULL AND l.queues = '' OR p.queue = ANY(string_to_array(l.queues, ',')))
+    WHERE l.shard = first.shard AND l.expires_at > now()
+      AND (g.queue = '' AND l.queues = '' OR g.queue = ANY(string_to_array(l.queues, ',')))
     LIMIT 1
 ) serving ON true
-ORDER BY p.members DESC, p.waiting_since, p.key;
+ORDER BY g.n;
 
 -- name: page_chart
 -- The last hour's samples (and 150 s before it, to carry into its first minute), each instance's latest of
