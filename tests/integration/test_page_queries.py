@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from importlib import resources
 from typing import Any
 
 import pytest
@@ -360,3 +361,23 @@ def test_hosts_and_task_ids_need_the_triggers_view_or_task_instance_read(
         assert everything["serving_instance"] == {"job_id": supervisor.job_id, "host": get_hostname()}
     finally:
         page.app.dependency_overrides.clear()
+
+
+def test_a_failing_asset_watcher_is_shown_with_its_instance(env: AirflowConfig) -> None:
+    """Issue 25.4: a watcher whose coroutine failed is started again with backoff, and the page says so."""
+    from tests.integration.test_supervisor_faults import add_watcher, watcher_group
+
+    supervisor = make_supervisor()
+    watcher = add_watcher("flaky")
+    load(supervisor)
+    supervisor._start_groups()
+    runner = watcher_group(supervisor, watcher).runner_id
+    supervisor.failed_triggers.append((runner, ConnectionRefusedError("warehouse is down")))
+    supervisor.handle_failed_triggers()
+    supervisor._heartbeat_counters()
+    found = page.overview(may_read_assets=False)
+    instance = next(i for i in found["instances"] if i["job_id"] == supervisor.job_id)
+    assert (instance["watchers_failing"], instance["watcher_restarts_total"]) == (1, 1)
+    assert found["totals"]["watchers_failing"] == 1
+    html = resources.files("triggerer").joinpath("static/page.html").read_text()
+    assert "<th>Failing watchers</th>" in html and "i.watchers_failing" in html
