@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import textwrap
-import time
 
 import asyncpg
 import pytest
 
-from tests.helpers.waiting import rows, wait_for
+from tests.helpers.waiting import db_now, rows, scheduler_looped_since, wait_for
 from triggerer.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
@@ -72,6 +71,13 @@ def _runs(airflow_dsn: str) -> int:
     return int(rows(airflow_dsn, "SELECT count(*) FROM dag_run WHERE dag_id = 'user_mart'")[0][0])
 
 
+def _last_rows(dsn: str) -> dict[str, int]:
+    """Each watched table's last SUCCESS row: a watermark there has read everything."""
+    return {r[0]: int(r[1]) for r in rows(
+        dsn, "SELECT table_name, max(id) FROM meta.detail_process_table_status "
+             "WHERE status = 'SUCCESS' AND table_name IN ('dds.h_user', 'dds.s_user') GROUP BY table_name")}
+
+
 def _watermarks(dsn: str) -> dict[str, int]:
     found = rows(dsn, "SELECT to_regclass('dataset_bridge.status_watermark') IS NOT NULL")[0][0]
     if not found:
@@ -105,7 +111,7 @@ def test_status_rows_make_one_event_each_and_the_and_consumer_runs_once(
     _status(pg_db, "dds.h_user", "START")
     _status(pg_db, "dds.h_user", "SUCCESS")
     wait_for(lambda: _events(airflow_dsn), lambda e: len(e) == 1, 60, "the h_user event")
-    time.sleep(6)  # the scheduler had time to act on h_user alone
+    scheduler_looped_since(airflow_dsn, db_now(airflow_dsn))  # it had the chance to act on h_user alone
     assert _runs(airflow_dsn) == 0, "the consumer ran before both tables were loaded"
 
     _status(pg_db, "dds.s_user", "SUCCESS")
@@ -118,16 +124,15 @@ def test_status_rows_make_one_event_each_and_the_and_consumer_runs_once(
     # A crash between "event stored" and "watermark written": the stored state is exactly this one.
     smart.signal(signal.SIGKILL)
     wait_for(smart.running, lambda alive: not alive, 30, "the smart triggerer to die")
-    marks = _watermarks(pg_db)
     _sql(pg_db, "UPDATE dataset_bridge.status_watermark SET last_id = last_id - 1 "
                 "WHERE table_name = 'dds.s_user'")
     # and a load that happens while no triggerer runs
     _status(pg_db, "dds.h_user", "SUCCESS")
     airflow_stack.start_smart_triggerer("smart-triggerer-2", env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "8"})
     wait_for(lambda: _events(airflow_dsn), lambda e: len(e) >= 3, 120, "the load made while down")
-    wait_for(lambda: _watermarks(pg_db), lambda w: w["dds.s_user"] >= marks["dds.s_user"], 60,
-             "the re-read row to be acknowledged again")
-    time.sleep(5)
+    wait_for(lambda: _watermarks(pg_db), lambda w: w == _last_rows(pg_db), 60,
+             "every row to be acknowledged (the re-read one again)")
+    scheduler_looped_since(airflow_dsn, db_now(airflow_dsn))  # and acted on since
     events = _events(airflow_dsn)
     assert len(events) == 3, f"expected no loss and no duplicate, got {events}"
     assert len({key for _uri, key in events}) == 3

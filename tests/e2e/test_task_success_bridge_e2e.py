@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.waiting import rows, wait_for
-from triggerer.devstack import AirflowStack
+from tests.helpers.waiting import db_now, queried_since, rows, scheduler_looped_since, wait_for
+from triggerer.devstack import AirflowStack, Component
 
 pytestmark = pytest.mark.e2e
 
@@ -60,6 +60,15 @@ def _runs(dsn: str, dag_id: str) -> int:
     return _count(dsn, "SELECT count(*) FROM dag_run WHERE dag_id = %s", dag_id)
 
 
+def _bridges_passed_since(dsn: str, bridges: list[Component], since: object) -> None:
+    """Each bridge ran statements after ``since`` twice, a pass (--interval 1 s) apart."""
+    for bridge in bridges:
+        pids = [p.pid for p in bridge.tree()]
+        wait_for(lambda p=pids: queried_since(dsn, p, since), bool, 30, f"{bridge.name} to pass")
+        again = db_now(dsn)
+        wait_for(lambda p=pids, a=again: queried_since(dsn, p, a), bool, 30, f"{bridge.name}'s next pass")
+
+
 def _bridge_args(mapping: Path) -> list[str]:
     return ["--mapping", str(mapping), "--interval", "1", "--grace", "3"]
 
@@ -79,7 +88,7 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     run_1 = airflow_stack.trigger("etl_orders")
     assert airflow_stack.wait_for_run("etl_orders", run_1, timeout=120) == "success"
     wait_for(lambda: _runs(dsn, "orders_report"), lambda n: n == 1, 60, "the consumer to run")
-    time.sleep(6)  # both bridges passed several times since
+    _bridges_passed_since(dsn, bridges, db_now(dsn))
     assert _orders_events(dsn) == 1
     assert _runs(dsn, "orders_report") == 1
     (key, source_dag), = rows(dsn, "SELECT CAST(extra AS jsonb) ->> 'idempotency_key', source_dag_id "
@@ -98,10 +107,11 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
     assert "crashing before commit" in crashed.stdout
     assert _orders_events(dsn) == 1  # the crashed transaction left nothing behind
-    airflow_stack.start_bridge("bridge-3", _bridge_args(mapping))
+    bridge_3 = airflow_stack.start_bridge("bridge-3", _bridge_args(mapping))
     wait_for(lambda: _orders_events(dsn), lambda n: n == 2, 60, "the lost event to be made again")
     wait_for(lambda: _runs(dsn, "orders_report"), lambda n: n == 2, 60, "the second consumer run")
-    time.sleep(5)
+    _bridges_passed_since(dsn, [bridge_3], db_now(dsn))
+    scheduler_looped_since(dsn, db_now(dsn))
     assert _orders_events(dsn) == 2 and _runs(dsn, "orders_report") == 2
 
     # two events 20 ms apart (apache/airflow#54659): both are consumed by some consumer run

@@ -40,3 +40,35 @@ def lease_owners(dsn: str) -> dict[int, int | None]:
     return {r[0]: r[1] for r in rows(
         dsn, "SELECT shard, CASE WHEN expires_at > now() THEN owner_job_id END "
              "FROM smart_triggerer.shard_lease WHERE queues = '' ORDER BY shard")}
+
+
+def db_now(dsn: str) -> Any:
+    """The database's clock (what the waits below compare with)."""
+    return rows(dsn, "SELECT clock_timestamp()")[0][0]
+
+
+def scheduler_looped_since(dsn: str, since: Any, timeout: float = 60) -> None:
+    """Two scheduler heartbeats after ``since``: at least one whole scheduling loop ran after it (the
+    scheduler heartbeats at the end of its loop)."""
+    def heartbeat() -> Any:
+        return rows(dsn, "SELECT max(latest_heartbeat) FROM job WHERE job_type = 'SchedulerJob' "
+                         "AND state = 'running'")[0][0]
+
+    first = wait_for(heartbeat, lambda hb: hb is not None and hb > since, timeout, "a scheduler heartbeat")
+    wait_for(heartbeat, lambda hb: hb > first, timeout, "the scheduler's next heartbeat")
+
+
+def queried_since(dsn: str, pids: list[int], since: Any) -> bool:
+    """A session of these processes (matched by their TCP ports) began a statement after ``since``."""
+    import psutil
+
+    ports = []
+    for pid in pids:
+        try:
+            ports += [c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr]
+        except psutil.NoSuchProcess:
+            continue
+    if not ports:
+        return False
+    return bool(rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY(%s) "
+                          "AND query_start > %s", ports, since)[0][0])
