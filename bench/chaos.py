@@ -1,17 +1,23 @@
 """Jepsen-style chaos run of the smart triggerer: faults for minutes, then a proof from the database.
 
-    .venv/bin/python -m bench.chaos --minutes 10 --waiters 2000 --instances 3 --write
+    .venv/bin/python -m bench.chaos --minutes 20 --waiters 2000 --instances 3 --write
     .venv/bin/python -m bench.chaos --quick --seed 7          # the short profile the test suite runs
 
-A private PostgreSQL (always: it is restarted during the run), a migrated Airflow metadata database with an
-audit trigger, ``--instances`` smart triggerers, seeded deferred waiters (40% duplicates, push and pull
+A private PostgreSQL (always: it is restarted and its clock stepped during the run; libfaketime is
+installed with apt-get when missing), a migrated Airflow metadata database with an audit trigger,
+``--instances`` smart triggerers (each through a TCP proxy of its own, its sessions named after it), the
+dataset bridge's outbox and relay to an inbox stub, seeded deferred waiters (40% duplicates, push and pull
 status-table waits, SQL flags, HTTP keys, some with a trigger_timeout due during the run) and status-table
-asset watchers. For ``--minutes`` a seeded schedule of faults (SIGKILL, SIGSTOP past the lease, SIGTERM, a
-fourth instance joining and leaving, PostgreSQL restarts) runs while conditions flip and status rows
-arrive. Then the checker proves from the database that every waiter resumed exactly once with its own event
-or timed out no earlier than due, nothing failed, every SUCCESS row made exactly one asset event, and no
-wait stalled past ``lease + poll interval + 2 s``. Exit status 1 when any check fails.
-The shared implementation is ``tests/helpers/chaos.py``.
+asset watchers. For ``--minutes`` a seeded schedule of faults runs while conditions flip and status rows
+arrive: SIGKILL, SIGSTOP past the lease, SIGTERM, a fourth instance joining and leaving, PostgreSQL
+restarts, an instance frozen for good inside a transaction (then killed and replaced), a network
+partition between an instance and PostgreSQL, a DB error right after a lease renewal, a forward step of
+the database's clock, one poison event and one asset event whose extra holds a ``\u0000``. Then the
+checker proves from the databases that every waiter resumed exactly once with its own event or timed out
+no earlier than due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
+made exactly one asset event and the relay delivered it (the ``\u0000`` one dead-lettered alone), and no
+wait stalled past ``lease + poll interval + 3 s`` (the clock's steps taken out). Exit status 1 when any
+check fails. The shared implementation is ``tests/helpers/chaos.py``.
 """
 
 from __future__ import annotations
@@ -76,10 +82,10 @@ def progress(line: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=None, help="replay a run (default: a fresh random seed)")
-    parser.add_argument("--minutes", type=float, default=None, help="length of the chaos phase (10)")
+    parser.add_argument("--minutes", type=float, default=None, help="length of the chaos phase (20)")
     parser.add_argument("--waiters", type=int, default=None, help="seeded deferred waiters (2000)")
     parser.add_argument("--instances", type=int, default=None, help="smart triggerer instances (3)")
-    parser.add_argument("--quick", action="store_true", help="the short profile: 1 minute, 300 waiters")
+    parser.add_argument("--quick", action="store_true", help="the short profile: 1.5 minutes, 300 waiters")
     parser.add_argument("--keep-logs", type=Path, default=None,
                         help="copy the instances' logs to this directory before the temp dir is removed")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")

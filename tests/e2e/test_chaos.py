@@ -7,6 +7,7 @@ shown to catch each kind of violation on made-up audit trails, so a passing run 
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,21 @@ import pytest
 
 from tests.helpers.chaos import (
     FAULT_KINDS,
+    NUL_ASSET,
+    ONCE,
+    POISON,
     Identity,
     Observed,
     Profile,
     Waiter,
     judge,
     judge_assets,
+    judge_bridge,
     make_plan,
+    on_host_clock,
     run_chaos,
 )
+from tests.helpers.fake_clock import ClockStep, continuous
 
 SEED = 20261123
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -43,8 +50,15 @@ def http_waiter(timeout_at: float | None = None) -> Waiter:
     return Waiter(0, Identity("http", "h00001"), wave=0, poll_interval=2.0, push=False, timeout_at=timeout_at)
 
 
+def poison_waiter() -> Waiter:
+    return Waiter(0, Identity(POISON, "p_poison"), wave=0, poll_interval=2.0, push=False)
+
+
 EVENT = {"event": {"key": "h00001"}}
 TIMEOUT = {"error": "Trigger timeout"}
+NOT_STORED = {"error": "Trigger failure", "traceback": [
+    "smart-triggerer: the trigger's event could not be stored: unsupported Unicode escape sequence\n"]}
+BOOM = {"error": "Trigger failure", "traceback": ["boom"]}
 BOUND = 10.0
 
 
@@ -63,10 +77,12 @@ BOUND = 10.0
      "timed_out", None),
     ([entry("deferred", 0), entry("resolved", 31, method="__fail__", kwargs=TIMEOUT, due=30)], 5, 30,
      "timed_out", "wrong"),
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__",
-                                  kwargs={"error": "Trigger failure", "traceback": ["boom"]})], 10, None,
-     "failed", "failed"),
+    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)], 10, None, "failed",
+     "failed"),
     ([entry("deferred", 0), entry("deleted", 12)], 10, None, "lost", "deleted"),
+    # an event refused by the database fails its tasks with the cause: only the poison group may
+    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)], 10, None,
+     "failed", "could not be stored"),
 ])
 def test_the_checker_catches_each_kind_of_violation(trail: list[dict[str, Any]], condition: float,
                                                      timeout_at: float | None, verdict: str,
@@ -78,6 +94,66 @@ def test_the_checker_catches_each_kind_of_violation(trail: list[dict[str, Any]],
         assert outcome.problems == []
     else:
         assert any(problem in p for p in outcome.problems), outcome.problems
+
+
+@pytest.mark.parametrize(("trail", "verdict", "problem"), [
+    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)], "rejected", None),
+    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED),
+      entry("rewritten", 13, method="__fail__", kwargs=NOT_STORED, txid=2)], "rejected", "doubled"),
+    ([entry("deferred", 0), entry("resolved", 12, kwargs={"event": {"key": "p_poison"}})], "failed", "wrong"),
+    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)], "failed", "wrong"),
+    ([entry("deferred", 0)], "lost", "still deferred"),
+    ([entry("deferred", 0), entry("resolved", 25, method="__fail__", kwargs=NOT_STORED)], "rejected",
+     "stalled"),
+    ([entry("deferred", 0), entry("resolved", 9, method="__fail__", kwargs=NOT_STORED)], "rejected",
+     "premature"),
+])
+def test_a_poison_event_must_fail_its_tasks_with_the_cause_exactly_once(
+        trail: list[dict[str, Any]], verdict: str, problem: str | None) -> None:
+    outcome = judge(poison_waiter(), trail, at(10), BOUND)
+    assert outcome.verdict == verdict
+    if problem is None:
+        assert outcome.problems == []
+        assert outcome.stall == 2.0
+    else:
+        assert any(problem in p for p in outcome.problems), outcome.problems
+
+
+def test_stalls_are_measured_without_the_database_clock_steps() -> None:
+    """A wait whose window spans a forward step of the database clock by 20 s stalled 2 s, not 22."""
+    step = ClockStep(at(11), at(31))
+    trail = [entry("deferred", 0), entry("resolved", 32, kwargs=EVENT)]
+    stepped = Observed({"ti": trail}, {}, {}, {"h00001": at(10)}, [], [], T0, clock_steps=[step])
+    assert judge(http_waiter(), trail, at(10), BOUND).problems  # measured raw: 22 s, stalled
+    host = on_host_clock(stepped)
+    outcome = judge(http_waiter(), host.audit["ti"], host.conditions["h00001"], BOUND)
+    assert (outcome.problems, outcome.stall) == ([], 2.0)
+    # a moment the step jumped over (a deadline) is the instant of the step; later steps add up
+    assert continuous(at(20), [step]) == at(11)
+    assert continuous(at(5), [step]) == at(5)
+    assert continuous(at(50), [step, ClockStep(at(40), at(45))]) == at(25)
+    # a timeout due inside the skipped stretch, written 1 s after the step: 1 s late, not early
+    due = continuous(at(20), [step])
+    timed_out = [entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=TIMEOUT, due=20)]
+    outcome = judge(http_waiter(timeout_at=20), timed_out, at(60), BOUND, due)
+    assert (outcome.verdict, outcome.problems, outcome.stall) == ("timed_out", [], 1.0)
+
+
+def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:
+    events = [(1, "chaos://status/a0", {}, at(1)), (2, NUL_ASSET, {}, at(2)),
+              (3, "chaos://status/a1", {}, at(3))]
+    outbox = {1: ("delivered", None), 2: ("dead", "not relayed: PostgreSQL cannot store its extra as jsonb"),
+              3: ("delivered", None)}
+    observed = Observed({}, {}, {}, {}, [], events, T0, outbox=outbox, delivered=Counter({1: 1, 3: 2}))
+    result = judge_bridge(observed)
+    assert (result.violations, result.delivered, result.redelivered) == ([], 2, 1)
+    observed.outbox[2] = ("pending", None)
+    observed.delivered[2] = 1
+    del observed.delivered[3]
+    problems = judge_bridge(observed).violations
+    assert len(problems) == 3 and "event 3" in problems[-1], problems
+    observed.asset_events.append((4, NUL_ASSET, {}, at(4)))
+    assert any("made 2 asset events" in p for p in judge_bridge(observed).violations)
 
 
 def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_asset() -> None:
@@ -100,6 +176,11 @@ def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_as
 def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
     plan = make_plan(Profile.quick(SEED))
     assert {f.kind for f in plan.faults} == set(FAULT_KINDS)
+    kinds = Counter(f.kind for f in plan.faults)
+    assert all(kinds[kind] == 1 for kind in ONCE), kinds
+    poison = [w for w in plan.waiters if w.identity.kind == POISON]
+    assert len(poison) >= 2 and all(w.timeout_at is None for w in poison)
+    assert poison[0].identity.flip_at == next(f.at for f in plan.faults if f.kind == "poison")
     assert plan.describe() == make_plan(Profile.quick(SEED)).describe()
     assert any(w.timeout_at is not None for w in plan.waiters)
     assert len({w.identity.key for w in plan.waiters}) < len(plan.waiters)

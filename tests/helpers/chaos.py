@@ -1,27 +1,46 @@
 """A Jepsen-style chaos run of the smart triggerer: workload, faults and checker in one place.
 
-``bench/chaos.py`` (10 minutes, thousands of waiters) and ``tests/e2e/test_chaos.py`` (a short seeded run)
+``bench/chaos.py`` (20 minutes, thousands of waiters) and ``tests/e2e/test_chaos.py`` (a short seeded run)
 share this module, so the suite exercises the very checker the long run relies on.
 
-What runs: a private PostgreSQL (it must be restarted, so never the one ``SMART_TRIGGERER_DSN`` names), an
-Airflow metadata database with an audit trigger of ours on ``task_instance`` and ``asset_event``, a
-"warehouse" database (an ETL status table, a flags table), an HTTP condition source, and N ``smart-triggerer
-run`` instances. Seeded deferred waiters (``TableLoadTrigger`` push and pull, ``SqlConditionTrigger``,
-``PollTrigger``; 40% duplicates; some with a ``trigger_timeout`` due during the run) and status-table asset
-watchers wait while conditions flip, new status rows arrive and a seeded schedule of faults runs (SIGKILL,
-SIGSTOP past the lease, SIGTERM, a fourth instance joining and leaving, PostgreSQL restarts).
+What runs: a private PostgreSQL whose clock can be stepped (libfaketime; it must also be restarted, so never
+the one ``SMART_TRIGGERER_DSN`` names), an Airflow metadata database with an audit trigger of ours on
+``task_instance`` and ``asset_event``, a "warehouse" database (an ETL status table, a flags table), an HTTP
+condition source, N ``smart-triggerer run`` instances, each reaching the metadata database through a TCP
+proxy of its own (``tcp_proxy.py``) and naming its sessions (``PGAPPNAME`` = the instance's name), and the
+dataset bridge's outbox (the instances' asset manager) with a relay to an inbox stub. Seeded deferred waiters
+(``TableLoadTrigger`` push and pull, ``SqlConditionTrigger``, ``PollTrigger``; 40% duplicates; some with a
+``trigger_timeout`` due during the run) and status-table asset watchers wait while conditions flip, new
+status rows arrive and a seeded schedule of faults runs:
 
-What is checked, from the database alone: every waiter left DEFERRED exactly once (the audit trigger logs
-every transition with ``clock_timestamp()``), with its own event, or timed out no earlier than due; nothing
-failed; every SUCCESS status row made exactly one asset event; and no wait stalled longer than
-``lease + poll interval + 2 s`` after its condition held (condition times are written by the same
-PostgreSQL server, so one clock measures both ends).
+- ``sigkill``, ``sigstop`` (past the lease, then SIGCONT), ``sigterm`` (and a restart), ``join`` and
+  ``leave`` (a fourth instance), ``pg_restart`` (PostgreSQL down for a while);
+- ``freeze``: an instance SIGSTOPped while one of its sessions is inside a transaction (seen in
+  pg_stat_activity, confirmed 'idle in transaction' after the stop) and never woken: SIGKILLed after the
+  hold and replaced, as an orchestrator would;
+- ``partition``: the instance's proxy stops forwarding both ways for the hold, then heals;
+- ``db_error``: right after the instance renewed its leases (its lease rows' expiry moved), its sessions
+  are terminated again and again for about a second, until its log says "database unavailable";
+- ``clock_step``: the database's clock jumps forward (forward only; see ``fake_clock.py``);
+- ``poison``: the source hands one group of waiters an event with a ``\u0000`` (jsonb refuses it): their
+  tasks must fail with the cause ("could not be stored"), exactly once;
+- ``nul_extra``: an asset watcher's event whose extra holds a ``\u0000``: one asset event in Airflow, no
+  outbox row in the producer's transaction, dead-lettered alone by the relay's sweep, all other events
+  delivered.
+
+What is checked, from the databases alone: every waiter left DEFERRED exactly once (the audit trigger logs
+every transition with ``clock_timestamp()``), with its own event, or timed out no earlier than due, or (the
+poison group) failed with the cause; nothing else failed; every SUCCESS status row made exactly one asset
+event, delivered by the relay; and no wait stalled longer than ``lease + poll interval + 3 s`` after its
+condition held (condition times are written by the same PostgreSQL server, so one clock measures both ends;
+the clock's steps are taken out of every duration, ``fake_clock.continuous``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -43,20 +62,31 @@ from typing import Any
 import psycopg2
 from aiohttp import web
 
+from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous, ensure_libfaketime
+from tests.helpers.tcp_proxy import Proxies
 from triggerer.devstack import AirflowConfig, AirflowStack, Component, migrate
-from triggerer.pgserver import EmbeddedPostgres, create_database
+from triggerer.pgserver import EmbeddedPostgres, create_database, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE, FLAG, HTTP = "table", "flag", "http"
+TABLE, FLAG, HTTP, POISON = "table", "flag", "http", "poison"
 CLASSPATHS = {
     TABLE: "triggers.table_load.TableLoadTrigger",
     FLAG: "triggers.sql_condition.SqlConditionTrigger",
     HTTP: "bench.triggers.PollTrigger",
+    POISON: "tests.helpers.chaos_triggers.SourcePollTrigger",
 }
 STATUS_TABLE = "meta.detail_process_table_status"
 LOAD_CHANNEL, FLAG_CHANNEL, ASSET_CHANNEL = "table_loads", "flags", "status_rows"
 FLAG_SQL = "SELECT value FROM chaos.flags WHERE name = $1"
-FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "join", "leave", "pg_restart")
+FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "join", "leave", "pg_restart", "freeze", "partition",
+               "db_error", "clock_step", "poison", "nul_extra")
+ONCE = ("poison", "nul_extra")  # faults of the workload: once per run
+POISON_MEMBERS = 2  # tasks that share the poison event (one group)
+NUL_KEY, NUL_ASSET = "nul-extra", "chaos://extra/nul"
+# what jsonb refuses: the poison event's payload and the watcher event's extra carry it
+NUL_NOTE = "a NUL \x00 byte"
+REJECTED_MARK = "could not be stored"  # the cause the supervisor fails a poison event's tasks with
+SINK, SINK_SECRET_ENV, BRIDGE_SOURCE = "sink", "CHAOS_SINK_SECRET", "chaos"
 ASSET_DAG = "chaos_assets"
 STARTED_MARK = "smart triggerer started"
 Log = Callable[[str], None]
@@ -72,7 +102,7 @@ class Profile:
     """How big and how long; the seed makes the workload and the fault schedule reproducible."""
 
     seed: int
-    minutes: float = 10.0
+    minutes: float = 20.0
     waiters: int = 2000
     instances: int = 3
     duplicates: float = 0.4
@@ -86,11 +116,12 @@ class Profile:
     asset_poll: float = 3.0
     gap: tuple[float, float] = (3.0, 8.0)  # quiet time between two faults
     row_every: tuple[float, float] = (0.5, 2.0)  # new status rows for the asset watchers
+    db_error_seconds: float = 1.0  # how long an instance's statements fail after its lease renewal
 
     @classmethod
     def quick(cls, seed: int) -> Profile:
-        """The short profile: about two minutes end to end, at least one fault of each kind."""
-        return cls(seed=seed, minutes=1.0, waiters=300, assets=4, gap=(1.0, 2.5))
+        """The short profile: about three minutes end to end, at least one fault of each kind."""
+        return cls(seed=seed, minutes=1.5, waiters=300, assets=4, gap=(1.0, 2.5))
 
     @property
     def seconds(self) -> float:
@@ -98,7 +129,7 @@ class Profile:
 
     def bound(self, poll_interval: float) -> float:
         """The longest a wait may stall after its condition held (the issue's acceptance bound)."""
-        return self.lease_seconds + poll_interval + 2.0
+        return self.lease_seconds + poll_interval + 3.0
 
     @property
     def margin(self) -> float:
@@ -138,6 +169,8 @@ class Waiter:
 
     def kwargs(self, http_url: str) -> dict[str, Any]:
         ident = self.identity
+        if ident.kind == POISON:
+            return {"url": http_url, "key": ident.name, "poll_interval": self.poll_interval}
         if ident.kind == TABLE:
             return {"conn_id": "warehouse", "required_tables": list(ident.tables),
                     "status_table": STATUS_TABLE, "poll_interval": self.poll_interval,
@@ -187,8 +220,13 @@ def make_plan(profile: Profile) -> Plan:
     _plan_timeouts(rng, profile, waiters)
     for ident in identities:
         ident.flip_at = min(max(ident.flip_at, ident.earliest), ident.latest, total)
-    return Plan(profile, identities, waiters, _plan_rows(rng, profile), _plan_faults(rng, profile),
-                wave_at=0.3 * total)
+    faults = _plan_faults(rng, profile)
+    # the poison group: first-wave waiters of one identity whose condition is the poison fault
+    poison = Identity(POISON, "p_poison", flip_at=next((f.at for f in faults if f.kind == "poison"), total))
+    identities.append(poison)
+    waiters += [Waiter(len(waiters) + n, poison, 0, rng.choice(profile.polls), False)
+                for n in range(POISON_MEMBERS)]
+    return Plan(profile, identities, waiters, _plan_rows(rng, profile), faults, wave_at=0.3 * total)
 
 
 def _plan_identities(rng: random.Random, unique: int, total: float) -> list[Identity]:
@@ -259,12 +297,21 @@ _HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
     "pg_restart": lambda rng, p: rng.uniform(0.5, 3.0),  # PostgreSQL down
     "join": lambda rng, p: 0.0,
     "leave": lambda rng, p: 0.0,
+    "freeze": lambda rng, p: p.lease_seconds + rng.uniform(1.0, 4.0),  # then SIGKILLed and replaced
+    "partition": lambda rng, p: rng.uniform(0.5, 1.0) * p.lease_seconds + rng.uniform(0.0, 4.0),
+    "db_error": lambda rng, p: 0.0,  # the window follows the renewal it waits for (db_error_seconds)
+    # the size of the step, not a duration: the clock jumps at once
+    "clock_step": lambda rng, p: rng.uniform(0.5, 2.0) * p.lease_seconds,
+    "poison": lambda rng, p: 0.0,
+    "nul_extra": lambda rng, p: 0.0,
 }
+INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of the schedule's
 
 
 def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
-    first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart"], 4)
+    first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart", "freeze", "partition", "db_error",
+                        "clock_step", "poison", "nul_extra"], 10)
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
@@ -275,18 +322,21 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     while True:
         kind = first[len(faults)] if len(faults) < len(first) else _random_kind(rng, joined)
         hold = _HOLDS[kind](rng, profile)
-        if at + hold > profile.seconds - 8:
+        takes = 0.0 if kind in INSTANT else hold
+        if at + takes > profile.seconds - 8:
             break
-        slot = {"join": extra, "leave": extra, "pg_restart": "postgres"}.get(kind) or rng.choice(slots)
+        slot = ({"join": extra, "leave": extra, "pg_restart": "postgres", "clock_step": "postgres",
+                 "poison": "source", "nul_extra": "source"}.get(kind) or rng.choice(slots))
         faults.append(FaultPlan(kind, at, hold, slot))
         joined = {"join": True, "leave": False}.get(kind, joined)
-        at += hold + rng.uniform(*profile.gap)
+        at += takes + rng.uniform(*profile.gap)
     return faults
 
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
-    kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join"]
-    return rng.choices(kinds, weights=(3, 2, 2, 1, 1))[0]
+    kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join", "freeze",
+             "partition", "db_error", "clock_step"]
+    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1))[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,6 +418,7 @@ import pendulum
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Asset, AssetWatcher
 from dataset_bridge import TableStatusTrigger
+from tests.helpers.chaos_triggers import SourceWatchTrigger
 
 
 def watched(k):
@@ -377,7 +428,13 @@ def watched(k):
     return Asset(f"chaos://status/a{{k}}", watchers=[AssetWatcher(name=f"a{{k}}_loaded", trigger=trigger)])
 
 
-with DAG(dag_id={dag_id!r}, schedule=functools.reduce(operator.or_, [watched(k) for k in range({count})]),
+# one event whose extra jsonb cannot hold (the source answers it with a NUL in a string)
+nul = Asset({nul_uri!r}, watchers=[AssetWatcher(
+    name="nul_extra",
+    trigger=SourceWatchTrigger(url={source_url!r}, key={nul_key!r}, poll_interval={poll!r}))])
+
+with DAG(dag_id={dag_id!r},
+         schedule=functools.reduce(operator.or_, [watched(k) for k in range({count})] + [nul]),
          start_date=pendulum.datetime(2024, 1, 1), catchup=False, is_paused_upon_creation=False):
     EmptyOperator(task_id="consume")
 '''
@@ -434,6 +491,8 @@ class Warehouse:
             # recorded first, then served: the recorded time is never later than the real flip
             execute(self.dsn, "INSERT INTO chaos.http_flip (key, at) VALUES (%s, clock_timestamp()) "
                               "ON CONFLICT DO NOTHING", (ident.name,))
+            if ident.kind == POISON:
+                source.events[ident.name] = {"key": ident.name, "note": NUL_NOTE}
             source.ready.add(ident.name)
 
     def status_row(self, table_name: str, status: str) -> None:
@@ -463,12 +522,21 @@ class Warehouse:
 
 
 class KeySource:
-    """``GET /poll/{key}`` answers ``{"ready": bool}``; a key is ready once the harness flipped it."""
+    """``GET /poll/{key}`` answers ``{"ready": bool}``; a key is ready once the harness flipped it. A key
+    with an event of its own (the poison, the NUL extra) answers it too: ``chaos_triggers`` yields it.
+
+    ``POST /inbox`` is the relay's target: it checks the signature as the bridge's inbox does, answers
+    "created" (or "duplicate") per event and counts the deliveries of each asset event id.
+    """
 
     def __init__(self) -> None:
         self.ready: set[str] = set()
+        self.events: dict[str, dict[str, Any]] = {}
         self.polls = 0
         self.port = 0
+        self.secret = os.urandom(16).hex()
+        self.received: Counter[int] = Counter()
+        self.inbox_refusals = 0
 
     @property
     def url(self) -> str:
@@ -476,13 +544,34 @@ class KeySource:
 
     async def _poll(self, request: web.Request) -> web.Response:
         self.polls += 1
-        return web.json_response({"ready": request.match_info["key"] in self.ready})
+        key = request.match_info["key"]
+        if key not in self.ready:
+            return web.json_response({"ready": False})
+        return web.json_response({"ready": True, "event": self.events.get(key, {"key": key})})
+
+    async def _inbox(self, request: web.Request) -> web.Response:
+        from dataset_bridge import signing
+
+        body = await request.read()
+        try:
+            signing.verify({BRIDGE_SOURCE: self.secret}, {k.lower(): v for k, v in request.headers.items()},
+                           body)
+        except signing.SignatureError as err:
+            self.inbox_refusals += 1
+            return web.json_response({"detail": str(err)}, status=401)
+        results = []
+        for event in json.loads(body)["events"]:
+            event_id = int(event["id"])
+            results.append({"id": event_id, "status": "duplicate" if self.received[event_id] else "created"})
+            self.received[event_id] += 1
+        return web.json_response({"results": results})
 
     @contextlib.contextmanager
     def running(self) -> Iterator[KeySource]:
         loop = asyncio.new_event_loop()
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/poll/{key}", self._poll)
+        app.router.add_post("/inbox", self._inbox)
         runner = web.AppRunner(app, access_log=None)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -511,39 +600,70 @@ class FaultRecord:
     slot: str
     started: dt.datetime
     ended: dt.datetime | None = None
+    note: str = ""  # what the fault did (a frozen backend's state, a step's size, whether an error landed)
+    effective: bool = True  # False: the fault could not be made as planned (see note)
 
 
 def _wall() -> dt.datetime:
-    """The host clock, which the local PostgreSQL's clock_timestamp() also reads."""
+    """The host clock, which the local PostgreSQL's clock_timestamp() also reads (less its steps)."""
     return dt.datetime.now(dt.UTC)
 
 
-class Cluster:
-    """The smart triggerer instances (by slot) and the PostgreSQL server under them.
+JOB_ID = re.compile(STARTED_MARK + r".*?\bjob_id=(\d+)")
+IN_TRANSACTION = ("SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                  "AND datname = current_database() AND xact_start IS NOT NULL "
+                  "AND state IN ('active', 'idle in transaction')")
+LEASE_EXPIRY = "SELECT max(expires_at) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s"
+TERMINATE = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s "
+             "AND datname = current_database() AND pid <> pg_backend_pid()")
+DB_UNAVAILABLE = "database unavailable"
 
-    Signals go to one instance's process group (Component.signal), never by name. A slot that is not
-    deliberately down and whose process exited is an unexpected exit: recorded and restarted.
+
+class Cluster:
+    """The smart triggerer instances (by slot), the relay, and the PostgreSQL server under them.
+
+    Each instance reaches the metadata database through its slot's proxy and names its sessions after
+    itself (``PGAPPNAME``, which libpq reads: Airflow's psycopg2 connections carry it). Signals go to one
+    instance's process group (Component.signal), never by name. A slot that is not deliberately down and
+    whose process exited is an unexpected exit: recorded and restarted.
     """
 
-    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log) -> None:
-        self.stack, self.server, self.log = stack, server, log
+    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log, proxies: Proxies,
+                 lease_seconds: float) -> None:
+        self.stack, self.server, self.log, self.proxies = stack, server, log, proxies
+        self.lease_seconds = lease_seconds
         self.slots: dict[str, Component] = {}
         self.down: set[str] = set()
         self.paused: set[str] = set()
+        self.frozen: set[str] = set()
         self.generation: Counter[str] = Counter()
         self.unexpected_exits: list[str] = []
         self.startup_exits: list[str] = []
         self.unclean_stops: list[str] = []
         self.stopping: list[tuple[Component, float, float]] = []  # (component, signalled, deadline)
         self.term_exit_seconds: list[float] = []
+        self.relay: Component | None = None
+        self.relay_args: list[str] = []
+
+    @property
+    def dsn(self) -> str:
+        return self.stack.config.database_dsn
 
     def start(self, slot: str) -> Component:
         self.generation[slot] += 1
         name = slot if self.generation[slot] == 1 else f"{slot}.{self.generation[slot]}"
-        component = self.stack.start_smart_triggerer(name)
+        proxy = self.proxies.get(slot)
+        through = re.sub(r"@127\.0\.0\.1:\d+/", f"@127.0.0.1:{proxy.port}/", self.dsn)
+        env = {"PGAPPNAME": name, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through)}
+        component = self.stack.start_smart_triggerer(name, env=env)
         self.slots[slot] = component
         self.down.discard(slot)
         return component
+
+    def start_relay(self, args: list[str]) -> None:
+        """The dataset bridge's relay (outbox -> the inbox stub); watched like the instances."""
+        self.relay_args = args
+        self.relay = self.stack.add_relay(args)
 
     def kill(self, slot: str) -> None:
         """SIGKILL the instance's process group and wait for it to be gone."""
@@ -552,6 +672,8 @@ class Cluster:
         component.signal(signal.SIGKILL)
         assert component.process is not None
         component.process.wait(10)
+        self.paused.discard(slot)
+        self.frozen.discard(slot)
 
     def terminate(self, slot: str, grace: float = 30.0) -> None:
         """SIGTERM the instance's process group without waiting: its exit is reaped by ``watch``.
@@ -591,12 +713,97 @@ class Cluster:
         self.slots[slot].signal(signal.SIGCONT)
         self.paused.discard(slot)
 
+    def freeze(self, slot: str, within: float = 20.0) -> tuple[bool, str]:
+        """SIGSTOP the instance at a moment one of its sessions is inside a transaction, for good.
+
+        A session seen inside a transaction may be running its COMMIT: after the stop, once no session of
+        the instance is still 'active', one must be 'idle in transaction' (its client stopped before it
+        could end it), else the instance is woken and caught again.
+        """
+        component = self.slots[slot]
+        conn = psycopg2.connect(self.dsn, connect_timeout=5)
+        conn.autocommit = True
+        deadline = time.monotonic() + within
+        try:
+            with conn.cursor() as cur:
+                while time.monotonic() < deadline:
+                    cur.execute(IN_TRANSACTION, (component.name,))
+                    pids = [r[0] for r in cur.fetchall()]
+                    if not pids:
+                        time.sleep(0.002)
+                        continue
+                    component.signal(signal.SIGSTOP)
+                    states = _settled(cur, component.name)
+                    held = [pid for pid, state in states if state == "idle in transaction"]
+                    if held:
+                        self.frozen.add(slot)
+                        return True, f"backend {held[0]} idle in transaction ({len(states)} sessions)"
+                    component.signal(signal.SIGCONT)
+        finally:
+            conn.close()
+        component.signal(signal.SIGSTOP)
+        self.frozen.add(slot)
+        return False, f"no session seen inside a transaction in {within:.0f}s: frozen outside one"
+
+    def job_of(self, component: Component, within: float = 60.0) -> int:
+        """The instance's job id, from its start-up line (waited for, bounded)."""
+        from tests.helpers.waiting import wait_for
+
+        found = wait_for(lambda: JOB_ID.search(component.log_tail(2_000_000)), bool, within,
+                         f"{component.name} to log its start", 0.1)
+        assert found is not None
+        return int(found.group(1))
+
+    def db_error(self, slot: str, window: float) -> tuple[bool, str]:
+        """Right after the instance renewed its leases, make its statements fail for ``window`` seconds.
+
+        The renewal is seen as its lease rows' expiry moving on (the claim committed). Then every session
+        it has in the metadata database is terminated, again and again: a session closed while idle is
+        replaced by the pool's pre-ping, so the window lasts until the error reached the loop (its log says
+        "database unavailable"), at most ``window`` + 5 s.
+        """
+        component = self.slots[slot]
+        job = self.job_of(component)
+        offset = component.log_path.stat().st_size
+        conn = psycopg2.connect(self.dsn, connect_timeout=5)
+        conn.autocommit = True
+        renewed = False
+        killed = 0
+        try:
+            with conn.cursor() as cur:
+                last = None
+                deadline = time.monotonic() + 3 * self.lease_seconds
+                while time.monotonic() < deadline:
+                    cur.execute(LEASE_EXPIRY, (job,))
+                    expiry = cur.fetchone()[0]
+                    if last is not None and expiry is not None and expiry > last:
+                        renewed = True
+                        break
+                    last = expiry
+                    time.sleep(0.002)
+                until, latest = time.monotonic() + window, time.monotonic() + window + 5.0
+                reached, looked = False, 0.0
+                while time.monotonic() < latest:
+                    cur.execute(TERMINATE, (component.name,))
+                    killed += cur.fetchone()[0]
+                    if time.monotonic() >= until and time.monotonic() - looked > 0.05:
+                        looked = time.monotonic()
+                        reached = DB_UNAVAILABLE in _log_since(component, offset)
+                        if reached:
+                            break
+                    time.sleep(0.001)
+        finally:
+            conn.close()
+        how = "after a lease renewal" if renewed else f"NO renewal seen in {3 * self.lease_seconds:.0f}s"
+        landed = "the error reached its loop" if reached else "NO error reached its loop"
+        return reached and renewed, f"{how}; {killed} sessions terminated; {landed}"
+
     def watch(self) -> None:
         """Restart any instance that exited on its own, as a process supervisor would.
 
         An instance that was up (it logged ``smart triggerer started``) and exited is a product failure.
         One that exited before that, while the database was unreachable, is reported apart: Airflow's own
-        job start-up (``run_job``) gives up when it cannot create its job row.
+        job start-up (``run_job``) gives up when it cannot create its job row. The relay is watched alike.
         """
         self.reap()
         for slot, component in list(self.slots.items()):
@@ -609,11 +816,42 @@ class Cluster:
             found.append(f"{component.name} exited with {code}: {tail}")
             self.log(f"{component.name} exited on its own ({code}); restarting it")
             self.start(slot)
+        if self.relay is not None and not self.relay.running():
+            code = self.relay.process.returncode if self.relay.process else None
+            tail = " | ".join(line.strip() for line in self.relay.log_tail(4000).strip().splitlines()[-6:])
+            self.unexpected_exits.append(f"relay exited with {code}: {tail}")
+            self.log(f"the relay exited on its own ({code}); restarting it")
+            self.stack.components.remove(self.relay)
+            self.relay = self.stack.add_relay(self.relay_args)
 
     def release(self) -> None:
-        """Wake every paused instance (a stopped process cannot act on SIGTERM)."""
+        """Wake every paused instance (a stopped process cannot act on SIGTERM), kill the frozen ones
+        (never woken), heal every partition."""
         for slot in list(self.paused):
             self.unpause(slot)
+        for slot in list(self.frozen):
+            self.kill(slot)
+        for slot in list(self.proxies.by_name):
+            self.proxies.heal(slot)
+
+
+def _log_since(component: Component, offset: int) -> str:
+    with component.log_path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
+
+
+def _settled(cur: Any, application: str, within: float = 2.0) -> list[tuple[int, str]]:
+    """The instance's sessions once none is 'active' any more (its process stopped: each statement in
+    flight finishes and the session waits for its client), bounded."""
+    deadline = time.monotonic() + within
+    while True:
+        cur.execute("SELECT pid, state FROM pg_stat_activity WHERE application_name = %s "
+                    "AND datname = current_database()", (application,))
+        states = [(int(r[0]), str(r[1])) for r in cur.fetchall()]
+        if all(state != "active" for _pid, state in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.005)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -642,6 +880,9 @@ class Observed:
     t0: dt.datetime
     diagnostics: list[str] = field(default_factory=list)  # state to explain a failure with
     watchers: dict[str, int] = field(default_factory=dict)  # asset uri -> its watcher's trigger id
+    clock_steps: list[ClockStep] = field(default_factory=list)  # the database clock's forward steps
+    outbox: dict[int, tuple[str, str | None]] = field(default_factory=dict)  # event id -> status, error
+    delivered: Counter[int] = field(default_factory=Counter)  # event id -> deliveries to the inbox stub
 
 
 class ChaosRun:
@@ -658,18 +899,22 @@ class ChaosRun:
         self.started = self.chaos_start = time.monotonic()
         self.chaos_seconds = 0.0
         self.stopped = False
+        self.clock_steps: list[ClockStep] = []
 
     # --- the whole run ---
 
     def run(self) -> Report:
         self.log(self.plan.describe())
+        library = ensure_libfaketime(self.log)
         root = Path(tempfile.mkdtemp(prefix="smart-triggerer-chaos-"))
         try:
             with contextlib.ExitStack() as resources:
-                server = EmbeddedPostgres(root / "pgdata")
+                server = FakeClockPostgres(root / "pgdata", library=library)
                 server.start()
                 resources.callback(server.stop)
+                self.server = server
                 source = resources.enter_context(KeySource().running())
+                self.proxies = resources.enter_context(Proxies(("127.0.0.1", server.port)).running())
                 return self._run_on(server, source, root, resources)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -681,13 +926,15 @@ class ChaosRun:
         self.airflow_dsn = airflow_dsn
         self.warehouse = Warehouse(warehouse_dsn)
         self.warehouse.create([i.name for i in self.plan.identities if i.kind == FLAG])
-        stack = AirflowStack(self._config(root, airflow_dsn, warehouse_dsn))
+        routes = self._routes(root)
+        stack = AirflowStack(self._config(root, airflow_dsn, warehouse_dsn, routes))
         stack.config.dags_folder.mkdir(parents=True, exist_ok=True)
         self.stack = stack
-        cluster = Cluster(stack, server, self.log)
+        cluster = Cluster(stack, server, self.log, self.proxies, self.profile.lease_seconds)
         self.cluster = cluster
         resources.callback(self._stop_everything)
         self._sync_assets()
+        self._bridge(routes)
         self._seed_wave(0)
         for n in range(self.profile.instances):
             cluster.start(f"smart-{n + 1}")
@@ -711,12 +958,36 @@ class ChaosRun:
         execute(airflow_dsn, AUDIT_DDL)
         return airflow_dsn, create_database(server.dsn, "chaos_warehouse")
 
-    def _config(self, root: Path, airflow_dsn: str, warehouse_dsn: str) -> AirflowConfig:
+    def _routes(self, root: Path) -> Path:
+        """The bridge's routes: every chaos asset to the inbox stub."""
+        assets = [f"chaos://status/a{k}" for k in range(self.profile.assets)] + [NUL_ASSET]
+        path = root / "routes.json"
+        path.write_text(json.dumps({"source": BRIDGE_SOURCE, "targets": {SINK: {
+            "url": f"{self.source.url}/inbox", "secret_env": SINK_SECRET_ENV, "assets": assets}}}))
+        return path
+
+    def _bridge(self, routes: Path) -> None:
+        """``dataset-bridge init --routes`` (before any event, as the README says), then the relay."""
+        import subprocess
+        import sys
+
+        command = [str(Path(sys.executable).with_name("dataset-bridge")), "init", "--routes", str(routes)]
+        result = subprocess.run(command, env=self.stack.config.env(), capture_output=True, text=True,
+                                timeout=300, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"dataset-bridge init failed ({result.returncode}): {result.stderr[-3000:]}")
+        self.cluster.start_relay(["--routes", str(routes)])
+
+    def _config(self, root: Path, airflow_dsn: str, warehouse_dsn: str, routes: Path) -> AirflowConfig:
         home = root / "airflow"
         home.mkdir()
         extra = {
             "PYTHONPATH": str(ROOT),
             "AIRFLOW_CONN_WAREHOUSE": warehouse_dsn,
+            # the instances write the bridge's outbox rows in the transaction that creates each event
+            "AIRFLOW__CORE__ASSET_MANAGER_CLASS": "dataset_bridge.asset_manager.OutboxAssetManager",
+            "AIRFLOW__CORE__ASSET_MANAGER_KWARGS": json.dumps({"routes": str(routes)}),
+            SINK_SECRET_ENV: self.source.secret,
             "AIRFLOW__SMART_TRIGGERER__SHARDS": str(self.profile.shards),
             "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(self.profile.lease_seconds),
             # seeded waiters are resumed by nobody else: the 3.3.2 race guard would only delay them
@@ -748,13 +1019,14 @@ class ChaosRun:
         p = self.profile
         path = self.stack.config.dags_folder / f"{ASSET_DAG}.py"
         path.write_text(textwrap.dedent(ASSET_DAG_FILE.format(
-            status=STATUS_TABLE, poll=p.asset_poll, channel=ASSET_CHANNEL, dag_id=ASSET_DAG, count=p.assets)))
+            status=STATUS_TABLE, poll=p.asset_poll, channel=ASSET_CHANNEL, dag_id=ASSET_DAG, count=p.assets,
+            nul_uri=NUL_ASSET, source_url=self.source.url, nul_key=NUL_KEY)))
         use_airflow_db(self.airflow_dsn)
         _sync_dag(path, self.stack.config.dags_folder)
         watchers = execute(self.airflow_dsn, "SELECT count(*) FROM asset_watcher w JOIN asset a "
                                              "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%'", fetch=True)
-        if watchers[0][0] != p.assets:
-            raise RuntimeError(f"expected {p.assets} asset watchers, Airflow created {watchers[0][0]}")
+        if watchers[0][0] != p.assets + 1:
+            raise RuntimeError(f"expected {p.assets + 1} asset watchers, Airflow created {watchers[0][0]}")
 
     def _seed_wave(self, wave: int) -> None:
         from tests.helpers.seeding import seed_deferred
@@ -812,8 +1084,9 @@ class ChaosRun:
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
         flip = self.warehouse.flip
+        # the poison group's condition is its fault
         actions = [Action(i.flip_at, next(seq), f"flip {i.name}", partial(flip, i, self.source))
-                   for i in self.plan.identities]
+                   for i in self.plan.identities if i.kind != POISON]
         actions += [Action(at, next(seq), f"row {t} {s}", partial(self.warehouse.status_row, t, s))
                     for at, t, s in self.plan.rows]
         actions.append(Action(self.plan.wave_at, next(seq), "wave 2", partial(self._seed_wave, 1)))
@@ -829,25 +1102,51 @@ class ChaosRun:
         record.started = _wall()
         self.faults.append(record)
         cluster = self.cluster
-        if fault.kind == "sigkill":
-            cluster.kill(fault.slot)
-        elif fault.kind == "sigstop":
-            cluster.pause(fault.slot)
-        elif fault.kind in ("sigterm", "leave"):
-            cluster.terminate(fault.slot)
-        elif fault.kind == "join":
-            cluster.start(fault.slot)
+        simple: dict[str, Callable[[str], object]] = {
+            "sigkill": cluster.kill, "sigstop": cluster.pause, "sigterm": cluster.terminate,
+            "leave": cluster.terminate, "join": cluster.start, "partition": self.proxies.partition}
+        if fault.kind in simple:
+            simple[fault.kind](fault.slot)
         elif fault.kind == "pg_restart":
             cluster.server.restart(down_seconds=fault.hold)
+        elif fault.kind == "freeze":
+            record.effective, record.note = cluster.freeze(fault.slot)
+        else:
+            self._instant_fault(fault, record)
         elapsed = time.monotonic() - self.chaos_start
-        self.log(f"  {elapsed:6.1f}s fault {fault.kind} {fault.slot}")
+        note = f": {record.note}" if record.note else ""
+        self.log(f"  {elapsed:6.1f}s fault {fault.kind} {fault.slot}{note}")
+
+    def _instant_fault(self, fault: FaultPlan, record: FaultRecord) -> None:
+        """Faults that are over once made: a DB error window, a clock step, the poison, the NUL extra."""
+        if fault.kind == "db_error":
+            record.effective, record.note = self.cluster.db_error(fault.slot, self.profile.db_error_seconds)
+        elif fault.kind == "clock_step":
+            self.clock_steps.append(self.server.step(fault.hold))
+            record.note = f"database clock +{fault.hold:.1f}s"
+        elif fault.kind == "poison":
+            poison = next(i for i in self.plan.identities if i.kind == POISON)
+            self.warehouse.flip(poison, self.source)
+            record.note = f"{POISON_MEMBERS} waiters of {poison.name}"
+        elif fault.kind == "nul_extra":
+            self.source.events[NUL_KEY] = {"key": NUL_KEY, "note": NUL_NOTE, "idempotency_key": "chaos/nul/1"}
+            self.source.ready.add(NUL_KEY)
+            record.note = f"the watcher of {NUL_ASSET}"
+        record.ended = _wall()
 
     def _fault_end(self, fault: FaultPlan, record: FaultRecord) -> None:
         if fault.kind in ("sigkill", "sigterm"):
             self.cluster.start(fault.slot)
         elif fault.kind == "sigstop":
             self.cluster.unpause(fault.slot)
-        record.ended = _wall()
+        elif fault.kind == "freeze":
+            # never woken: killed and replaced in its slot, as an orchestrator would
+            self.cluster.kill(fault.slot)
+            self.cluster.start(fault.slot)
+        elif fault.kind == "partition":
+            self.proxies.heal(fault.slot)
+        if record.ended is None:
+            record.ended = _wall()
 
     def _progress(self, elapsed: float) -> None:
         with contextlib.suppress(psycopg2.Error):
@@ -867,16 +1166,20 @@ class ChaosRun:
         success_rows = sum(1 for _at, _t, status in self.plan.rows if status == "SUCCESS")
         worst = self.profile.bound(max(*self.profile.polls, self.profile.push_poll))
 
-        def pending() -> tuple[int, int]:
+        def pending() -> tuple[int, int, int, int]:
             self.cluster.watch()
             found = execute(self.airflow_dsn, "SELECT (SELECT count(*) FROM task_instance WHERE state = "
-                                              "'deferred'), (SELECT count(*) FROM chaos.asset_event_audit)",
-                            fetch=True)[0]
-            return int(found[0]), int(found[1])
+                                              "'deferred'), (SELECT count(*) FROM chaos.asset_event_audit), "
+                                              "(SELECT count(*) FROM dataset_bridge.outbox WHERE status = "
+                                              "'pending'), (SELECT count(*) FROM dataset_bridge.outbox "
+                                              "WHERE status = 'dead')", fetch=True)[0]
+            return int(found[0]), int(found[1]), int(found[2]), int(found[3])
 
         try:
-            wait_for(pending, lambda v: v[0] == 0 and v[1] >= success_rows, worst + 60,
-                     "quiescence (no deferred waiter, one event per SUCCESS row)", 0.5)
+            # the NUL extra's event too, and its dead letter (the relay sweeps every 10 s)
+            wait_for(pending, lambda v: v[0] == 0 and v[1] >= success_rows + 1 and v[2] == 0 and v[3] >= 1,
+                     worst + 60, "quiescence (no deferred waiter, one event per SUCCESS row and the NUL "
+                                 "extra's, nothing left to relay, the NUL extra's event dead-lettered)", 0.5)
         except AssertionError as err:
             self.notes.append(str(err))
             self.log(str(err))
@@ -897,8 +1200,13 @@ class ChaosRun:
             dsn, "SELECT e.id, a.uri, e.extra, au.at FROM asset_event e JOIN asset a ON a.id = e.asset_id "
                  "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
                  "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)]
+        outbox = {int(r[0]): (str(r[1]), r[2]) for r in execute(
+            dsn, "SELECT asset_event_id, status, last_error FROM dataset_bridge.outbox WHERE target = %s",
+            (SINK,), fetch=True)}
         return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
-                        self.warehouse.asset_rows(), events, self.t0_db, diagnostics)
+                        self.warehouse.asset_rows(), events, self.t0_db, diagnostics,
+                        clock_steps=list(self.clock_steps), outbox=outbox,
+                        delivered=Counter(self.source.received))
 
     def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
@@ -916,9 +1224,11 @@ class ChaosRun:
                             fetch=True)
         found += [f"live instance job {r[0]}: heartbeat age={r[1]} waiters={r[2]} groups={r[3]}"
                   for r in instances]
+        # the NUL extra's event is left out: its extra cannot be cast to jsonb
         orphan_keys = execute(
             self.airflow_dsn,
-            "SELECT k.asset_id, k.idempotency_key FROM smart_triggerer.asset_event_key k WHERE NOT EXISTS "
+            "SELECT k.asset_id, k.idempotency_key FROM smart_triggerer.asset_event_key k "
+            "JOIN asset a ON a.id = k.asset_id AND a.uri LIKE 'chaos://status/%' WHERE NOT EXISTS "
             "(SELECT 1 FROM asset_event e WHERE e.asset_id = k.asset_id "
             "AND CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' = k.idempotency_key)", fetch=True)
         found += [f"idempotency key claimed without an asset event: asset {r[0]} {r[1]}" for r in orphan_keys]
@@ -950,7 +1260,7 @@ class ChaosRun:
                 "startup_exits": list(self.cluster.startup_exits),
                 "unclean_stops": list(self.cluster.unclean_stops), "notes": list(self.notes),
                 "term_exit_seconds": list(self.cluster.term_exit_seconds),
-                "polls": self.source.polls}
+                "polls": self.source.polls, "inbox_refusals": self.source.inbox_refusals}
 
     def _evidence(self, trigger_ids: set[int], row_ids: set[int], per_component: int = 12) -> list[str]:
         """Log lines that name a failing waiter's trigger or a lost status row, and each component's last
@@ -1020,7 +1330,7 @@ class Report:
 class Outcome:
     """What happened to one waiter."""
 
-    verdict: str  # resumed, timed_out, failed, lost
+    verdict: str  # resumed, timed_out, rejected (failed: its event could not be stored), failed, lost
     problems: list[str] = field(default_factory=list)  # doubled, wrong, premature, early, stalled
     stall: float | None = None
     window: tuple[dt.datetime, dt.datetime] | None = None
@@ -1056,9 +1366,14 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     if len(writes) > 1 or len(deferred) > 1:
         outcome.problems.append(f"doubled: {len(writes)} writes in transactions "
                                 f"{[w['txid'] for w in writes]} at {[w['at'].isoformat() for w in writes]}")
+    start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
+    if waiter.identity.kind == POISON:
+        _judge_poison(outcome, first, condition=condition, start=start, bound=bound)
+        return outcome
+    if outcome.verdict == "rejected":  # only the poison group's event may be refused
+        outcome.verdict = "failed"
     if outcome.verdict in ("lost", "failed"):
         return outcome
-    start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
     expected = _expected(condition, due, bound)
     if outcome.verdict == "timed_out":
         _judge_timeout(outcome, first, due, expected, bound)
@@ -1076,9 +1391,31 @@ def _classify(entry: dict[str, Any]) -> Outcome:
     if entry["next_method"] == "__fail__":
         if kwargs.get("error") == "Trigger timeout":
             return Outcome("timed_out")
-        return Outcome("failed", [f"failed: {kwargs.get('error')!r} "
-                                  f"{''.join(kwargs.get('traceback') or [])[-300:]!r}"])
+        cause = "".join(kwargs.get("traceback") or [])
+        verdict = "rejected" if REJECTED_MARK in cause else "failed"
+        return Outcome(verdict, [f"failed: {kwargs.get('error')!r} {cause[-300:]!r}"])
     return Outcome("resumed")
+
+
+def _judge_poison(outcome: Outcome, entry: dict[str, Any], *, condition: dt.datetime | None,
+                  start: dt.datetime | None, bound: float) -> None:
+    """The poison group's tasks must fail with the cause ("could not be stored"), once, in time."""
+    if outcome.verdict != "rejected":
+        outcome.problems.append(f"wrong: a poison event must fail its task with {REJECTED_MARK!r}; "
+                                f"it was {outcome.verdict}")
+        if outcome.verdict != "lost":
+            outcome.verdict = "failed"
+        return
+    # the cause is what was expected: not a problem (doubled writes were noted before)
+    outcome.problems = [p for p in outcome.problems if not p.startswith("failed:")]
+    if condition is None or entry["at"] < condition:
+        outcome.problems.append(f"premature: failed at {entry['at'].isoformat()} before its event existed")
+        return
+    assert start is not None
+    stall = (entry["at"] - start).total_seconds()
+    outcome.stall, outcome.window = stall, (start, entry["at"])
+    if stall > bound:
+        outcome.problems.append(f"stalled: failed {stall:.1f}s after its event came (bound {bound:.0f}s)")
 
 
 def _expected(condition: dt.datetime | None, due: dt.datetime | None, bound: float) -> str:
@@ -1142,9 +1479,10 @@ class AssetOutcome:
 
 def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
     """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else."""
-    result = AssetOutcome(events=len(observed.asset_events))
+    status_events = [e for e in observed.asset_events if e[1].startswith("chaos://status/")]
+    result = AssetOutcome(events=len(status_events))
     by_row: dict[int, list[tuple[int, str, dict[str, Any], dt.datetime | None]]] = {}
-    for event in observed.asset_events:
+    for event in status_events:
         row_id = (event[2].get("payload") or {}).get("row_id")
         by_row.setdefault(row_id if isinstance(row_id, int) else -1, []).append(event)
     rows = {r[0]: r for r in observed.asset_rows}
@@ -1189,15 +1527,79 @@ def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str
                                   f"(bound {bound:.0f}s)")
 
 
-def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: dict[str, Any]) -> Report:
+@dataclass
+class BridgeOutcome:
+    """The dataset bridge's side: the NUL extra's event dead-lettered alone, every other one delivered."""
+
+    violations: list[str] = field(default_factory=list)
+    nul_events: int = 0
+    nul_row: str = "none"
+    delivered: int = 0
+    expected: int = 0
+    redelivered: int = 0
+
+
+def judge_bridge(observed: Observed) -> BridgeOutcome:
+    """The NUL extra made exactly one asset event, whose outbox row is dead with jsonb's reason and which
+    never reached the inbox; every status-row event's row is delivered and reached it."""
+    result = BridgeOutcome()
+    nul = [e for e in observed.asset_events if e[1] == NUL_ASSET]
+    result.nul_events = len(nul)
+    if len(nul) != 1:
+        kind = "lost" if not nul else "doubled"
+        result.violations.append(f"ASSET {kind}: the NUL extra's watcher made {len(nul)} asset events "
+                                 f"{[e[0] for e in nul]} (want exactly one)")
+    for event_id, *_rest in nul:
+        status, error = observed.outbox.get(event_id, ("no outbox row", None))
+        result.nul_row = f"{status} ({error})" if error else status
+        if status != "dead" or "jsonb" not in (error or ""):
+            result.violations.append(f"BRIDGE wrong: the NUL extra's event {event_id} has outbox row "
+                                     f"{result.nul_row!r}, want dead-lettered with jsonb's reason")
+        if observed.delivered[event_id]:
+            result.violations.append(f"BRIDGE wrong: the NUL extra's event {event_id} reached the inbox")
+    for event_id, uri, _extra, _at in observed.asset_events:
+        if not uri.startswith("chaos://status/"):
+            continue
+        result.expected += 1
+        status, error = observed.outbox.get(event_id, ("no outbox row", None))
+        if status == "delivered" and observed.delivered[event_id]:
+            result.delivered += 1
+            result.redelivered += observed.delivered[event_id] - 1
+        else:
+            result.violations.append(f"BRIDGE lost: event {event_id} ({uri}) outbox row {status!r} "
+                                     f"({error}), delivered {observed.delivered[event_id]} times")
+    return result
+
+
+def on_host_clock(observed: Observed) -> Observed:
+    """The observations with the database clock's steps taken out (``fake_clock.continuous``): every
+    duration between two of them is then real time."""
+    steps = observed.clock_steps
+    if not steps:
+        return observed
+
+    def host(moment: dt.datetime) -> dt.datetime:
+        return continuous(moment, steps)
+
+    audit = {ti: [{**e, "at": host(e["at"])} for e in entries] for ti, entries in observed.audit.items()}
+    return dataclasses.replace(
+        observed, audit=audit, conditions={k: host(v) for k, v in observed.conditions.items()},
+        asset_rows=[(i, t, status, host(at)) for i, t, status, at in observed.asset_rows],
+        asset_events=[(i, uri, extra, None if at is None else host(at))
+                      for i, uri, extra, at in observed.asset_events])
+
+
+def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[str, Any]) -> Report:
     profile = plan.profile
     outcomes: dict[int, Outcome] = {}
     violations: list[str] = []
     trigger_ids: set[int] = set()
+    observed = on_host_clock(raw)
     for waiter in plan.waiters:
         entries = observed.audit.get(waiter.ti_id, [])
         cond = condition_time(waiter.identity, observed.conditions)
-        due = None if waiter.timeout_at is None else observed.t0 + dt.timedelta(seconds=waiter.timeout_at)
+        due = (None if waiter.timeout_at is None else
+               continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
         outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval), due)
         outcomes[waiter.index] = outcome
         if outcome.verdict in ("lost", "failed") or outcome.problems:
@@ -1209,14 +1611,30 @@ def check(plan: Plan, observed: Observed, faults: Sequence[FaultRecord], run: di
     violations += [f"ASSET {kind}: {text}" for kind, texts in
                    (("lost", assets.lost), ("doubled", assets.doubled), ("wrong", assets.wrong),
                     ("stalled", assets.stalled)) for text in texts]
+    bridge = judge_bridge(observed)
+    violations += bridge.violations
     violations += [f"INSTANCE exited on its own: {text}" for text in run["unexpected_exits"]]
-    figures = _figures(plan, outcomes, assets, faults, run)
+    figures = _figures(plan, outcomes, assets, faults, run) + _bridge_figures(bridge, run, raw.clock_steps)
+    notes_faults = [f"{f.kind} {f.slot} not made as planned: {f.note}" for f in faults if not f.effective]
     notes = list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]]
     if violations:
         notes += observed.diagnostics
     notes += [f"exited during start-up (database unreachable), restarted: {u}"
               for u in run["startup_exits"]]
+    notes += notes_faults
     return Report(figures, violations, notes, trigger_ids, set(assets.failing_rows))
+
+
+def _bridge_figures(bridge: BridgeOutcome, run: dict[str, Any],
+                    steps: Sequence[ClockStep]) -> list[tuple[str, str]]:
+    return [
+        ("NUL extra: asset events / its outbox row", f"{bridge.nul_events} / {bridge.nul_row[:120]}"),
+        ("bridge: status events delivered to the inbox / expected (redeliveries)",
+         f"{bridge.delivered} / {bridge.expected} ({bridge.redelivered})"),
+        ("inbox refusals (bad signature)", str(run.get("inbox_refusals", 0))),
+        ("database clock steps (s)", ", ".join(f"+{(s.after - s.before).total_seconds():.1f}" for s in steps)
+         or "none"),
+    ]
 
 
 def _trigger_ids(entries: list[dict[str, Any]], final: tuple[str | None, int | None] | None) -> set[int]:
@@ -1265,6 +1683,7 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
         ("instances", f"{p.instances} (+1 joining), {p.shards} shards, lease {p.lease_seconds:g}s"),
         ("chaos phase / total wall time (s)", f"{run['chaos_seconds']:.0f} / {run['wall_seconds']:.0f}"),
         ("faults", f"{len(faults)}: " + ", ".join(f"{k} {kinds[k]}" for k in FAULT_KINDS)),
+        ("faults made as planned", _as_planned(faults)),
         ("waiters / identities", f"{len(plan.waiters)} / {len(plan.identities)} "
                                  f"({1 - len(plan.identities) / len(plan.waiters):.0%} duplicates)"),
         ("waiters by trigger", ", ".join(f"{k} {n}" for k, n in
@@ -1273,6 +1692,8 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
         ("waiters with a timeout", str(len(timed))),
         ("resumed", str(verdicts["resumed"])),
         ("timed out", str(verdicts["timed_out"])),
+        ("poison waiters failed with the cause (expected) / poison waiters",
+         f"{verdicts['rejected']} / {sum(1 for w in plan.waiters if w.identity.kind == POISON)}"),
         ("failed", str(verdicts["failed"])),
         ("lost", str(verdicts["lost"])),
         ("doubled", str(problems["doubled"])),
@@ -1280,7 +1701,7 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
          str(problems["wrong"] + problems["premature"] + problems["early"])),
         ("stalled over bound", str(problems["stalled"])),
         ("max stall / bound (s)", f"{stalls[-1] if stalls else 0:.2f} / "
-                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 2)"),
+                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3)"),
         ("stall p50 / p99 (s)", f"{_pct(stalls, 0.5):.2f} / {_pct(stalls, 0.99):.2f}"),
         ("max stall by fault kind (s)", ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_fault.items()))),
         ("status rows SUCCESS / asset events", f"{assets.success_rows} / {assets.events}"),
@@ -1295,6 +1716,16 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
         ("HTTP polls", str(run["polls"])),
     ]
     return figures
+
+
+def _as_planned(faults: Sequence[FaultRecord]) -> str:
+    """Faults whose effect is confirmed, of those that need it: a freeze caught inside a transaction, a
+    DB error that reached the loop right after a renewal."""
+    parts = []
+    for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop")):
+        made = [f for f in faults if f.kind == kind]
+        parts.append(f"{kind}: {sum(f.effective for f in made)}/{len(made)} {what}")
+    return ", ".join(parts)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
