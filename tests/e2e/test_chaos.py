@@ -7,10 +7,13 @@ shown to catch each kind of violation on made-up audit trails, so a passing run 
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import psycopg2
 import pytest
 
 from tests.helpers.chaos import (
@@ -29,7 +32,9 @@ from tests.helpers.chaos import (
     on_host_clock,
     run_chaos,
 )
-from tests.helpers.fake_clock import ClockStep, continuous
+from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous, ensure_libfaketime
+from tests.helpers.tcp_proxy import Proxies
+from tests.helpers.waiting import rows, wait_for
 
 SEED = 20261123
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -184,6 +189,58 @@ def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
     assert plan.describe() == make_plan(Profile.quick(SEED)).describe()
     assert any(w.timeout_at is not None for w in plan.waiters)
     assert len({w.identity.key for w in plan.waiters}) < len(plan.waiters)
+
+
+def test_a_partition_holds_what_is_sent_until_it_heals(pg_db: str) -> None:
+    """The partition fault is real: a statement sent while cut never reaches the server; after the heal
+    it does, on the same connection, and nothing was lost."""
+    port = urlsplit(pg_db).port
+    assert port is not None
+    with Proxies(("127.0.0.1", port)).running() as proxies:
+        proxy = proxies.get("smart-1")
+        conn = psycopg2.connect(pg_db.replace(f":{port}/", f":{proxy.port}/"), application_name="cut-off")
+        conn.autocommit = True
+        try:
+            cur = conn.cursor()
+            cur.execute("SELECT 1")
+            proxies.partition("smart-1")
+            answered: list[Any] = []
+
+            def send() -> None:
+                cur.execute("SELECT 2")
+                answered.append(cur.fetchone())
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            # the session stays idle on its previous statement for as long as the cut lasts
+            sender.join(1.5)
+            assert sender.is_alive() and not answered
+            session = "SELECT state, query FROM pg_stat_activity WHERE application_name = 'cut-off'"
+            assert rows(pg_db, session) == [("idle", "SELECT 1")]
+            proxies.heal("smart-1")
+            sender.join(10)
+            assert answered == [(2,)]
+        finally:
+            conn.close()
+
+
+def test_the_database_clock_steps_forward_while_the_server_runs(tmp_path: Path) -> None:
+    """The clock-step fault is real: the server's clock jumps for every session, the host's does not."""
+    server = FakeClockPostgres(tmp_path / "pgdata", library=ensure_libfaketime())
+    server.start()
+    try:
+        def offset() -> float:
+            found = rows(server.dsn, "SELECT clock_timestamp()")[0][0]
+            return float((found - dt.datetime.now(dt.UTC)).total_seconds())
+
+        assert abs(offset()) < 1
+        step = server.step(30.0)
+        assert (step.after - step.before).total_seconds() == 30.0
+        wait_for(offset, lambda o: abs(o - 30) < 1, 5, "the server's clock 30 s ahead")
+        now = rows(server.dsn, "SELECT clock_timestamp()")[0][0]
+        assert abs((continuous(now, [step]) - dt.datetime.now(dt.UTC)).total_seconds()) < 1
+    finally:
+        server.stop()
 
 
 @pytest.mark.e2e
