@@ -13,18 +13,23 @@ them. So the triggerer's connections carry, from the moment they open:
   about half a lease, on the server's side and on ours.
 
 They are set as startup parameters of each connection, so they win over the database's and the role's
-defaults; a connection pooler between the triggerer and PostgreSQL must pass them on (PgBouncer: not in
-``ignore_startup_parameters``).
+defaults. PgBouncer refuses unknown startup parameters (``options`` before 1.20; since then ``-c`` settings
+it does not track): connect the triggerers to PostgreSQL directly (a few connections each), or list these
+settings in PgBouncer's ``track_extra_parameters``; ``ignore_startup_parameters`` would drop them silently.
+The idle limit is lifted for Airflow's workload-building transaction, which locks nothing and may think
+long between two statements (a big DAG to deserialize).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 # server settings (GUCs) per connection; values in ms or s as PostgreSQL takes them
 KEEPALIVE_INTERVAL_SECONDS = 1
 KEEPALIVE_COUNT = 2
+LIBPQ_DRIVERS = ("psycopg2", "psycopg")  # both take libpq's connection keywords
 
 
 def limits(lease_seconds: float) -> dict[str, int]:
@@ -55,20 +60,22 @@ def connect_params(lease_seconds: float, options: str | None = None) -> dict[str
     }
 
 
-def bound_waits(lease_seconds: float) -> None:
-    """From now on, every psycopg2 connection this process opens carries the limits; open ones are
-    replaced (Airflow's pool is emptied)."""
+def bound_waits(lease_seconds: float) -> Callable[..., None] | None:
+    """From now on, every connection of Airflow's metadata engine in this process carries the limits (and
+    no other engine: a hook's connections are the user's); open ones are replaced (the pool is emptied)."""
     from airflow import settings
     from sqlalchemy import event
-    from sqlalchemy.engine import Engine
 
     def with_limits(dialect: Any, _record: Any, _args: Any, params: dict[str, Any]) -> None:
-        if dialect.driver == "psycopg2":
+        if dialect.driver in LIBPQ_DRIVERS:
             params.update(connect_params(lease_seconds, params.get("options")))
 
-    event.listen(Engine, "do_connect", with_limits)
-    if settings.engine is not None:
-        settings.engine.dispose()
+    engine = settings.engine
+    if engine is None:
+        return None
+    event.listen(engine, "do_connect", with_limits)
+    engine.dispose()
+    return with_limits  # for event.remove
 
 
 def _ms(seconds: float) -> int:

@@ -20,6 +20,7 @@ from airflow.triggers.base import TriggerEvent
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from triggerer.db_errors import storable
 from triggerer.store import queries
 
 Batch = tuple[Sequence[int], TriggerEvent]
@@ -86,6 +87,8 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     traceback = format_exception(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else exc
     if not trigger_ids:
         return 0
+    # a traceback may quote a payload: next_kwargs is jsonb, which holds neither NUL nor lone surrogates
+    traceback = [storable(str(line)) for line in traceback or ()]
     locked = session.execute(text(queries()["lock_deferred"]), {"trigger_ids": list(trigger_ids)}).all()
     if not locked:
         return 0

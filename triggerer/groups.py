@@ -104,6 +104,8 @@ class Groups:
         when no member can start it."""
         runner = group.leader if runner is None else runner
         if runner is None:
+            # no member can start it: parked until a member joins, so it never holds a start slot
+            self.unstarted.pop(group.identity_hash, None)
             return None
         if runner not in group.members:
             raise ValueError(f"trigger {runner} is not a member of the group")

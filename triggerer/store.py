@@ -184,6 +184,11 @@ class Store:
                          queues=queues or "")
         return {r.shard for r in rows}
 
+    def held_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> set[int]:
+        """Shards among these this instance holds by the database clock (no lock taken)."""
+        rows = self._run("held_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
+        return {r.shard for r in rows}
+
     def fence(self, job_id: int, shards: Iterable[int], queues: str | None) -> set[int]:
         """Shards whose lease this instance still holds, share-locked until the transaction ends."""
         rows = self._run("fence_shards", job_id=job_id, shards=sorted(shards), queues=queues or "")
@@ -311,6 +316,10 @@ class Store:
         for name in FEED_TRIGGERS:
             self._run(name)
         return True
+
+    def unbound_idle(self) -> None:
+        """No idle-in-transaction limit for the rest of this transaction (one that takes no lock)."""
+        self._run("unbound_idle")
 
     def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))

@@ -38,12 +38,13 @@ from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.net import get_hostname
 from airflow.utils.session import create_session
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from triggerer import fanout
 from triggerer.config import ConfigError, Settings
 from triggerer.dagbag import OneBuildDagBag
+from triggerer.db_errors import cause, is_outage, is_transient
 from triggerer.groups import Group, Groups
 from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
@@ -68,6 +69,7 @@ SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
 FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
 # a failed asset watcher starts again after 1 s, then 2, 4... up to a minute while it keeps failing
 WATCHER_BACKOFF_SECONDS = 1.0
+MIGRATE_WAIT_SECONDS = 60.0  # start-up: how long migrations are tried again while their locks are busy
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
 
 
@@ -88,35 +90,12 @@ class Held:
     release_at: float  # time.monotonic()
 
 
-def is_connectivity_error(err: SQLAlchemyError) -> bool:
-    """The database is unreachable or the transaction hit a transient conflict (a deadlock, a cancelled
-    statement): retry everything later. Anything else is a statement the database refused."""
-    import psycopg2
-
-    if not isinstance(err, DBAPIError):
-        return False
-    return bool(err.connection_invalidated) or isinstance(
-        err.orig, psycopg2.OperationalError | psycopg2.InterfaceError)
-
-
-def is_outage(err: BaseException) -> bool:
-    """The database could not be reached: retry later, blame no event."""
-    return isinstance(err, SQLAlchemyError) and is_connectivity_error(err)
-
-
 def _failure_cause(exc: Any) -> str:
     """A runner-reported failure in one line: an exception, the traceback lines it was sent as, or none."""
     if isinstance(exc, BaseException):
-        return _cause(exc)
+        return cause(exc)
     lines = [line.strip() for line in exc or () if isinstance(line, str) and line.strip()]
     return lines[-1].splitlines()[-1] if lines else "the trigger exited without sending an event"
-
-
-def _cause(err: BaseException) -> str:
-    """The database's own first line (never the statement's parameters: they may carry payloads)."""
-    orig = getattr(err, "orig", None) or err
-    text = str(orig).strip().splitlines()
-    return f"{type(orig).__name__}: {text[0] if text else ''}"
 
 
 @attrs.define(kw_only=True)
@@ -136,6 +115,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # owned shards whose lease a write transaction found lapsed by the database clock: dropped after it
     lapsed: set[int] = attrs.field(factory=set, init=False)
     last_error: str | None = attrs.field(default=None, init=False)
+    failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
     # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
     load_xmin: str | None = attrs.field(default=None, init=False)
     hash_xmin: str | None = attrs.field(default=None, init=False)
@@ -169,6 +149,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
     watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
     watcher_restarts_total: int = attrs.field(default=0, init=False)
+    watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
     last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
@@ -193,13 +174,31 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- the loop ---
 
     def register(self) -> None:
+        """Migrate the schema (each lock waited for briefly, the whole tried again for up to a minute:
+        a migration queued behind a reader must not hold up the running instances' heartbeats behind
+        it) and join the membership."""
+        deadline = time.monotonic() + MIGRATE_WAIT_SECONDS
+        delay = 0.2
+        while True:
+            try:
+                self._migrate_and_join()
+                break
+            except SQLAlchemyError as err:
+                if not is_transient(err) or time.monotonic() + delay > deadline:
+                    raise
+                log.info("the schema is busy (another instance migrating, or a reader); trying again",
+                         error=cause(err), retry_in=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.publish_snapshot()
+
+    def _migrate_and_join(self) -> None:
         with create_session() as session:
             store = Store(session)
             store.migrate(self.settings.shards)
             self._refuse_overlapping_queues(store)
             store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
                            health_url=self.health_url, shards=self.settings.shards)
-        self.publish_snapshot()
 
     def _refuse_overlapping_queues(self, store: Store) -> None:
         """Queue sets own separate shard spaces: two sets that share a queue would both run its triggers."""
@@ -237,37 +236,48 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """Since when events have waited to be stored (/health fails once that exceeds a lease)."""
         self.pending_since = (self.pending_since or time.monotonic()) if self.events else None
 
-    def _db_step(self, name: str, step: Callable[[], None]) -> None:
-        """A database outage must not stop the service: log once, keep looping, recover by itself."""
+    def _db_step(self, name: str, step: Callable[[], None]) -> bool:
+        """A step that fails must not stop the service: an outage is logged once, any other error when
+        its cause changes; the loop goes on and the step runs again. True when the step succeeded."""
         try:
             step()
-        except SQLAlchemyError as err:
-            self.last_error = _cause(err)
-            if self.db_ok:
-                log.warning("database unavailable; retrying every loop", step=name, error=self.last_error)
-            self.db_ok = False
+        except Exception as err:
+            self._step_failed(name, err)
+            return False
         else:
             if not self.db_ok and name == "load":
                 log.info("database reachable again")
                 self.db_ok = True
+            return True
         finally:
             self._drop_lapsed()
+
+    def _step_failed(self, name: str, err: Exception) -> None:
+        self.last_error = cause(err)
+        if is_outage(err):
+            if self.db_ok:
+                log.warning("database unavailable; retrying every loop", step=name, error=self.last_error)
+            self.db_ok = False
+        elif self.failed_step != (name, self.last_error):
+            # not the database being away: a statement it refused, a lock, or a bug (named, not hidden)
+            log.error("a loop step failed; retrying it every loop", step=name, error=self.last_error)
+        self.failed_step = (name, self.last_error)
 
     def _guard_leases(self) -> None:
         """Stop running shards before their leases can expire when they cannot be renewed.
 
         A slow loop (a busy host, a long burst) is not a reason: the leases are renewed now, and those
         still valid by the database clock keep their groups running (stopping and restarting coroutines
-        is itself a stall). Only when the database cannot be reached are all shards stopped.
+        is itself a stall). Only when that renewal fails are all shards stopped.
         """
         if not self.owned or not self._renewal_overdue():
             return
-        self._db_step("renewal", self._renew_leases)
-        if self.owned and self._renewal_overdue():
-            log.warning("cannot renew shard leases; stopping all shards before they expire",
-                        shards=len(self.owned), cause=self.last_error)
-            self._drop_shards(set(self.owned))
-            self.owned = set()
+        if self._db_step("renewal", self._renew_leases) or not self.owned:
+            return
+        log.warning("cannot renew shard leases; stopping all shards before they expire",
+                    shards=len(self.owned), cause=self.last_error)
+        self._drop_shards(set(self.owned))
+        self.owned = set()
 
     def _renewal_overdue(self) -> bool:
         return time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6
@@ -372,8 +382,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 self.load_xmin = self.hash_xmin = None  # the next loop installs it and reads everything
             self.last_prune = now
         if now - self.last_lingering >= LINGERING_SECONDS:
-            self.watcher_failures = {h: n for h, n in self.watcher_failures.items()
-                                     if h in self.groups.by_hash}
+            self._forget_watcher_failures(now)
             self._forget_lingering()
             self.last_lingering = now
         counts = (len(self.member_info), self.groups.group_count())
@@ -392,6 +401,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             Store(session).record_sample(self.job_id, *counts, self.groups.polls_saved_per_minute(),
                                          prune=0 in self.owned)
         self.sampled, self.sampled_at = counts, now
+
+    def _forget_watcher_failures(self, now: float) -> None:
+        """A watcher group that has run a while since its last failure counts as working again (one that
+        rarely fires would otherwise stay 'failing'); groups that left are forgotten."""
+        for identity_hash in list(self.watcher_failures):
+            group = self.groups.by_hash.get(identity_hash)
+            failed_at = self.watcher_failed_at.get(identity_hash, now)
+            working = group is not None and group.runner_id is not None and (
+                now - failed_at > WATCHER_BACKOFF_MAX_SECONDS)
+            if group is None or working:
+                self.watcher_failures.pop(identity_hash, None)
+                self.watcher_failed_at.pop(identity_hash, None)
 
     def _forget_lingering(self) -> None:
         """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while
@@ -423,6 +444,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             if released:
                 store.release_shards(self.job_id, released, self.queues_key)
             claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key)
+            if skipped := (desired - claimed) & self.owned:
+                # still ours, locked by a session of ours whose client is gone: kept, renewed later
+                claimed |= store.held_shards(self.job_id, skipped, self.queues_key)
         self.last_renewal = started
         lost, gained = self.owned - claimed, claimed - self.owned
         if lost:
@@ -461,7 +485,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 removed = Store(session).remove_feed_if_last(self.job_id, self.settings.lease_seconds)
         except SQLAlchemyError as err:
             log.warning("could not remove the change feed's triggers; the next instance to start uses them",
-                        error=_cause(err))
+                        error=cause(err))
             return
         if removed:
             log.info("last instance stopped: removed the change feed's triggers from Airflow's tables")
@@ -681,8 +705,20 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                          session: Session) -> Any:
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
             self.build_bag = OneBuildDagBag(dag_bag)
-        workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
-                                            session)  # a DBDagBag in all Airflow asks of it
+            # Airflow's build transaction locks nothing, and deserializing a big DAG may sit longer than
+            # the connection's idle-in-transaction limit (bounded.py) between two statements
+            Store(session).unbound_idle()
+        try:
+            workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
+                                                session)  # a DBDagBag in all Airflow asks of it
+        except SQLAlchemyError:
+            raise
+        except Exception as err:
+            # e.g. a timetable or a module the task's DAG needs is not installed on this host: this row
+            # cannot lead its group here (another member, or another host after a handover, may)
+            log.error("a trigger's workload cannot be built on this host", trigger_id=trigger.id,
+                      error=cause(err))
+            return None
         self._pool_log_file(trigger.id)
         group = self.groups.by_runner(trigger.id)
         if workload is None or group is None:
@@ -715,25 +751,28 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def handle_events(self) -> None:
         """Store the runner's events, front first, in bounded transactions; acknowledge what was stored.
 
-        A transaction the database refuses is retried event by event, and an event that still cannot be
-        stored fails its own members with the cause. A database outage leaves the events queued.
+        A transaction that fails for any reason but an outage is retried event by event: an event that
+        meets a lock it may not wait for is tried again next loop, behind the others; one that still
+        cannot be stored fails its own members with the cause. An outage leaves the events queued.
         """
         self._adopt_orphans()
         if self.events:
             self.runner_changes += 1  # runner ids leave the events queue: what to run may differ now
-        while self.events:
-            chunk = self._front_chunk()
-            try:
-                self._store_events(chunk)
-            except Exception as err:
-                # a statement the database refuses, or a listener, a callback, the asset manager raising:
-                # find the event it belongs to; only an outage leaves the events queued
-                if is_outage(err):
-                    raise
-                self._store_one_by_one(len(chunk))
-                continue
-            for _ in chunk:
-                self.events.popleft()
+        later: list[TriggerEventEntry] = []
+        try:
+            while self.events:
+                chunk = self._front_chunk()
+                try:
+                    self._store_events(chunk)
+                except Exception as err:
+                    if is_outage(err):
+                        raise
+                    later += self._store_one_by_one(len(chunk))
+                    continue
+                for _ in chunk:
+                    self.events.popleft()
+        finally:
+            self.events.extend(later)
 
     def _adopt_orphans(self) -> None:
         """Put orphaned events whose group is back in front (in order); drop those whose coroutine is
@@ -766,7 +805,9 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             size += members
         return chunk
 
-    def _store_one_by_one(self, count: int) -> None:
+    def _store_one_by_one(self, count: int) -> list[TriggerEventEntry]:
+        """The front ``count`` events one at a time; returns those to try again next loop."""
+        later = []
         for _ in range(count):
             entry = self.events[0]
             try:
@@ -774,8 +815,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             except Exception as err:
                 if is_outage(err):
                     raise
-                self._poisoned(entry, err)
+                if is_transient(err):
+                    log.info("an event met a lock it may not wait for; trying it again next loop",
+                             runner_id=entry.trigger_id, error=cause(err))
+                    later.append(entry)
+                else:
+                    self._poisoned(entry, err)
             self.events.popleft()
+        return later
 
     def _store_events(self, entries: Sequence[TriggerEventEntry]) -> None:
         now = time.monotonic()
@@ -816,15 +863,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _poisoned(self, entry: TriggerEventEntry, err: BaseException) -> None:
         """An event that cannot be stored on its own (the database refuses it, a listener or callback
         raises): its task members fail with the cause, its watchers restart with backoff; others go on."""
-        cause = _cause(err)
+        why = cause(err)
         group = self.groups.by_runner(entry.trigger_id)
         log.error("an event could not be stored; failing its members", runner_id=entry.trigger_id,
-                  members=len(group.members) if group else 0, error=cause)
+                  members=len(group.members) if group else 0, error=why)
         self.events_total += 1
         if group is None or self._in_lapsed_shard(group):
             return
-        self._group_failed(group, [f"smart-triggerer: the trigger's event could not be stored: {cause}\n"],
-                           cause)
+        self._group_failed(group, [f"smart-triggerer: the trigger's event could not be stored: {why}\n"], why)
 
     def _after_event(self, group: Group, event: TriggerEvent, mine: set[int], now: float) -> None:
         """Task members are done once the event is stored (young ones held); watchers keep running."""
@@ -897,14 +943,20 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.runner_changes += 1
             self.failed_triggers.popleft()
 
-    def _group_failed(self, group: Group, exc: Any, cause: str) -> None:
+    def _group_failed(self, group: Group, exc: Any, why: str) -> None:
         """Fail the group's task members (fenced) with ``exc``. Asset watchers and callbacks among its
         members are not failed: the group starts again after a backoff that doubles with each failure in
         a row (stock Airflow restarts a failed watcher every loop), and the failure is reported."""
-        with create_session() as session:
-            fenced = self._fence(session)
-            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
-            self.failures_total += fanout.fail(session, tasks, exc)
+        try:
+            self._fail_tasks(group, exc)
+        except Exception as err:
+            if is_outage(err) or is_transient(err):
+                raise
+            # the database refuses even the cleaned traceback: the tasks fail with a plain one
+            log.error("a failure's traceback could not be stored; failing its tasks without it",
+                      error=cause(err))
+            if not self._fail_plainly(group):
+                return
         watchers = [m for m in group.members if not self._is_task(m)]
         if not watchers or self._in_lapsed_shard(group):
             self._end_group(group)
@@ -915,12 +967,34 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         runner_id = group.runner_id
         attempt = self.watcher_failures.get(group.identity_hash, 0) + 1
         self.watcher_failures[group.identity_hash] = attempt
+        self.watcher_failed_at[group.identity_hash] = time.monotonic()
         delay = min(WATCHER_BACKOFF_MAX_SECONDS, WATCHER_BACKOFF_SECONDS * 2 ** (attempt - 1))
         self.groups.suspend(group, time.monotonic() + delay)
         self.watcher_restarts_total += 1
-        self.last_watcher_error = cause
+        self.last_watcher_error = why
         log.warning("an asset watcher failed; starting it again after a backoff", runner_id=runner_id,
-                    watchers=len(watchers), attempt=attempt, retry_in=delay, error=cause)
+                    watchers=len(watchers), attempt=attempt, retry_in=delay, error=why)
+
+    def _fail_plainly(self, group: Group) -> bool:
+        """Fail the group's tasks with a fixed message; False (the group ended, its tasks left to their
+        timeout) when even that is refused: one failure must never hold up those behind it."""
+        try:
+            self._fail_tasks(group, ["smart-triggerer: the trigger failed, and its error could not be "
+                                     "stored; see the triggerer's log\n"])
+        except Exception as err:
+            if is_outage(err) or is_transient(err):
+                raise
+            log.error("the tasks of a failed trigger could not be failed; they wait for their timeout",
+                      members=len(group.members), error=cause(err))
+            self._end_group(group)
+            return False
+        return True
+
+    def _fail_tasks(self, group: Group, exc: Any) -> None:
+        with create_session() as session:
+            fenced = self._fence(session)
+            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
+            self.failures_total += fanout.fail(session, tasks, exc)
 
     # --- cancellation without on_kill ---
 

@@ -80,13 +80,21 @@ RETURNING l.shard;
 -- The shards among :shards whose lease this instance still holds by the database clock, share-locked
 -- until the transaction ends: every write for a member runs after this in the same transaction, so a
 -- process paused past its lease can never write for a shard another instance took over (the taker's
--- claim skips the row while this transaction lasts, then finds the lease expired). A row locked by a
--- claim is one whose lease has expired: skipped, it counts as lapsed.
+-- claim skips the row while this transaction lasts, then finds the lease expired). A claim in flight on
+-- the row (it expired) is waited for, at most lock_timeout (bounded.py): then the step is retried.
 SELECT shard FROM smart_triggerer.shard_lease
 WHERE queues = :queues AND shard = ANY(:shards) AND owner_job_id = :job_id
   AND expires_at > clock_timestamp()
 ORDER BY shard
-FOR SHARE SKIP LOCKED;
+FOR SHARE;
+
+-- name: held_shards
+-- Among :shards, those this instance holds by the database clock, read without a lock: a claim skips its
+-- own rows while a session of its own that lost its client (a connection blip) still locks them; they
+-- are kept, not handed over, and renewed once the server has ended that session.
+SELECT shard FROM smart_triggerer.shard_lease
+WHERE queues = :queues AND shard = ANY(:shards) AND owner_job_id = :job_id
+  AND expires_at > clock_timestamp();
 
 -- name: release_shards
 -- Gives up leases at once (handover, graceful stop) so the next owner need not wait for expiry.
@@ -322,9 +330,14 @@ WHERE job_id <> :job_id AND stopped_at IS NULL AND feed_xmin IS NOT NULL
   AND heartbeat_at > now() - make_interval(secs => :lease_seconds);
 
 -- name: startup_lock_timeout
--- Migrations at start wait for another instance's migrations (the schema lock) longer than a loop's
--- statements may wait for a lock (bounded.py), but not for ever.
-SET LOCAL lock_timeout = '60s';
+-- A migration's lock waits are short: statements queue behind a DDL statement that waits for its lock,
+-- running instances' heartbeats too. The instance starting tries the whole migration again instead.
+SET LOCAL lock_timeout = '500ms';
+
+-- name: unbound_idle
+-- For the rest of this transaction, no idle-in-transaction limit (bounded.py sets one per connection): for
+-- a transaction that locks nothing and may think long between statements (building workloads).
+SELECT set_config('idle_in_transaction_session_timeout', '0', true);
 
 -- name: short_lock_timeout
 -- Dropping or creating a trigger on Airflow's tables waits for every open transaction on them, and every

@@ -1,0 +1,64 @@
+"""What a database error means for the loop, by SQLSTATE (the same for psycopg2 and psycopg 3).
+
+- an **outage**: the database cannot be reached (connection lost or refused, the server shutting down):
+  retry everything later, blame nothing;
+- **transient**: this statement met a lock it may not wait for (``lock_timeout``), a deadlock, a
+  serialization failure, a cancel, a server short of resources: retry that event later, store the others;
+- anything else is **deterministic**: the database refuses this statement and will refuse it again (a
+  payload it cannot hold, a value too long for an index): the event that carries it fails alone.
+
+The driver's exception class is no guide: psycopg2 files "program limit exceeded" (54xxx) and most of
+class 55 under ``OperationalError``, as it does a lost connection.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+OUTAGE_STATES = frozenset({"57P01", "57P02", "57P03"})  # admin shutdown, crash shutdown, cannot connect now
+TRANSIENT_STATES = frozenset({"55P03", "40001", "40P01", "57014"})  # lock timeout, serialization, deadlock,
+# query cancelled
+CONNECTION_CLASSES = ("OperationalError", "InterfaceError")
+
+
+def sqlstate(err: BaseException) -> str | None:
+    orig = getattr(err, "orig", None) or err
+    state = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+    return str(state) if state else None
+
+
+def is_outage(err: BaseException) -> bool:
+    """The database could not be reached: retry later, blame no event."""
+    if not isinstance(err, SQLAlchemyError):
+        return False
+    if isinstance(err, DBAPIError) and err.connection_invalidated:
+        return True
+    state = sqlstate(err)
+    if state is None:
+        # no answer from the server at all: the driver's connection-level errors
+        orig = getattr(err, "orig", None)
+        return isinstance(err, DBAPIError) and type(orig).__name__ in CONNECTION_CLASSES
+    return state.startswith("08") or state in OUTAGE_STATES
+
+
+def is_transient(err: BaseException) -> bool:
+    """This statement may succeed if tried again a little later (a lock, a conflict, resources)."""
+    state = sqlstate(err) if isinstance(err, SQLAlchemyError) else None
+    return state is not None and (state in TRANSIENT_STATES or state.startswith("53"))
+
+
+def cause(err: BaseException) -> str:
+    """The error's first line (never the statement's parameters: they may carry payloads)."""
+    orig = getattr(err, "orig", None) or err
+    text = str(orig).strip().splitlines()
+    return f"{type(orig).__name__}: {text[0] if text else ''}"
+
+
+def storable(text: str) -> str:
+    """``text`` as jsonb can hold it: no NUL, no unpaired surrogate (a cause may quote a payload)."""
+    cleaned = text.replace("\x00", "\\u0000")
+    return cleaned.encode("utf-8", "backslashreplace").decode("utf-8") if _has_surrogate(cleaned) else cleaned
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
