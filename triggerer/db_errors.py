@@ -4,8 +4,13 @@
   retry everything later, blame nothing;
 - **transient**: this statement met a lock it may not wait for (``lock_timeout``), a deadlock, a
   serialization failure, a cancel, a server short of resources: retry that event later, store the others;
-- anything else is **deterministic**: the database refuses this statement and will refuse it again (a
-  payload it cannot hold, a value too long for an index): the event that carries it fails alone.
+- the **event's own** fault: the database refuses what this event carries and will refuse it again (a
+  payload jsonb cannot hold, a value too long for an index: SQLSTATE classes 22, 23 and 54), or code of
+  the event's path raised (a listener, a callback, the asset manager): the event that carries it fails
+  alone;
+- anything else is the **database's** refusal of every writer (read-only after a failover, a permission
+  revoked, an I/O error, an internal error): no event is to blame, so every event is kept and the step is
+  retried, as for an outage.
 
 The driver's exception class is no guide: psycopg2 files "program limit exceeded" (54xxx) and most of
 class 55 under ``OperationalError``, as it does a lost connection.
@@ -13,12 +18,15 @@ class 55 under ``OperationalError``, as it does a lost connection.
 
 from __future__ import annotations
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 OUTAGE_STATES = frozenset({"57P01", "57P02", "57P03"})  # admin shutdown, crash shutdown, cannot connect now
 TRANSIENT_STATES = frozenset({"55P03", "40001", "40P01", "57014"})  # lock timeout, serialization, deadlock,
 # query cancelled
 CONNECTION_CLASSES = ("OperationalError", "InterfaceError")
+# data exception, integrity constraint violation, program limit exceeded: what one statement carried
+EVENT_CLASSES = ("22", "23", "54")
 
 
 def sqlstate(err: BaseException) -> str | None:
@@ -45,6 +53,19 @@ def is_transient(err: BaseException) -> bool:
     """This statement may succeed if tried again a little later (a lock, a conflict, resources)."""
     state = sqlstate(err) if isinstance(err, SQLAlchemyError) else None
     return state is not None and (state in TRANSIENT_STATES or state.startswith("53"))
+
+
+def blames_event(err: BaseException) -> bool:
+    """The event being stored is at fault (its payload, its listeners): it fails alone, the others go on.
+    False for an outage, a lock and any refusal that any other event would meet as well."""
+    if not isinstance(err, SQLAlchemyError):
+        return True  # a listener, a callback, the asset manager: code of this event's path
+    if isinstance(err, (sa_exc.TimeoutError, sa_exc.DisconnectionError)):
+        return False  # no connection to be had from the pool: nobody's fault but the database's
+    if not isinstance(err, DBAPIError):
+        return True  # SQLAlchemy refused the values before sending them, or the path misused a session
+    state = sqlstate(err)
+    return state is not None and state.startswith(EVENT_CLASSES)
 
 
 def cause(err: BaseException) -> str:

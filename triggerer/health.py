@@ -37,6 +37,9 @@ METRICS = (
      "Asset-watcher groups whose coroutine failed and has not stored an event since", "watchers_failing"),
     ("smart_triggerer_watcher_restarts_total", "counter",
      "Asset-watcher coroutines started again after a failure", "watcher_restarts_total"),
+    ("smart_triggerer_events_dead_total", "counter",
+     "Asset-watcher events set aside (smart_triggerer.dead_event) after failing to be stored many times",
+     "events_dead_total"),
 )
 
 

@@ -402,12 +402,19 @@ def _group(count: GroupCount, row: dict[str, Any], viewer: Viewer) -> dict[str, 
         "members": count.members,
         "dags": count.dags,
         "waiting_since": _iso(count.waiting_since),
-        # the host: with the Triggers view, or beside tasks whose task instances (which name it) they read
-        "serving_instance": ({"job_id": row["owner_job_id"],
-                              "host": row["hostname"] if viewer.views_triggers or members else None}
-                             if row["owner_job_id"] is not None else None),
+        # the instance: with the Triggers view, or beside tasks whose task instances (which name it) they read
+        "serving_instance": _serving(row, visible=viewer.views_triggers or bool(members)),
         "first_members": members,
     }
+
+
+def _serving(row: dict[str, Any], *, visible: bool) -> dict[str, Any] | None:
+    """The instance holding the group's shard (None: no owner now); which one, only to a user who may know."""
+    if row["owner_job_id"] is None:
+        return None
+    if not visible:
+        return {"job_id": None, "host": None}
+    return {"job_id": row["owner_job_id"], "host": row["hostname"]}
 
 
 def _member(member: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ our writes can share a transaction with Airflow's).
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -164,11 +163,13 @@ class Store:
         rows = self._run("live_queue_sets", lease_seconds=lease_seconds)
         return [r[0] for r in rows]
 
-    def heartbeat(self, job_id: int, *, feed_xmin: str | None = None, **counters: Any) -> dt.datetime:
-        """Renew membership; ``feed_xmin``: how far this instance has read the change feed."""
-        db_now: dt.datetime = self._run("heartbeat_instance", job_id=job_id, feed_xmin=feed_xmin,
-                                        **counters).scalar_one()
-        return db_now
+    def heartbeat(self, job_id: int, lease_seconds: float, *, feed_xmin: str | None = None,
+                  **counters: Any) -> bool:
+        """Renew membership; ``feed_xmin``: how far this instance has read the change feed. False when the
+        membership had lapsed (by the database clock) before this renewal, or the row is gone."""
+        was_live = self._run("heartbeat_instance", job_id=job_id, lease_seconds=lease_seconds,
+                             feed_xmin=feed_xmin, **counters).scalar()
+        return bool(was_live)
 
     def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
         return [member for member, _lapses_in in self.live_members_lapsing(lease_seconds, queues)]
@@ -272,6 +273,12 @@ class Store:
                       prune: bool) -> None:
         self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved,
                   prune=prune)
+
+    def dead_event(self, trigger_id: int, payload: str, attempts: int, cause: str) -> None:
+        self._run("dead_event", trigger_id=trigger_id, payload=payload, attempts=attempts, cause=cause)
+
+    def ping(self) -> None:
+        self._run("ping")
 
     def snapshot_xmin(self) -> str:
         """Where the next incremental read of waiters starts (a transaction id, as text)."""

@@ -44,7 +44,8 @@ from sqlalchemy.orm import Session
 from triggerer import fanout
 from triggerer.config import ConfigError, Settings
 from triggerer.dagbag import OneBuildDagBag
-from triggerer.db_errors import cause, is_outage, is_transient
+from triggerer.db_errors import blames_event, cause, is_outage, is_transient
+from triggerer.dead_letters import DEAD_AFTER, DeadLetters, payload_text
 from triggerer.groups import Group, Groups
 from triggerer.identities import compute_identities, group_key
 from triggerer.rendezvous import Member, assign, shards_of
@@ -71,6 +72,9 @@ FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped th
 WATCHER_BACKOFF_SECONDS = 1.0
 MIGRATE_WAIT_SECONDS = 60.0  # start-up: how long migrations are tried again while their locks are busy
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
+# an event whose transaction the server ends this many times in a row while the database answers (a
+# listener slower than the idle-in-transaction limit) is failed as its own fault
+OUTAGE_STRIKES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,15 @@ def _failure_cause(exc: Any) -> str:
         return cause(exc)
     lines = [line.strip() for line in exc or () if isinstance(line, str) and line.strip()]
     return lines[-1].splitlines()[-1] if lines else "the trigger exited without sending an event"
+
+
+class _RowCannotBeBuilt(Exception):
+    """A database error building one row's workload that is not an outage nor a lock: that row cannot
+    lead its group, and the build's transaction is lost (the others are built again)."""
+
+    def __init__(self, trigger_id: int) -> None:
+        super().__init__(trigger_id)
+        self.trigger_id = trigger_id
 
 
 @attrs.define(kw_only=True)
@@ -149,6 +162,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
     watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
     watcher_restarts_total: int = attrs.field(default=0, init=False)
+    outage_strikes: dict[int, int] = attrs.field(factory=dict, init=False)  # runner id -> in a row
+    dead_letters: DeadLetters = attrs.field(factory=DeadLetters, init=False)
     watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
     last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
@@ -311,14 +326,18 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- leases ---
 
     def load_triggers(self) -> None:
-        """What changed since the last loop, read from the change feed: nothing changed, nothing read."""
-        self.read_changes()
-        self._timeout_members()
-        self._fail_unreadable()
-        self._start_groups()
-        # publish this loop's counters when they changed, so `status` agrees with /metrics
-        if self._counters() != self.published_counters:
-            self._heartbeat_counters()
+        """What changed since the last loop, read from the change feed: nothing changed, nothing read.
+        Timeouts, unreadable rows and starting groups are steps of their own: one failing (a lock, a row
+        that cannot be built) never keeps the others, nor the next loop's read, from running."""
+        try:
+            self.read_changes()
+        finally:
+            self._db_step("timeouts", self._timeout_members)
+            self._db_step("unreadable", self._fail_unreadable)
+            self._db_step("start", self._start_groups)
+            # publish this loop's counters when they changed, so `status` agrees with /metrics
+            if self._counters() != self.published_counters:
+                self._db_step("heartbeat", self._heartbeat_counters)
 
     def read_changes(self) -> None:
         """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
@@ -354,7 +373,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _heartbeat_counters(self) -> None:
         counters = self._counters()
         with create_session() as session:
-            Store(session).heartbeat(self.job_id, feed_xmin=self._feed_xmin(), **counters)
+            store = Store(session)
+            if not store.heartbeat(self.job_id, self.settings.lease_seconds, feed_xmin=self._feed_xmin(),
+                                   **counters):
+                self._lost_the_feed()
         self.published_counters = counters
 
     def _feed_xmin(self) -> str | None:
@@ -425,14 +447,12 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
-        if started - self.last_renewal > self.settings.lease_seconds * 0.5:
-            # Our membership may have lapsed meanwhile, and with it our claim on the change feed (others
-            # prune what every live instance has read): read everything again, once.
-            self.load_xmin = self.hash_xmin = None
         with create_session() as session:
             store = Store(session)
             counters = self._counters()
-            store.heartbeat(self.job_id, feed_xmin=self._feed_xmin(), **counters)
+            if not store.heartbeat(self.job_id, self.settings.lease_seconds, feed_xmin=self._feed_xmin(),
+                                   **counters):
+                self._lost_the_feed()
             self.published_counters = counters
             lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
             members = [member for member, _ in lapsing]
@@ -456,6 +476,12 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             log.info("took shards", count=len(gained))
         self.owned = claimed
         self.to_read = (self.to_read | gained) & claimed
+
+    def _lost_the_feed(self) -> None:
+        """Our membership lapsed by the database clock (a pause, a very slow loop), and with it our claim on
+        the change feed (peers prune what every live instance has read): read everything again, once. A
+        slow loop whose membership held reads on from where it was."""
+        self.load_xmin = self.hash_xmin = None
 
     def _wake_at_lapse(self, lapses_in: list[float]) -> None:
         """Load again right when another member's membership lapses (it stopped renewing: crashed or
@@ -679,6 +705,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             return False
         try:
             workloads = self.build_trigger_workloads(new_ids)
+        except _RowCannotBeBuilt as err:
+            # the build's transaction is aborted: the others are built again in the next pass
+            self._next_leader(err.trigger_id)
+            return True
         finally:
             self.build_bag = None  # DAGs are shared within one build only
         self.creating_triggers.extend(workloads)
@@ -711,8 +741,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         try:
             workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
                                                 session)  # a DBDagBag in all Airflow asks of it
-        except SQLAlchemyError:
-            raise
+        except SQLAlchemyError as err:
+            if is_outage(err) or is_transient(err):
+                raise
+            # this row's own data is refused (e.g. a value its model cannot load): it cannot lead here
+            log.error("a trigger's workload cannot be built; another member leads its group",
+                      trigger_id=trigger.id, error=cause(err))
+            raise _RowCannotBeBuilt(trigger.id) from err
         except Exception as err:
             # e.g. a timetable or a module the task's DAG needs is not installed on this host: this row
             # cannot lead its group here (another member, or another host after a handover, may)
@@ -751,9 +786,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def handle_events(self) -> None:
         """Store the runner's events, front first, in bounded transactions; acknowledge what was stored.
 
-        A transaction that fails for any reason but an outage is retried event by event: an event that
-        meets a lock it may not wait for is tried again next loop, behind the others; one that still
-        cannot be stored fails its own members with the cause. An outage leaves the events queued.
+        A transaction that fails is retried event by event, unless the database refuses every writer (an
+        outage, read-only, a permission): then every event stays queued. Event by event, one that meets a
+        lock it may not wait for is tried again next loop, behind the others; one whose own payload or
+        listeners are refused fails its own members with the cause.
         """
         self._adopt_orphans()
         if self.events:
@@ -761,18 +797,39 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         later: list[TriggerEventEntry] = []
         try:
             while self.events:
+                # a slow chunk (a listener that takes seconds) must not let the leases lapse meanwhile
+                self._guard_leases()
                 chunk = self._front_chunk()
                 try:
                     self._store_events(chunk)
                 except Exception as err:
-                    if is_outage(err):
+                    if not self._event_may_be_at_fault(err):
                         raise
-                    later += self._store_one_by_one(len(chunk))
+                    self._store_one_by_one(len(chunk), later)
                     continue
-                for _ in chunk:
+                for entry in chunk:
                     self.events.popleft()
+                    self.outage_strikes.pop(entry.trigger_id, None)
         finally:
+            # events put off for a lock go back even when a later one met an outage
             self.events.extend(later)
+
+    def _event_may_be_at_fault(self, err: Exception) -> bool:
+        """Whether storing the events one by one may find a culprit. Not when the database refuses every
+        writer. A lost connection is an outage only when the database does not answer right after it: the
+        server also ends a session that sat idle in its transaction longer than half a lease (bounded.py),
+        which a slow listener of one event does every time."""
+        if is_transient(err) or blames_event(err):
+            return True
+        return is_outage(err) and self._database_answers()
+
+    def _database_answers(self) -> bool:
+        try:
+            with create_session() as session:
+                Store(session).ping()
+        except Exception:
+            return False
+        return True
 
     def _adopt_orphans(self) -> None:
         """Put orphaned events whose group is back in front (in order); drop those whose coroutine is
@@ -805,24 +862,40 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             size += members
         return chunk
 
-    def _store_one_by_one(self, count: int) -> list[TriggerEventEntry]:
-        """The front ``count`` events one at a time; returns those to try again next loop."""
-        later = []
+    def _store_one_by_one(self, count: int, later: list[TriggerEventEntry]) -> None:
+        """The front ``count`` events one at a time; those to try again next loop go to ``later`` (as
+        they are found, so an outage raised from a later event loses none of them)."""
         for _ in range(count):
+            self._guard_leases()
             entry = self.events[0]
             try:
                 self._store_events([entry])
             except Exception as err:
-                if is_outage(err):
-                    raise
                 if is_transient(err):
                     log.info("an event met a lock it may not wait for; trying it again next loop",
                              runner_id=entry.trigger_id, error=cause(err))
                     later.append(entry)
-                else:
+                elif blames_event(err):
                     self._poisoned(entry, err)
+                elif not self._lost_its_session_again(entry, err):
+                    raise  # the database refuses every writer: this and every later event stay queued
+                elif self.outage_strikes[entry.trigger_id] >= OUTAGE_STRIKES:
+                    self._poisoned(entry, err, why=(
+                        f"the server ended its transaction {OUTAGE_STRIKES} times while the database "
+                        "answered (a listener or callback slower than half a lease?)"))
+                else:
+                    later.append(entry)
+            else:
+                self.outage_strikes.pop(entry.trigger_id, None)
             self.events.popleft()
-        return later
+
+    def _lost_its_session_again(self, entry: TriggerEventEntry, err: Exception) -> bool:
+        """An event stored alone lost its connection while the database answers: count it (a one-off
+        network blip is retried; the same event losing its session every time is its own doing)."""
+        if not is_outage(err) or not self._database_answers():
+            return False
+        self.outage_strikes[entry.trigger_id] = self.outage_strikes.get(entry.trigger_id, 0) + 1
+        return True
 
     def _store_events(self, entries: Sequence[TriggerEventEntry]) -> None:
         now = time.monotonic()
@@ -852,6 +925,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 self.orphans.append(entry)
                 continue
             self.watcher_failures.pop(group.identity_hash, None)  # it works again
+            self.dead_letters.forget(group.identity_hash)
             stored_all = mine >= {m for m in group.members if not self._is_task(m)}
             if entry.persist_seq is not None and stored_all:
                 self.persisted_event_seqs.append(entry.persist_seq)
@@ -860,17 +934,49 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _in_lapsed_shard(self, group: Group) -> bool:
         return any(self._shard_of(m) in self.lapsed for m in group.members)
 
-    def _poisoned(self, entry: TriggerEventEntry, err: BaseException) -> None:
+    def _poisoned(self, entry: TriggerEventEntry, err: BaseException, why: str | None = None) -> None:
         """An event that cannot be stored on its own (the database refuses it, a listener or callback
         raises): its task members fail with the cause, its watchers restart with backoff; others go on."""
-        why = cause(err)
+        self.outage_strikes.pop(entry.trigger_id, None)
+        why = why or cause(err)
         group = self.groups.by_runner(entry.trigger_id)
         log.error("an event could not be stored; failing its members", runner_id=entry.trigger_id,
                   members=len(group.members) if group else 0, error=why)
         self.events_total += 1
         if group is None or self._in_lapsed_shard(group):
             return
+        if self._set_aside(entry, group, why):
+            return
         self._group_failed(group, [f"smart-triggerer: the trigger's event could not be stored: {why}\n"], why)
+
+    def _set_aside(self, entry: TriggerEventEntry, group: Group, why: str) -> bool:
+        """A watcher's event that failed ``DEAD_AFTER`` times in a row: written to the dead-event table and
+        acknowledged (its source moves on), its task members failed; the watchers run on. False before."""
+        watchers = sorted(m for m in group.members if not self._is_task(m))
+        if not watchers:
+            return False
+        tries = self.dead_letters.failed(group.identity_hash, entry.event.payload)
+        if tries < DEAD_AFTER:
+            return False
+        with create_session() as session:
+            fenced = self._fence(session)
+            store = Store(session)
+            for trigger_id in watchers:
+                if self._shard_of(trigger_id) in fenced:
+                    store.dead_event(trigger_id, payload_text(entry.event.payload), tries, why)
+            tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
+            self.failures_total += fanout.fail(
+                session, tasks, [f"smart-triggerer: the trigger's event could not be stored: {why}\n"])
+        log.error("an asset watcher's event could not be stored; set aside in smart_triggerer.dead_event so "
+                  "its source moves on", runner_id=entry.trigger_id, tries=tries, error=why)
+        self.dead_letters.forget(group.identity_hash)
+        self.dead_letters.total += 1
+        if entry.persist_seq is not None:
+            self.persisted_event_seqs.append(entry.persist_seq)
+        for trigger_id in tasks:
+            self.groups.leave(trigger_id)
+            self._forget_info(trigger_id)
+        return True
 
     def _after_event(self, group: Group, event: TriggerEvent, mine: set[int], now: float) -> None:
         """Task members are done once the event is stored (young ones held); watchers keep running."""
@@ -933,13 +1039,23 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # --- failures ---
 
     def handle_failed_triggers(self) -> None:
-        while self.failed_triggers:
+        """Fail each failed group's members. A failure that cannot be stored now (a lock, the database
+        refusing every writer) keeps its group and goes to the back, so it never holds up those behind it;
+        an outage keeps them all."""
+        for _ in range(len(self.failed_triggers)):
             runner_id, exc = self.failed_triggers[0]
             group = self.groups.by_runner(runner_id)
             if group is None or self._in_lapsed_shard(group):
                 log.debug("failure of a group this instance no longer runs", runner_id=runner_id)
             else:
-                self._group_failed(group, exc, _failure_cause(exc))
+                try:
+                    self._group_failed(group, exc, _failure_cause(exc))
+                except Exception as err:
+                    if is_outage(err):
+                        raise
+                    self._step_failed("failures", err)
+                    self.failed_triggers.rotate(-1)
+                    continue
             self.runner_changes += 1
             self.failed_triggers.popleft()
 
@@ -950,13 +1066,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         try:
             self._fail_tasks(group, exc)
         except Exception as err:
-            if is_outage(err) or is_transient(err):
-                raise
-            # the database refuses even the cleaned traceback: the tasks fail with a plain one
+            if not blames_event(err):
+                raise  # not the traceback's doing: the group is kept and its failure tried again
+            # the database refuses the traceback itself: the tasks fail with a fixed one
             log.error("a failure's traceback could not be stored; failing its tasks without it",
                       error=cause(err))
-            if not self._fail_plainly(group):
-                return
+            self._fail_tasks(group, ["smart-triggerer: the trigger failed, and its error could not be "
+                                     "stored; see the triggerer's log\n"])
         watchers = [m for m in group.members if not self._is_task(m)]
         if not watchers or self._in_lapsed_shard(group):
             self._end_group(group)
@@ -974,21 +1090,6 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self.last_watcher_error = why
         log.warning("an asset watcher failed; starting it again after a backoff", runner_id=runner_id,
                     watchers=len(watchers), attempt=attempt, retry_in=delay, error=why)
-
-    def _fail_plainly(self, group: Group) -> bool:
-        """Fail the group's tasks with a fixed message; False (the group ended, its tasks left to their
-        timeout) when even that is refused: one failure must never hold up those behind it."""
-        try:
-            self._fail_tasks(group, ["smart-triggerer: the trigger failed, and its error could not be "
-                                     "stored; see the triggerer's log\n"])
-        except Exception as err:
-            if is_outage(err) or is_transient(err):
-                raise
-            log.error("the tasks of a failed trigger could not be failed; they wait for their timeout",
-                      members=len(group.members), error=cause(err))
-            self._end_group(group)
-            return False
-        return True
 
     def _fail_tasks(self, group: Group, exc: Any) -> None:
         with create_session() as session:
@@ -1034,6 +1135,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         counters = self._counters()
         counters.update(shards_owned=len(self.owned), job_id=self.job_id,
                         coroutines=len(self.running_triggers), events_pending=len(self.events),
+                        events_dead_total=self.dead_letters.total,
                         last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None)
         self.published = counters
 

@@ -18,6 +18,12 @@ class ControlledServer:
         self.requests = 0
         self.auth_seen: list[str | None] = []
         self.port = 0
+        # /poll/{key} (tests.helpers.chaos_triggers.SourcePollTrigger): keys ready for good, keys ready to
+        # their next poll only (then never again until made ready), and the keys answered "ready" so far
+        self.ready: set[str] = set()
+        self.ready_once: set[str] = set()
+        self.answered_ready: set[str] = set()
+        self.polls: dict[str, int] = {}
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -31,6 +37,15 @@ class ControlledServer:
         self.auth_seen.append(request.headers.get("Authorization"))
         return web.json_response(self.state, status=self.status)
 
+    async def _poll(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        self.polls[key] = self.polls.get(key, 0) + 1
+        if key in self.ready or key in self.ready_once:
+            self.ready_once.discard(key)
+            self.answered_ready.add(key)
+            return web.json_response({"ready": True, "event": {"key": key}})
+        return web.json_response({"ready": False})
+
     async def _missing(self, request: web.Request) -> web.Response:
         return web.Response(status=404, text="no such job")
 
@@ -39,6 +54,7 @@ class ControlledServer:
         app = web.Application()
         app.router.add_get("/api/job", self._status)
         app.router.add_get("/api/gone", self._missing)
+        app.router.add_get("/poll/{key}", self._poll)
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

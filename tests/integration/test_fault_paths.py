@@ -19,7 +19,7 @@ import psycopg2
 import pytest
 
 from tests.helpers.airflow_orm import use_airflow_db
-from tests.helpers.waiting import rows, ti_states
+from tests.helpers.waiting import rows, ti_states, wait_for
 from tests.integration.test_supervisor_faults import (
     LATER,
     add_watcher,
@@ -194,9 +194,9 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
         env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
     """A new release starts (its migration alters smart_triggerer.instance, as 0008 does) while something
     holds an ordinary read lock on that table (pg_dump, a long status/BI query, an old-release instance
-    stopped inside a transaction). Its ALTER waits up to 60 s, and every running instance's heartbeat
-    queues behind it."""
-    from airflow.utils.session import create_session
+    stopped inside a transaction). Its ALTER waited up to 60 s, and every running instance's heartbeat
+    queued behind it. Now each try waits 0.5 s and the start tries again for a minute (register()): the
+    running instance renews meanwhile, and the new release migrates once the reader is gone."""
     from structlog.testing import capture_logs
 
     import triggerer.store as store_module
@@ -217,28 +217,35 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
 
     def new_release_starts() -> None:
         try:
-            with create_session() as session:
-                store_module.Store(session).migrate(4)
+            make_supervisor(lease_seconds=lease)  # register(): migrate, retried while the schema is busy
             outcome.append("migrated")
         except Exception as err:
-            outcome.append(f"{type(err).__name__}")
+            outcome.append(f"{type(err).__name__}: {err}")
 
     starter = threading.Thread(target=new_release_starts)
     starter.start()
     try:
-        time.sleep(0.5)  # the ALTER is queued behind the reader
-        time.sleep(lease * 0.65)  # one ordinary loop later the running instance must renew
+        alter = "ALTER TABLE smart_triggerer.instance ADD COLUMN probe%"
+        wait_for(lambda: rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                   "AND query LIKE %s", alter),
+                 lambda found: found[0][0] > 0, 30, "the new release's ALTER to queue behind the reader",
+                 interval=0.02)
+        running.last_renewal -= lease * 0.65  # one ordinary slow loop later the running instance renews
         with capture_logs() as logs:
             running._guard_leases()
         stopped = [e for e in logs if "stopping all shards" in e["event"]]
         print(f"\nrunning instance owns {sorted(running.owned)}, {len(running.member_info)} waiters; "
               f"log: {stopped}")
         assert running.owned == {0, 1, 2, 3}, "a pending migration made a healthy instance drop every shard"
+        assert not outcome, "the new release gave up while the reader was there"
     finally:
         reader.rollback()
         reader.close()
         starter.join(70)
-        print("new release's migration:", outcome)
+    print("new release's migration:", outcome)
+    assert outcome == ["migrated"]
+    assert rows(dsn, "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'smart_triggerer' "
+                     "AND table_name = 'instance' AND column_name = 'probe'") == [(1,)]
 
 
 # --- 4. idle_in_transaction_session_timeout on Airflow's own transactions -------------------------------
@@ -454,3 +461,207 @@ def test_a_slow_but_successful_renewal_keeps_the_shards(
     stopped = [e for e in logs if "stopping all shards" in e["event"]]
     print(f"\nowned: {sorted(supervisor.owned)}; log: {stopped}")
     assert set(seeded.trigger_ids) <= set(supervisor.member_info) and not stopped
+
+
+# --- 11. the second review: what is the event's fault, and what is the database's -----------------------
+
+def set_read_only(dsn: str, on: bool) -> None:
+    """The database refuses every writer from the next session on (SQLSTATE 25006), as a primary demoted
+    by a failover does behind a stale DNS name; Airflow's pool is emptied so its next session sees it."""
+    from airflow import settings
+
+    conn = psycopg2.connect(dsn, options="-c default_transaction_read_only=off")  # ours may still write
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_database()")
+        name = cur.fetchone()[0]  # type: ignore[index]
+        value = "on" if on else "off"
+        cur.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {value}')
+    conn.close()
+    settings.engine.dispose()
+
+
+def failed_with(dsn: str, dag_id: str) -> dict[int, str | None]:
+    """map index -> the failure's text for task instances failed through the __fail__ path."""
+    found = rows(dsn, "SELECT map_index, next_kwargs::text FROM task_instance "
+                      "WHERE dag_id = %s AND next_method = '__fail__'", dag_id)
+    return {r[0]: r[1] for r in found}
+
+
+def test_a_database_refusing_every_writer_keeps_every_event_and_failure_and_fails_no_task(
+        env: AirflowConfig) -> None:
+    """Read-only (25006) is no event's fault: the events were taken one by one as poison, their tasks'
+    failure refused too, and the groups ended with every member forgotten, left deferred with no
+    coroutine. Every event and failure must stay queued, its group kept, and be stored once writable."""
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    first, second = seed(env, 2), seed(env, 2, moment=other_time(3))
+    broken = seed(env, 2, moment=other_time(4))
+    load(supervisor)
+    r1, r2, r3 = (runner_of(supervisor, s) for s in (first, second, broken))
+    supervisor.running_triggers.update({r1, r2, r3})
+    supervisor.events.append(event_entry(r1, {"moment": LATER}))
+    supervisor.events.append(event_entry(r2, {"moment": other_time(3)}))
+    supervisor.failed_triggers.append((r3, ["ValueError: the warehouse said no\n"]))
+    set_read_only(dsn, True)
+    try:
+        for _ in range(2):
+            supervisor._db_step("events", supervisor.handle_events)
+            supervisor._db_step("failures", supervisor.handle_failed_triggers)
+        print("\nlast error while read-only:", supervisor.last_error)
+        assert [e.trigger_id for e in supervisor.events] == [r1, r2]
+        assert [f[0] for f in supervisor.failed_triggers] == [r3]
+        for seeded in (first, second, broken):
+            assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
+            assert supervisor.groups.by_runner(runner_of(supervisor, seeded)) is not None
+    finally:
+        set_read_only(dsn, False)
+    supervisor._db_step("events", supervisor.handle_events)
+    supervisor._db_step("failures", supervisor.handle_failed_triggers)
+    assert set(ti_states(dsn, first.dag_id).values()) == set(ti_states(dsn, second.dag_id).values()) == {
+        "scheduled"}
+    assert not failed_with(dsn, first.dag_id) and not failed_with(dsn, second.dag_id)
+    assert all("the warehouse said no" in (text or "") for text in failed_with(dsn, broken.dag_id).values())
+    assert len(failed_with(dsn, broken.dag_id)) == 2
+
+
+def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them(
+        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One by one, the first event meets a row lock (kept for the next loop in a local list) and the
+    second finds the database refusing every writer: raising out of the loop lost the list, so the first
+    event was neither stored, queued nor acknowledged."""
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    dsn = env.database_dsn
+    bounded(4.0)
+    supervisor = make_supervisor(lease_seconds=4.0)
+    locked, free = seed(env, 2), seed(env, 2, moment=other_time(3))
+    load(supervisor)
+    locked_runner, free_runner = runner_of(supervisor, locked), runner_of(supervisor, free)
+    supervisor.running_triggers.update({locked_runner, free_runner})
+    original = SmartTriggerRunnerSupervisor._store_events
+
+    def store(self: Any, entries: Any) -> None:
+        try:
+            original(self, entries)
+        except Exception:
+            if [e.trigger_id for e in entries] == [locked_runner]:
+                set_read_only(dsn, True)  # right after the lock timeout: the next event meets it
+            raise
+
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", store)
+    holder = psycopg2.connect(dsn)
+    try:
+        holder.cursor().execute("SELECT 1 FROM task_instance WHERE id = %s FOR UPDATE", (locked.ti_ids[0],))
+        supervisor.events.append(event_entry(locked_runner, {"moment": LATER}))
+        supervisor.events.append(event_entry(free_runner, {"moment": other_time(3)}))
+        supervisor._db_step("events", supervisor.handle_events)
+        queued = [e.trigger_id for e in supervisor.events]
+        print("\nqueued after the loop:", queued, "| last error:", supervisor.last_error)
+        assert sorted(queued) == sorted([locked_runner, free_runner])
+    finally:
+        holder.close()
+        set_read_only(dsn, False)
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", original)
+    supervisor._db_step("events", supervisor.handle_events)
+    assert set(ti_states(dsn, locked.dag_id).values()) == set(ti_states(dsn, free.dag_id).values()) == {
+        "scheduled"}
+
+
+def test_an_event_whose_listener_outlasts_the_idle_limit_fails_alone_and_the_rest_flow(
+        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener slower than half a lease: the server ends the event's transaction (idle in transaction),
+    the loop took it for an outage and kept retrying the same head chunk for ever, everything behind it
+    stuck. Now the database is asked right after: it answers, so the events are stored one by one; the
+    slow one, losing its session three times in a row, fails its own tasks; the others are resumed."""
+    import airflow.assets.manager
+
+    dsn = env.database_dsn
+    lease = bounded(3.0)
+    supervisor = make_supervisor(lease_seconds=lease)
+    slow_tasks = seed(env, 2)
+    other = other_time(3)
+    healthy = seed(env, 2, moment=other)
+    watcher = add_watcher("slow-listener")
+    load(supervisor)
+    supervisor._start_groups()
+    slow_runner = watcher_group(supervisor, watcher).runner_id
+    healthy_runner = runner_of(supervisor, healthy)
+    supervisor.running_triggers.update({slow_runner, healthy_runner})
+
+    class Slow:
+        def register_asset_change(self, **kw: Any) -> None:
+            time.sleep(lease / 2 + 0.5)  # a listener that calls a slow service inside the transaction
+
+    monkeypatch.setattr(airflow.assets.manager, "asset_manager", Slow())
+    supervisor.events.append(event_entry(slow_runner, {"moment": LATER, "idempotency_key": "row-1"}))
+    supervisor.events.append(event_entry(healthy_runner, {"moment": other}))
+    supervisor._db_step("events", supervisor.handle_events)
+    assert set(ti_states(dsn, healthy.dag_id).values()) == {"scheduled"}, "an unrelated event is stuck"
+    for _ in range(3):
+        if not supervisor.events:
+            break
+        supervisor._db_step("events", supervisor.handle_events)
+    print("\nevents left:", len(supervisor.events), "| failed:", failed_with(dsn, slow_tasks.dag_id))
+    assert not supervisor.events
+    assert len(failed_with(dsn, slow_tasks.dag_id)) == 2
+    assert all("ended its transaction" in (t or "") for t in failed_with(dsn, slow_tasks.dag_id).values())
+
+
+def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deterministic database error building one row's workload (here a real DataError in the build's
+    transaction) was re-raised like an outage: the load step failed on it every loop and no group started
+    on that instance again."""
+    from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
+    from sqlalchemy import text
+
+    supervisor = make_supervisor()
+    bad = seed(env, 1)
+    good = seed(env, 2, moment=other_time(3))
+    load(supervisor)
+    original = TriggerRunnerSupervisor._create_workload
+
+    def refusing(self: Any, trigger: Any, dag_bag: Any, render_log_fname: Any, session: Any) -> Any:
+        if trigger.id in bad.trigger_ids:
+            session.execute(text("SELECT CAST('not a number' AS integer)"))  # 22P02, aborts the build
+        return original(self, trigger, dag_bag, render_log_fname, session)
+
+    monkeypatch.setattr(TriggerRunnerSupervisor, "_create_workload", refusing)
+    for _ in range(2):
+        supervisor._db_step("load", supervisor.load_triggers)
+    started = {w.id for w in supervisor.creating_triggers}
+    print("\nstarted:", started, "| last error:", supervisor.last_error)
+    assert started & set(good.trigger_ids)
+    assert not started & set(bad.trigger_ids)
+
+
+def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewal(
+        env: AirflowConfig, bounded: Callable[[float], float]) -> None:
+    """A peer joins while a session of this instance that lost its client still share-locks its lease rows:
+    releasing the peer's share waited lock_timeout on them and aborted the whole renewal (every loop until
+    that session died: past 0.6 of a lease every shard was dropped). The release skips them instead."""
+    import re
+
+    from triggerer.store import queries
+
+    dsn = env.database_dsn
+    lease = bounded(6.0)
+    first = make_supervisor(lease_seconds=lease)
+    waits = [t for k in range(8) for t in seed(env, 1, moment=other_time(5 + k)).trigger_ids]  # 8 identities
+    load(first)
+    assert first.owned == {0, 1, 2, 3}
+    lingering = psycopg2.connect(dsn)
+    try:
+        lingering.cursor().execute(re.sub(r"(?<!:):(\w+)", r"%(\1)s", queries()["fence_shards"]),
+                                   {"job_id": first.job_id, "shards": [0, 1, 2, 3], "queues": ""})
+        make_supervisor(lease_seconds=lease)  # a peer joins: rendezvous gives it a share
+        first.failed_step = None
+        first._db_step("load", first.read_changes)
+        print(f"\nowned after the renewal: {sorted(first.owned)}; failed step: {first.failed_step}")
+        assert first.failed_step is None, "the renewal failed"
+        assert first.owned and first.owned < {0, 1, 2, 3}
+        kept = {t for t in waits if first._shard_of(t) in first.owned}
+        assert kept and kept <= set(first.member_info)
+    finally:
+        lingering.close()

@@ -350,7 +350,8 @@ def test_hosts_and_task_ids_need_the_triggers_view_or_task_instance_read(
 
         counted = biggest()
         assert (counted["members"], counted["dags"]) == (3, 2)
-        assert counted["first_members"] == [] and counted["serving_instance"]["host"] is None
+        assert counted["first_members"] == []
+        assert counted["serving_instance"] == {"job_id": None, "host": None}
         access["task_dags"] = {"dag_b"}
         only_b = biggest()
         assert [m["dag_id"] for m in only_b["first_members"]] == ["dag_b"]

@@ -479,7 +479,8 @@ def test_shards_taken_in_a_loop_that_then_fails_are_read_when_it_recovers(
     assert not second.to_read
 
 
-def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(env: AirflowConfig) -> None:
+def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25.3: a slow loop lets the instance's own leases lapse by the database clock; the event it
     then stores is fenced out. Renewing the same shards must read their waiters again, not leave them
     deferred with no coroutine; the event is stored once they are back."""
@@ -489,15 +490,31 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(e
     load(supervisor)
     runner = runner_of(supervisor, seeded)
     supervisor.running_triggers.add(runner)  # the coroutine runs on, and fires
-    wait_for(lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
-                               "WHERE expires_at > clock_timestamp()"),
-             lambda r: r == [(0,)], 10, "the leases to lapse by the database clock", interval=0.05)
+
+    def valid_leases() -> list[tuple[Any, ...]]:
+        # its membership is kept (a heartbeat without a lease renewal): the re-read that follows must come
+        # from the lapsed shards alone, not from a full re-read after a lapsed membership
+        supervisor._heartbeat_counters()
+        return rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
+                         "WHERE expires_at > clock_timestamp()")
+
+    wait_for(valid_leases, lambda r: r == [(0,)], 10, "the leases to lapse by the database clock",
+             interval=0.05)
+    full_reads: list[int] = []
+    original = type(supervisor)._lost_the_feed
+    monkeypatch.setattr(type(supervisor), "_lost_the_feed",
+                        lambda self: (full_reads.append(1), original(self))[1])
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=21))
+    # by the host's clock the leases were renewed a moment ago (the database's clock stepped forward):
+    # the loop does not renew before it writes, and the write's fence finds them lapsed
+    supervisor.last_renewal = time.monotonic()
     supervisor._db_step("events", supervisor.handle_events)
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}  # fenced out
     assert not supervisor.owned and list(supervisor.persisted_event_seqs) == []
 
+    supervisor._heartbeat_counters()
     load(supervisor)  # the same instance claims the same shards again
+    assert not full_reads, "its membership held: the lapsed shards alone are read again"
     assert set(seeded.trigger_ids) <= set(supervisor.member_info)
     supervisor._start_groups()
     supervisor._db_step("events", supervisor.handle_events)
@@ -642,3 +659,53 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
     assert 0.9 <= first_wait < 1.5 and 1.9 <= second_wait < 2.5, (first_wait, second_wait)
     assert supervisor.watcher_restarts_total == 2
     assert supervisor.failures_total == 0  # nothing to fail: no task waits on it
+
+
+def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of issue 25.4: a watcher whose source replays what was not acknowledged (a status table in
+    ack mode) met the same unstorable event at every restart, for ever, and its later rows never became
+    events. After DEAD_AFTER failures of that event it is set aside (dead_event) and acknowledged; the
+    watcher runs on and its next event is stored."""
+    import airflow.assets.manager
+
+    import triggerer.supervisor as supervisor_module
+
+    dsn = env.database_dsn
+    monkeypatch.setattr(supervisor_module, "DEAD_AFTER", 3)
+    monkeypatch.setattr(supervisor_module, "WATCHER_BACKOFF_SECONDS", 0.01)
+    supervisor = make_supervisor()
+    watcher = add_watcher("replayed")
+    load(supervisor)
+    supervisor._start_groups()
+
+    class Refusing:
+        def register_asset_change(self, **kw: Any) -> None:
+            raise ValueError("the listener cannot take row 'row-1'")
+
+    good_manager = airflow.assets.manager.asset_manager
+    monkeypatch.setattr(airflow.assets.manager, "asset_manager", Refusing())
+    for attempt in (1, 2, 3):
+        runner = wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10,
+                          "the watcher to start (again)", interval=0.02)
+        supervisor.running_triggers.add(runner)
+        supervisor.events.append(event_entry(runner, {"moment": LATER, "idempotency_key": "row-1"},
+                                             seq=attempt))
+        supervisor._db_step("events", supervisor.handle_events)
+        if attempt < 3:
+            assert list(supervisor.persisted_event_seqs) == []
+            assert watcher_group(supervisor, watcher).runner_id is None  # restarting with backoff
+            supervisor.running_triggers.discard(runner)  # the runner cancelled it
+    assert list(supervisor.persisted_event_seqs) == [3]
+    dead = rows(dsn, "SELECT trigger_id, attempts, cause, payload FROM smart_triggerer.dead_event")
+    assert len(dead) == 1 and dead[0][:2] == (watcher, 3)
+    assert "cannot take row" in dead[0][2] and "row-1" in dead[0][3]
+    assert watcher_group(supervisor, watcher).runner_id == runner  # runs on: its source moves past it
+    supervisor.publish_snapshot()
+    assert supervisor.snapshot()["events_dead_total"] == 1
+
+    monkeypatch.setattr(airflow.assets.manager, "asset_manager", good_manager)
+    supervisor.events.append(event_entry(runner, {"moment": LATER, "idempotency_key": "row-2"}, seq=4))
+    supervisor._db_step("events", supervisor.handle_events)
+    assert rows(dsn, "SELECT count(*) FROM asset_event") == [(1,)]
+    assert list(supervisor.persisted_event_seqs) == [3, 4]

@@ -34,14 +34,21 @@ ON CONFLICT (job_id) DO UPDATE SET hostname = EXCLUDED.hostname, capacity = EXCL
     feed_xmin = EXCLUDED.feed_xmin;
 
 -- name: heartbeat_instance
--- Renews membership on the database clock and publishes this instance's counters.
+-- Renews membership on the database clock and publishes this instance's counters. was_live: the membership
+-- had not lapsed before this renewal (by the database clock), so peers kept the change feed for it
+-- (prune_feed); otherwise the instance reads everything again.
+WITH previous AS (
+    SELECT stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds) AS live
+    FROM smart_triggerer.instance WHERE job_id = :job_id
+)
 UPDATE smart_triggerer.instance
 SET heartbeat_at = now(), runner_alive = :runner_alive, waiters = :waiters, groups = :groups,
     events_total = :events_total, resumed_total = :resumed_total, failures_total = :failures_total,
     watchers_failing = :watchers_failing, watcher_restarts_total = :watcher_restarts_total,
     health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin)
+FROM previous
 WHERE job_id = :job_id
-RETURNING now() AS db_now;
+RETURNING previous.live AS was_live;
 
 -- name: live_instances
 -- Instances whose membership has not lapsed: the rendezvous hashing input; lapses_in: seconds until each
@@ -97,16 +104,28 @@ WHERE queues = :queues AND shard = ANY(:shards) AND owner_job_id = :job_id
   AND expires_at > clock_timestamp();
 
 -- name: release_shards
--- Gives up leases at once (handover, graceful stop) so the next owner need not wait for expiry.
-UPDATE smart_triggerer.shard_lease
+-- Gives up leases at once (handover, graceful stop) so the next owner need not wait for expiry. A row a
+-- session of its own still locks (a fence whose client gave up after a blip) is skipped, never waited
+-- for: it expires with its lease instead, and the renewal around this statement goes on.
+WITH mine AS (
+    SELECT shard FROM smart_triggerer.shard_lease
+    WHERE owner_job_id = :job_id AND queues = :queues AND shard = ANY(:shards)
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE smart_triggerer.shard_lease AS l
 SET owner_job_id = NULL, expires_at = NULL
-WHERE owner_job_id = :job_id AND queues = :queues AND shard = ANY(:shards);
+FROM mine
+WHERE l.queues = :queues AND l.shard = mine.shard;
 
 -- name: stop_instance
--- Leaves the membership and releases every lease (graceful stop).
-WITH released AS (
-    UPDATE smart_triggerer.shard_lease SET owner_job_id = NULL, expires_at = NULL
-    WHERE owner_job_id = :job_id
+-- Leaves the membership and releases every lease it can at once (graceful stop); rows a lingering session
+-- of its own still locks are skipped and expire with their lease (see release_shards).
+WITH mine AS (
+    SELECT queues, shard FROM smart_triggerer.shard_lease WHERE owner_job_id = :job_id
+    FOR UPDATE SKIP LOCKED
+), released AS (
+    UPDATE smart_triggerer.shard_lease AS l SET owner_job_id = NULL, expires_at = NULL
+    FROM mine WHERE l.queues = mine.queues AND l.shard = mine.shard
 )
 UPDATE smart_triggerer.instance SET stopped_at = now() WHERE job_id = :job_id;
 
@@ -131,6 +150,16 @@ INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, shard, 
                                              description)
 VALUES (:trigger_id, :identity_hash, :shard, :dedupable, CAST(:execution AS jsonb), :error, :description)
 ON CONFLICT (trigger_id) DO NOTHING;
+
+-- name: dead_event
+-- Sets aside an asset watcher's event that could not be stored after many tries (see 0010_dead_events.sql).
+INSERT INTO smart_triggerer.dead_event (trigger_id, asset_ids, payload, attempts, cause)
+SELECT :trigger_id, coalesce(array_agg(aw.asset_id ORDER BY aw.asset_id), '{}'), :payload, :attempts, :cause
+FROM asset_watcher aw WHERE aw.trigger_id = :trigger_id;
+
+-- name: ping
+-- Whether the database answers (after a lost connection: an outage, or one session ended by the server).
+SELECT 1;
 
 -- name: snapshot_xmin
 -- Every transaction with a lower id had ended when this ran: the next incremental read starts here.
