@@ -16,8 +16,8 @@ the database's clock, one poison event and one asset event whose extra holds a `
 checker proves from the databases that every waiter resumed exactly once with its own event or timed out
 no earlier than due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
 made exactly one asset event and the relay delivered it (the ``\u0000`` one dead-lettered alone), and no
-wait stalled past ``lease + poll interval + 3 s`` (the clock's steps taken out). Exit status 1 when any
-check fails. The shared implementation is ``tests/helpers/chaos.py``.
+wait stalled past ``lease + poll interval + 3 s`` (the clock's steps and PostgreSQL's downtime taken
+out). Exit status 1 when any check fails. The shared implementation is ``tests/helpers/chaos.py``.
 """
 
 from __future__ import annotations

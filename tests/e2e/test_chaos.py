@@ -21,10 +21,12 @@ from tests.helpers.chaos import (
     NUL_ASSET,
     ONCE,
     POISON,
+    FaultRecord,
     Identity,
     Observed,
     Profile,
     Waiter,
+    downtime,
     judge,
     judge_assets,
     judge_bridge,
@@ -142,6 +144,17 @@ def test_stalls_are_measured_without_the_database_clock_steps() -> None:
     timed_out = [entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=TIMEOUT, due=20)]
     outcome = judge(http_waiter(timeout_at=20), timed_out, at(60), BOUND, due)
     assert (outcome.verdict, outcome.problems, outcome.stall) == ("timed_out", [], 1.0)
+
+
+def test_stalls_are_measured_without_postgresqls_own_downtime() -> None:
+    """A wait whose window spans 4 s of PostgreSQL down (a pg_restart) stalled 10 s, not 14: nothing can be
+    stored while the database is away. Without the window it is a stall over the bound."""
+    trail = [entry("deferred", 0), entry("resolved", 24, kwargs=EVENT)]
+    restart = FaultRecord("pg_restart", "postgres", at(12), ended=at(16))
+    other = FaultRecord("sigkill", "smart-1", at(13), ended=at(14))
+    assert judge(http_waiter(), trail, at(10), 12.0).problems  # 14 s
+    outcome = judge(http_waiter(), trail, at(10), 12.0, down=downtime([restart, other]))
+    assert (outcome.problems, outcome.stall) == ([], 10.0)
 
 
 def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:

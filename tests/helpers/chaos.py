@@ -1117,6 +1117,7 @@ class ChaosRun:
             simple[fault.kind](fault.slot)
         elif fault.kind == "pg_restart":
             cluster.server.restart(down_seconds=fault.hold)
+            record.ended = _wall()  # accepting connections again: the end of its downtime
         elif fault.kind == "freeze":
             try:
                 record.effective, record.note = cluster.freeze(fault.slot)
@@ -1372,8 +1373,22 @@ def condition_time(ident: Identity, conditions: dict[str, dt.datetime]) -> dt.da
     return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
 
+Windows = Sequence[tuple[dt.datetime, dt.datetime]]
+
+
+def downtime(faults: Sequence[FaultRecord]) -> list[tuple[dt.datetime, dt.datetime]]:
+    """When PostgreSQL itself was down (pg_restart): nothing can be stored then, by anyone, so a stall is
+    measured less the downtime inside it, as it is less the database clock's steps."""
+    return [(f.started, f.ended) for f in faults if f.kind == "pg_restart" and f.ended is not None]
+
+
+def _down_within(start: dt.datetime, end: dt.datetime, windows: Windows) -> float:
+    """Seconds of ``windows`` between ``start`` and ``end``."""
+    return sum(max(0.0, (min(end, b) - max(start, a)).total_seconds()) for a, b in windows)
+
+
 def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None,
-          bound: float, due: dt.datetime | None = None) -> Outcome:
+          bound: float, due: dt.datetime | None = None, *, down: Windows = ()) -> Outcome:
     """One waiter's audit trail against its condition and its deadline (``due``, as the harness set it)."""
     deferred = [e["at"] for e in entries if e["op"] == "deferred"]
     writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
@@ -1386,7 +1401,7 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
                                 f"{[w['txid'] for w in writes]} at {[w['at'].isoformat() for w in writes]}")
     start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
     if waiter.identity.kind == POISON:
-        _judge_poison(outcome, first, condition=condition, start=start, bound=bound)
+        _judge_poison(outcome, first, condition=condition, start=start, bound=bound, down=down)
         return outcome
     if outcome.verdict == "rejected":  # only the poison group's event may be refused
         outcome.verdict = "failed"
@@ -1396,7 +1411,8 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     if outcome.verdict == "timed_out":
         _judge_timeout(outcome, first, due, expected, bound)
     else:
-        _judge_event(outcome, waiter, first, condition=condition, start=start, expected=expected, bound=bound)
+        _judge_event(outcome, waiter, first, condition=condition, start=start, expected=expected, bound=bound,
+                     down=down)
     return outcome
 
 
@@ -1416,7 +1432,7 @@ def _classify(entry: dict[str, Any]) -> Outcome:
 
 
 def _judge_poison(outcome: Outcome, entry: dict[str, Any], *, condition: dt.datetime | None,
-                  start: dt.datetime | None, bound: float) -> None:
+                  start: dt.datetime | None, bound: float, down: Windows = ()) -> None:
     """The poison group's tasks must fail with the cause ("could not be stored"), once, in time."""
     if outcome.verdict != "rejected":
         outcome.problems.append(f"wrong: a poison event must fail its task with {REJECTED_MARK!r}; "
@@ -1430,7 +1446,7 @@ def _judge_poison(outcome: Outcome, entry: dict[str, Any], *, condition: dt.date
         outcome.problems.append(f"premature: failed at {entry['at'].isoformat()} before its event existed")
         return
     assert start is not None
-    stall = (entry["at"] - start).total_seconds()
+    stall = (entry["at"] - start).total_seconds() - _down_within(start, entry["at"], down)
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
         outcome.problems.append(f"stalled: failed {stall:.1f}s after its event came (bound {bound:.0f}s)")
@@ -1464,7 +1480,7 @@ def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | N
 
 
 def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, condition: dt.datetime | None,
-                 start: dt.datetime | None, expected: str, bound: float) -> None:
+                 start: dt.datetime | None, expected: str, bound: float, down: Windows = ()) -> None:
     payload = _as_dict(entry["next_kwargs"]).get("event")
     if not payload_matches(waiter.identity, payload):
         outcome.problems.append(f"wrong: event {payload!r} is not about {waiter.identity.key}")
@@ -1475,7 +1491,7 @@ def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, con
     if expected == "timeout":
         outcome.problems.append("wrong: resumed although its deadline passed well before its condition")
     assert start is not None
-    stall = (entry["at"] - start).total_seconds()
+    stall = (entry["at"] - start).total_seconds() - _down_within(start, entry["at"], down)
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
         outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held "
@@ -1495,7 +1511,7 @@ class AssetOutcome:
     success_rows: int = 0
 
 
-def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
+def judge_assets(observed: Observed, bound: float, down: Windows = ()) -> AssetOutcome:
     """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else."""
     status_events = [e for e in observed.asset_events if e[1].startswith("chaos://status/")]
     result = AssetOutcome(events=len(status_events))
@@ -1512,7 +1528,7 @@ def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
                 result.wrong.append(f"row {row_id} ({table} {status}) made events {[e[0] for e in events]}")
             continue
         result.success_rows += 1
-        _judge_row(result, (row_id, table, at), uri, events, bound)
+        _judge_row(result, (row_id, table, at), uri, events, bound, down=down)
     for row_id, events in by_row.items():
         if row_id not in rows:
             result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
@@ -1520,7 +1536,8 @@ def judge_assets(observed: Observed, bound: float) -> AssetOutcome:
 
 
 def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str,
-               events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float) -> None:
+               events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float, *,
+               down: Windows = ()) -> None:
     row_id, table, at = row
     if not events or len(events) > 1:
         result.failing_rows.append(row_id)
@@ -1538,7 +1555,7 @@ def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str
                                 f"table_name {payload.get('table_name')!r}")
     created = events[0][3]
     if created is not None:
-        latency = (created - at).total_seconds()
+        latency = (created - at).total_seconds() - _down_within(at, created, down)
         result.latencies.append(latency)
         if latency > bound:
             result.stalled.append(f"row {row_id} ({table}): its event came {latency:.1f}s later "
@@ -1613,17 +1630,18 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
     violations: list[str] = []
     trigger_ids: set[int] = set()
     observed = on_host_clock(raw)
+    down = downtime(faults)
     for waiter in plan.waiters:
         entries = observed.audit.get(waiter.ti_id, [])
         cond = condition_time(waiter.identity, observed.conditions)
         due = (None if waiter.timeout_at is None else
                continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
-        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval), due)
+        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval), due, down=down)
         outcomes[waiter.index] = outcome
         if outcome.verdict in ("lost", "failed") or outcome.problems:
             trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
             violations.append(_describe(waiter, outcome, cond, observed))
-    assets = judge_assets(observed, profile.bound(profile.asset_poll))
+    assets = judge_assets(observed, profile.bound(profile.asset_poll), down)
     for uri in assets.failing_assets:
         trigger_ids.add(observed.watchers.get(uri, -1))
     violations += [f"ASSET {kind}: {text}" for kind, texts in
