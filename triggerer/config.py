@@ -39,7 +39,8 @@ class Settings:
     # an event for a member that deferred more recently than this is held back until it is old enough.
     resume_hold_seconds: float = 6.0
     loop_seconds: float = 1.0
-    # coroutines started per loop (Airflow builds each workload with a few queries)
+    # coroutines started (and rows hashed, times 4) per batch; batches go on while a loop's time budget
+    # lasts, and between loads while groups wait for a coroutine (a takeover, a cold start)
     max_new_per_loop: int = 250
     # task instances resumed in one transaction (bounds lock time and the cost of one refused batch)
     max_resumes_per_transaction: int = 2000

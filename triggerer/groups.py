@@ -38,6 +38,12 @@ class Group:
     def empty(self) -> bool:
         return not self.members
 
+    @property
+    def poll_interval(self) -> float | None:
+        """How often the group's coroutine polls (its members' shortest interval), when a kwarg says so."""
+        return next((float(v) for k in INTERVAL_KWARGS
+                     if isinstance(v := self.settings.get(k), int | float) and v > 0), None)
+
     def merge_settings(self, execution: Mapping[str, Sequence[Any]]) -> None:
         """Add one member's execution kwargs (``key -> (rule, value)``)."""
         for key, (member_rule, value) in execution.items():
@@ -187,8 +193,7 @@ class Groups:
         for group in self.by_hash.values():
             if len(group.members) < 2:
                 continue
-            interval = next((v for k in INTERVAL_KWARGS
-                             if isinstance(v := group.settings.get(k), int | float) and v > 0), None)
+            interval = group.poll_interval
             if interval:
                 saved += (len(group.members) - 1) * 60 / interval
         return saved

@@ -6,7 +6,9 @@
 2. Latency: Airflow's loop reports fired events to the supervisor once a second. Here the loop wakes as
    soon as a trigger fires, so a shared event reaches every waiting task sooner; idle, it ticks every
    ``IDLE_TICK`` seconds, which is also how soon it picks up new coroutines (the supervisor can only answer
-   the runner's syncs): after a takeover the new owner's coroutines start within half a second. While
+   the runner's syncs): after a takeover the new owner's coroutines start within half a second, and while
+   a sync brings coroutines to start the next one follows after ``BUSY_TICK`` (the supervisor builds them
+   in batches). While
    events keep coming (a resume burst) it syncs at most once per ``EVENT_GATHER`` seconds: each sync is a
    transaction in the supervisor, and hundreds a second of one or two events each cost more CPU than
    the events themselves.
@@ -40,6 +42,7 @@ from triggerer.config import Settings
 
 HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
+BUSY_TICK = 0.02  # while the supervisor hands over coroutines to start (a takeover, a start), ask again soon
 EVENT_GATHER = 0.1
 COMPLETED_LINE = "trigger completed"  # Airflow's last line of every coroutine (``run_trigger``)
 
@@ -100,6 +103,7 @@ class SmartTriggerRunner(TriggerRunner):
         super().__init__()
         self._wake: asyncio.Event | None = None
         self._last_sync = -math.inf
+        self._handing_over = False
         self.events = _WakingDeque(self._on_event)
         self._ended: deque[int] = deque()
         self.triggers = _WatchedTriggers(self._ended.append)
@@ -168,7 +172,7 @@ class SmartTriggerRunner(TriggerRunner):
         assert self._wake is not None
         if not self.events:
             with suppress(TimeoutError):
-                async with asyncio.timeout(IDLE_TICK):
+                async with asyncio.timeout(BUSY_TICK if self._handing_over else IDLE_TICK):
                     await self._wake.wait()
         self._wake.clear()
         if self.events and not self.stop:
@@ -178,7 +182,10 @@ class SmartTriggerRunner(TriggerRunner):
 
     async def sync_state_to_supervisor(self, finished_ids: list[int]) -> None:
         self._last_sync = time.monotonic()
+        waiting = len(self.to_create)
         await super().sync_state_to_supervisor(finished_ids)
+        # the supervisor builds coroutines in batches: one came, more may be ready by the next tick
+        self._handing_over = len(self.to_create) > waiting
 
     async def arun(self) -> None:
         """Airflow's ``TriggerRunner.arun`` (3.3), with ``_tick`` in place of its fixed one-second sleep."""

@@ -259,15 +259,11 @@ class Store:
     def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
         if not identities:
             return
-        self.session.execute(
-            text(queries()["insert_identity"]),
-            [
-                {"trigger_id": i.trigger_id, "identity_hash": i.identity_hash, "shard": i.shard,
-                 "dedupable": i.dedupable, "execution": json.dumps(i.execution), "error": i.error,
-                 "description": i.description}
-                for i in identities
-            ],
-        )
+        self._run("insert_identities", trigger_ids=[i.trigger_id for i in identities],
+                  hashes=[i.identity_hash for i in identities], shards=[i.shard for i in identities],
+                  dedupable=[i.dedupable for i in identities],
+                  executions=[json.dumps(i.execution) for i in identities],
+                  errors=[i.error for i in identities], descriptions=[i.description for i in identities])
 
     def record_sample(self, job_id: int, waiters: int, groups: int, polls_saved: float, *,
                       prune: bool) -> None:

@@ -75,6 +75,8 @@ WATCHER_BACKOFF_MAX_SECONDS = 60.0
 # an event whose transaction the server ends this many times in a row while the database answers (a
 # listener slower than the idle-in-transaction limit) is failed as its own fault
 OUTAGE_STRIKES = 3
+# a group whose poll interval no kwarg names is started after those due within this many seconds
+UNKNOWN_INTERVAL_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,8 +237,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
             self._db_step("cleanup", self._housekeeping)
-        # until the next load: a loop after the last one, or sooner when a member's membership lapses
-        self._service_subprocess(max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0))
+        elif self.groups.unstarted:
+            # a takeover or a start: keep starting coroutines between loads, a time budget at a time
+            self._db_step("start", self._start_groups)
+        # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
+        # once while groups still wait for a coroutine (events are handled between batches)
+        wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
+        self._service_subprocess(0.0 if self.groups.unstarted else wait)
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
         self._db_step("events", self.handle_events)
@@ -536,12 +543,25 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             if position.unhashed == 0:
                 self.hash_xmin = position.xmin
                 return
-            rows = store.unhashed_triggers(self.queue_list, limit=self.settings.max_new_per_loop * 4,
-                                           after_xid=after)
-            if rows:
-                store.insert_identities(compute_identities(rows, self.settings))
+        hashed = self._hash_batches(after)
         if after is None:
-            log.info("hashing trigger rows the change feed does not cover", rows=len(rows))
+            log.info("hashing trigger rows the change feed does not cover", rows=hashed)
+
+    def _hash_batches(self, after: str | None) -> int:
+        """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
+        while this loop's time budget lasts; returns how many."""
+        batch = self.settings.max_new_per_loop * 4
+        deadline = time.monotonic() + self._busy_budget()
+        hashed = 0
+        while True:
+            with create_session() as session:
+                store = Store(session)
+                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after)
+                if rows:
+                    store.insert_identities(compute_identities(rows, self.settings))
+            hashed += len(rows)
+            if len(rows) < batch or time.monotonic() >= deadline:
+                return hashed
 
     def _ensure_feed(self) -> None:
         """Before reading everything again: the last instance to stop removes the feed's triggers, and
@@ -673,11 +693,45 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         self.unreadable = {}
 
     def _start_groups(self) -> None:
-        # Building a workload costs Airflow a few queries per trigger: start a bounded number per loop so
-        # every loop stays short and renews its leases in time (stock Airflow takes 50 per loop).
+        """Start waiting groups, most urgent first, a batch at a time while this call's time budget lasts
+        (the rest in the next call, right after the runner's messages were handled): every loop stays short
+        and renews its leases in time, and a takeover of thousands starts in seconds."""
         self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
-        for group in list(self.groups.unstarted.values())[: self.settings.max_new_per_loop]:
-            self.groups.start(group)
+        deadline = time.monotonic() + self._busy_budget()
+        while True:
+            for group in self._most_urgent(self.settings.max_new_per_loop):
+                self.groups.start(group)
+            self._request_started()
+            if not self.groups.unstarted or time.monotonic() >= deadline:
+                return
+            # hand this batch to the runner (it asks, we answer) and read its log lines while building
+            # the next: a runner left unanswered stalls on its full log socket
+            self._service_subprocess(0.0)
+
+    def _busy_budget(self) -> float:
+        """Seconds one call may spend starting groups or hashing rows before the loop goes on."""
+        return max(0.25, self.settings.lease_seconds * 0.1)
+
+    def _most_urgent(self, count: int) -> list[Group]:
+        """The ``count`` waiting groups whose next poll or earliest member timeout is due soonest (a group
+        just taken over may be due at once; its last poll is not known): asset watchers first, then by
+        poll interval or timeout, whichever comes sooner."""
+        if len(self.groups.unstarted) <= count:
+            return list(self.groups.unstarted.values())
+        now = time.monotonic()
+        timeouts: dict[int, float] = {}
+        for due, trigger_id in self.deadlines:
+            timeouts[trigger_id] = min(due, timeouts.get(trigger_id, due))
+
+        def due_in(group: Group) -> float:
+            if not all(self._is_task(m) for m in group.members):
+                return -math.inf  # an asset watcher: its events come whenever its source has them
+            soonest = min((timeouts[m] - now for m in group.members if m in timeouts), default=math.inf)
+            return min(soonest, group.poll_interval or UNKNOWN_INTERVAL_SECONDS)
+
+        return heapq.nsmallest(count, self.groups.unstarted.values(), key=due_in)
+
+    def _request_started(self) -> None:
         # ask the runner only when the coroutines wanted or running changed (idle loops cost nothing);
         # a leader that cannot start hands over to the next member at once (bounded passes)
         for _ in range(3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +25,7 @@ class ControlledServer:
         self.ready_once: set[str] = set()
         self.answered_ready: set[str] = set()
         self.polls: dict[str, int] = {}
+        self.poll_log: list[tuple[float, str]] = []  # (time.time(), key) of every poll, oldest first
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -40,11 +42,21 @@ class ControlledServer:
     async def _poll(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]
         self.polls[key] = self.polls.get(key, 0) + 1
+        self.poll_log.append((time.time(), key))
         if key in self.ready or key in self.ready_once:
             self.ready_once.discard(key)
             self.answered_ready.add(key)
             return web.json_response({"ready": True, "event": {"key": key}})
         return web.json_response({"ready": False})
+
+    def polled_since(self, since: float) -> dict[str, float]:
+        """Each key's first poll at or after ``since`` (wall clock)."""
+        first: dict[str, float] = {}
+        for at, key in reversed(self.poll_log):  # newest first: stop at ``since``
+            if at < since:
+                break
+            first[key] = at
+        return first
 
     async def _missing(self, request: web.Request) -> web.Response:
         return web.Response(status=404, text="no such job")

@@ -50,6 +50,10 @@ def make_supervisor(**settings: Any) -> Any:
         def is_alive(self) -> bool:
             return True  # the test plays the runner
 
+        def _service_subprocess(self, max_wait_time: float, raise_on_timeout: bool = False,
+                                expect_signal: int | None = None) -> None:
+            return None  # no runner process to read from: the test plays it
+
     job_id = _job_id()
     with create_session() as session:
         job = session.get(Job, job_id)

@@ -144,11 +144,13 @@ ORDER BY t.id
 LIMIT :limit
 FOR UPDATE OF t SKIP LOCKED;
 
--- name: insert_identity
--- Stores one trigger's identity (computed once: its kwargs are decrypted once).
+-- name: insert_identities
+-- Stores the identities of many triggers in one statement (computed once: their kwargs are decrypted once).
 INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, shard, dedupable, execution, error,
                                              description)
-VALUES (:trigger_id, :identity_hash, :shard, :dedupable, CAST(:execution AS jsonb), :error, :description)
+SELECT * FROM unnest(CAST(:trigger_ids AS integer[]), CAST(:hashes AS bigint[]), CAST(:shards AS integer[]),
+                     CAST(:dedupable AS boolean[]), CAST(CAST(:executions AS text[]) AS jsonb[]),
+                     CAST(:errors AS text[]), CAST(:descriptions AS text[]))
 ON CONFLICT (trigger_id) DO NOTHING;
 
 -- name: dead_event
