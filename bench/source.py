@@ -18,6 +18,10 @@ class PollSource:
         self.first_ready: dict[str, float] = {}  # key -> wall-clock time of its first "ready" answer
         self.last_poll: dict[str, float] = {}  # key -> wall-clock time of its latest poll
         self.before_flip: dict[str, float] = {}  # key -> its last poll before its prefix flipped
+        self.ready_keys: set[str] = set()  # keys made ready one by one (flip_keys)
+        # every poll as (wall-clock time, key, trigger id of the polling coroutine): when each wait polled
+        # again after a failover, and when each first polled after a start
+        self.poll_log: list[tuple[float, str, int]] = []
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -29,10 +33,12 @@ class PollSource:
 
     async def _poll(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]
+        now = time.time()
         self.polls += 1
         self.per_key[key] += 1
-        self.last_poll[key] = time.time()
-        ready = any(key.startswith(p) for p in self.ready_prefixes)
+        self.last_poll[key] = now
+        self.poll_log.append((now, key, int(request.query.get("t") or 0)))
+        ready = key in self.ready_keys or any(key.startswith(p) for p in self.ready_prefixes)
         if ready:
             self.first_ready.setdefault(key, time.time())
         return web.json_response({"ready": ready})
@@ -42,6 +48,22 @@ class PollSource:
         self.before_flip.update((k, t) for k, t in list(self.last_poll.items()) if k.startswith(prefix))
         self.ready_prefixes.add(prefix)
         return time.time()
+
+    def flip_keys(self, keys: set[str]) -> float:
+        """Make these keys ready; returns the wall-clock time of the flip."""
+        self.ready_keys |= keys
+        return time.time()
+
+    def polled_after(self, since: float) -> tuple[dict[str, float], dict[int, float]]:
+        """The first poll at or after ``since`` (wall clock) of each key and of each polling trigger id."""
+        keys: dict[str, float] = {}
+        triggers: dict[int, float] = {}
+        for at, key, trigger_id in reversed(self.poll_log):  # newest first: stop at ``since``
+            if at < since:
+                break
+            keys[key] = at
+            triggers[trigger_id] = at
+        return keys, triggers
 
     def start(self) -> None:
         threading.Thread(target=self._serve, daemon=True, name="poll-source").start()

@@ -11,8 +11,11 @@ every poll, server side), ``--instances`` triggerers (both without the trigger l
   the database's own transactions and rows scanned (``pg_stat_database``), all per 30 s;
 - the burst: time from the condition flip to each task instance leaving DEFERRED (its
   ``scheduled_dttm``), CPU seconds and peak RSS from start to the last resume;
-- failover after SIGKILL and after SIGTERM of one instance (until every waiting trigger row belongs to
-  the survivor), and how long the SIGTERMed process took to exit.
+- start, failover and handover over the whole population while it waits (before the flip), each timed
+  by the first poll of every wait: a cold start until every wait polled once; a SIGKILL of one instance
+  until the survivors own every waiting trigger row and until each of the victim's waits polled again,
+  with the flags of some of its waits flipped during the takeover (their resume latency); a SIGTERM of
+  another (after a replacement joined) until each of its waits polled again, and its process exit.
 
 Prints a table with ratios and appends it to bench/RESULTS.md with --write.
 """
@@ -23,7 +26,9 @@ import argparse
 import atexit
 import contextlib
 import datetime as dt
+import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -35,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.console import Console
@@ -98,8 +104,16 @@ class Result:
     after_poll: list[float] = field(default_factory=list)
     # how late each key's ready poll came: after its last poll before the flip plus the poll interval
     poll_late: list[float] = field(default_factory=list)
-    failover_kill: float | None = None
-    failover_term: float | None = None
+    start_to_all_polling_s: float | None = None
+    kill_to_reassigned_s: float | None = None
+    kill_to_all_polling_s: float | None = None
+    kill_waits: int = 0
+    term_to_reassigned_s: float | None = None
+    term_to_all_polling_s: float | None = None
+    term_waits: int = 0
+    # waits whose flag flipped during the SIGKILL takeover: flip -> task instance left DEFERRED
+    takeover_resume: list[float] = field(default_factory=list)
+    rss_mb_per_instance: float = 0.0
     steady_after: float = 0.0
     page_groups_ms: float | None = None
     page_overview_ms: float | None = None
@@ -218,44 +232,22 @@ def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *
 
 
 def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: float, *, unique: int,
-                   interval: float) -> None:
+                   interval: float, skip: set[int]) -> None:
     """Each waiter's resume latency, and its split at the first "ready" answer for its key (waiter ``i``
     waits on key ``k{i % unique}``, see ``seed``)."""
     values = rows(dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
                        "WHERE dag_id = 'bench_k' AND state <> 'deferred'")
     for map_index, scheduled in values:
+        if map_index in skip:  # resumed by a flip during a takeover
+            continue
         result.resume.append(float(scheduled) - flipped_at)
         ready_at = source.first_ready.get(f"k{map_index % unique}")
         if ready_at is not None:
             result.ready_poll.append(ready_at - flipped_at)
             result.after_poll.append(float(scheduled) - ready_at)
     for key, ready_at in source.first_ready.items():
-        if key in source.before_flip and key.startswith("k"):
+        if key in source.before_flip and key.startswith("k") and key not in source.ready_keys:
             result.poll_late.append(ready_at - source.before_flip[key] - interval)
-
-
-def measure_failover(stack: AirflowStack, instances: list[tuple[Component, int]], trigger_ids: list[int],
-                     how: signal.Signals) -> tuple[float, float | None]:
-    """Seconds until the survivors own every waiting trigger, and until the victim's process exited."""
-    victim = instances[0][0]
-    survivors = [job for _, job in instances[1:]]
-    dsn = stack.config.database_dsn
-    wait_until(lambda: assigned_to(dsn, [j for _, j in instances], trigger_ids) == len(trigger_ids), 300,
-               "failover batch assigned")
-    exited: list[float] = []
-    process = victim.process
-    assert process is not None
-    waiter = threading.Thread(target=lambda: (process.wait(), exited.append(time.monotonic())), daemon=True)
-    started = time.monotonic()
-    waiter.start()
-    os.killpg(victim.pid, how)
-    took = wait_until(lambda: assigned_to(dsn, survivors, trigger_ids) == len(trigger_ids), 180,
-                      f"takeover after {how.name}")
-    waiter.join(60)
-    exit_after = exited[0] - started if exited else None
-    console.print(f"  {how.name}: every waiting trigger owned by the survivor after {took:.1f}s; process "
-                  f"exited after {'-' if exit_after is None else f'{exit_after:.1f}s'}")
-    return time.monotonic() - started, exit_after
 
 
 def statement_totals(folder: Path) -> tuple[int, int]:
@@ -296,6 +288,21 @@ def finish_profiles(spies: list[subprocess.Popen[bytes]], folder: str | None, la
         spy.wait(120)
     for role in ("supervisor", "runner") if folder else ():
         console.print(summarize_profile(Path(folder) / f"{label}-{role}.txt"))
+
+
+def profile_start(component: Component, args: argparse.Namespace, mode: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy the first instance's supervisor and runner from the runner's start (``--profile-start``)."""
+    if not args.profile_start:
+        return []
+    wait_until(lambda: len(component.tree()) >= 2, 60, "the runner subprocess", interval=0.05)
+    return start_profiles(component, max(600.0, args.waiters / 50), Path(args.profile_start), f"{mode}-start")
+
+
+def stop_profiles(spies: list[subprocess.Popen[bytes]], folder: str | None, label: str) -> None:
+    """End py-spy recorders early (they write what they recorded) and print where the CPU went."""
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)
+    finish_profiles(spies, folder, label)
 
 
 def summarize_profile(path: Path, top: int = 10) -> str:
@@ -366,45 +373,39 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
     try:
         console.print(f"[bold]{mode}[/]: seeding {args.waiters} waiters on {unique} identities")
         trigger_ids = seed(config, source, args.waiters, unique, prefix="k", interval=args.interval)
+        waits = Waits(mode, trigger_ids, unique, args)
+        started_at = time.time()
         instances = [start_instance(stack, mode, f"{mode}-{n}", args.waiters) for n in range(args.instances)]
+        start_spies = profile_start(instances[0][0], args, mode)
         with TreeSampler([c for c, _ in instances]) as sampler:
             t0 = time.monotonic()
-            wait_started(source, dsn, [j for _, j in instances], trigger_ids, args, unique=unique,
-                         coroutines=unique if mode == "smart" else args.waiters)
+            wait_started(source, dsn, [j for _, j in instances], waits)
+            stop_profiles(start_spies, args.profile_start, f"{mode}-start")
+            result.start_to_all_polling_s = waits.all_polling(source, started_at, trigger_ids)
             result.steady_after = time.monotonic() - t0
+            console.print(f"  cold start: every wait polling {result.start_to_all_polling_s:.1f}s after the "
+                          f"instances started; measuring {args.steady_seconds:g}s of pure waiting")
             phases = [("start", sampler.split())]
-            console.print(f"  steady after {result.steady_after:.1f}s; measuring {args.steady_seconds:g}s of "
-                          "pure waiting")
             time.sleep(2 * args.interval)  # let start-up bursts pass
             spies = (start_profiles(instances[0][0], args.steady_seconds, Path(args.profile), mode)
                      if args.profile else [])
             result.steady = measure_steady(sampler, source, dsn, statements_dir(stack), args.steady_seconds)
+            result.rss_mb_per_instance = max(
+                sum(p.memory_info().rss for p in c.tree()) for c, _ in instances) / 2**20
             finish_profiles(spies, args.profile, mode)
             result.polls_per_interval = result.steady.polls * args.interval / 30
             phases.append(("steady", sampler.split()))
             if mode == "smart":
                 record_page(result)
-            flipped_at = source.flip("k")
-            resume_spies = (start_profiles(instances[0][0], args.interval + 15, Path(args.profile_resume),
-                                           f"{mode}-resume") if args.profile_resume else [])
-            wait_until(lambda: rows(dsn, "SELECT count(*) FROM task_instance WHERE dag_id = 'bench_k' "
-                                         "AND state = 'deferred'")[0][0] == 0, 600, "every waiter resumed",
-                       interval=0.2)
-            record_resumes(result, source, dsn, flipped_at, unique=unique, interval=args.interval)
-            finish_profiles(resume_spies, args.profile_resume, f"{mode}-resume")
-            time.sleep(1)
+            bench = Bench(stack, mode, source, waits, sampler, args)
+            live = measure_takeovers(result, bench, instances)
+            phases.append(("takeovers", sampler.split()))
+            measure_burst(result, bench, live[0][0])
             phases.append(("resume", sampler.split()))
         print_phases(phases)
         result.cpu_seconds = sampler.cpu_seconds
         result.peak_rss_mb = sampler.peak_rss / 2**20
         print_resume(result)
-        batch = seed(config, source, args.failover_waiters, args.failover_waiters // 2, prefix="f",
-                     interval=args.interval)
-        result.failover_term, result.term_exit = measure_failover(stack, instances, batch, signal.SIGTERM)
-        # A fresh partner for the survivor, given time to take its share, then the survivor crashes.
-        extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
-        time.sleep(3 * args.interval)
-        result.failover_kill, _ = measure_failover(stack, [instances[1], extra], batch, signal.SIGKILL)
     finally:
         stack.stop()
         with contextlib.suppress(Exception):
@@ -412,17 +413,193 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
     return result
 
 
-def wait_started(source: PollSource, dsn: str, jobs: list[int], trigger_ids: list[int],
-                 args: argparse.Namespace, *, unique: int, coroutines: int) -> None:
-    """Until every waiter is assigned, every identity polled and every coroutine polling: stock runs one
-    per waiter, and its last ones may start long after each identity was polled once (its start-up would
-    then count as waiting). Starting a coroutine costs Airflow a few queries: at 50,000 waiters, minutes."""
-    limit = max(600, args.waiters / 50)
-    wait_until(lambda: assigned_to(dsn, jobs, trigger_ids) == len(trigger_ids), limit, "all waiters assigned",
-               interval=0.5)
-    wait_until(lambda: len(source.per_key) >= unique, limit, "every identity polled", interval=0.5)
-    wait_until(lambda: polls_in(source, args.interval) >= 0.97 * coroutines, limit, "every coroutine polling",
-               interval=0)
+class Waits:
+    """The seeded waits and how a bench tells that one polls: waiter ``i`` (trigger ``trigger_ids[i]``)
+    waits on key ``k{i % unique}``. A smart group's coroutine polls for every waiter of its key, so a wait
+    polls when its key does; stock runs one coroutine per waiter: a wait polls when its own trigger does."""
+
+    def __init__(self, mode: str, trigger_ids: list[int], unique: int, args: argparse.Namespace) -> None:
+        self.mode = mode
+        self.index = {trigger_id: i for i, trigger_id in enumerate(trigger_ids)}
+        self.unique = unique
+        self.timeout = max(600.0, len(trigger_ids) / 50)
+        self.flipped_indexes: set[int] = set()
+        self.args = args
+
+    def key(self, trigger_id: int) -> str:
+        return f"k{self.index[trigger_id] % self.unique}"
+
+    def missing(self, source: PollSource, since: float, trigger_ids: list[int]) -> tuple[list[int], float]:
+        """The waits that did not poll since ``since``, and the latest first poll of those that did."""
+        keys, triggers = source.polled_after(since)
+        latest = since
+        missing = []
+        for trigger_id in trigger_ids:
+            at = keys.get(self.key(trigger_id)) if self.mode == "smart" else triggers.get(trigger_id)
+            if at is None:
+                missing.append(trigger_id)
+            else:
+                latest = max(latest, at)
+        return missing, latest
+
+    def all_polling(self, source: PollSource, since: float, trigger_ids: list[int]) -> float:
+        """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            missing, latest = self.missing(source, since, trigger_ids)
+            if not missing:
+                return latest - since
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(missing)} of {len(trigger_ids)} waits did not poll within "
+                                   f"{self.timeout:.0f}s")
+            time.sleep(0.5)
+
+
+def settled(count: Callable[[], int], timeout: float, what: str, seconds: float = 3.0) -> int:
+    """Wait until ``count()`` is the same for ``seconds`` (a joining instance has taken its share)."""
+    deadline = time.monotonic() + timeout
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < seconds:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} to settle")
+        time.sleep(0.5)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
+    """Trigger ids of the deferred bench waiters that these triggerer jobs run now."""
+    return [r[0] for r in rows(dsn, "SELECT t.id FROM trigger t JOIN task_instance ti "
+                                    "ON ti.trigger_id = t.id WHERE ti.dag_id = 'bench_k' "
+                                    "AND ti.state = 'deferred' AND t.triggerer_id = ANY(%s)", job_ids)]
+
+
+def deferred_waits(dsn: str) -> list[int]:
+    return [r[0] for r in rows(dsn, "SELECT trigger_id FROM task_instance WHERE dag_id = 'bench_k' "
+                                    "AND state = 'deferred'")]
+
+
+@dataclass
+class Takeover:
+    """One instance signalled while every wait waits, timed by the first poll of each of its waits."""
+
+    waits: int  # waits the victim ran
+    reassigned_s: float  # until the survivors own every waiting trigger row
+    all_polling_s: float  # until each of the victim's waits (still waiting) polled again
+    exit_s: float | None  # until the victim's process exited
+    flipped_at: float  # wall clock; 0.0 when nothing was flipped
+    flipped_keys: set[str]
+
+
+@dataclass
+class Bench:
+    """One mode's running bench: its stack, its source, its waits, the CPU sampler."""
+
+    stack: AirflowStack
+    mode: str
+    source: PollSource
+    waits: Waits
+    sampler: TreeSampler
+    args: argparse.Namespace
+
+
+def measure_burst(result: Result, bench: Bench, profiled: Component) -> None:
+    """Flip every key at once: each waiter's time to leave DEFERRED (those flipped before excluded)."""
+    dsn, args = bench.stack.config.database_dsn, bench.args
+    flipped_at = bench.source.flip("k")
+    spies = (start_profiles(profiled, args.interval + 15, Path(args.profile_resume), f"{bench.mode}-resume")
+             if args.profile_resume else [])
+    wait_until(lambda: not deferred_waits(dsn), bench.waits.timeout, "every waiter resumed", interval=0.2)
+    finish_profiles(spies, args.profile_resume, f"{bench.mode}-resume")
+    record_resumes(result, bench.source, dsn, flipped_at, unique=bench.waits.unique, interval=args.interval,
+                   skip=bench.waits.flipped_indexes)
+
+
+def measure_takeovers(result: Result, bench: Bench,
+                      instances: list[tuple[Component, int]]) -> list[tuple[Component, int]]:
+    """SIGKILL the first instance while every wait waits (the flags of some of its waits flip a second
+    later), start a replacement, then SIGTERM the second instance once the replacement polls its share."""
+    stack, mode, source, waits, args = bench.stack, bench.mode, bench.source, bench.waits, bench.args
+    dsn = stack.config.database_dsn
+    victim, survivors = instances[0], instances[1:]
+    kill = take_over(bench, victim, survivors, signal.SIGKILL, flips=args.takeover_flips)
+    result.kill_waits, result.kill_to_reassigned_s = kill.waits, kill.reassigned_s
+    result.kill_to_all_polling_s = kill.all_polling_s
+    wanted = {i for i in range(args.waiters) if f"k{i % waits.unique}" in kill.flipped_keys}
+    waits.flipped_indexes = wanted
+    wait_until(lambda: wanted <= set(resumed_at(dsn)), waits.timeout, "the waits flipped during the takeover")
+    result.takeover_resume = [at - kill.flipped_at for i, at in resumed_at(dsn).items() if i in wanted]
+    console.print(f"  flipped during the takeover: {len(wanted)} waits resumed "
+                  f"p50 {result.pct(0.5, result.takeover_resume):.2f}s "
+                  f"p99 {result.pct(0.99, result.takeover_resume):.2f}s after the flip")
+    started_at = time.time()
+    extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
+    bench.sampler.components.append(extra[0])
+    live = [*survivors, extra]
+    wait_until(lambda: set(deferred_waits(dsn)) <= set(waiting_on(dsn, [job for _, job in live])),
+               waits.timeout, "every wait assigned after the replacement joined", interval=0.5)
+    settled(lambda: len(waiting_on(dsn, [extra[1]])), waits.timeout, "the replacement's share")
+    waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]))
+    term = take_over(bench, survivors[0], [*survivors[1:], extra], signal.SIGTERM, flips=0)
+    result.term_waits, result.term_to_reassigned_s = term.waits, term.reassigned_s
+    result.term_to_all_polling_s, result.term_exit = term.all_polling_s, term.exit_s
+    return [*survivors[1:], extra]
+
+
+def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple[Component, int]],
+              how: signal.Signals, *, flips: int) -> Takeover:
+    dsn, source, waits = bench.stack.config.database_dsn, bench.source, bench.waits
+    mine = waiting_on(dsn, [victim[1]])
+    survivor_jobs = [job for _, job in survivors]
+    keys = sorted({waits.key(t) for t in mine})
+    flip_keys = set(random.Random(len(mine)).sample(keys, min(flips, len(keys))))
+    exited: list[float] = []
+    process = victim[0].process
+    assert process is not None
+    def note_exit() -> None:
+        process.wait()
+        exited.append(time.time())
+
+    threading.Thread(target=note_exit, daemon=True).start()
+    spies = (start_profiles(survivors[0][0], waits.timeout, Path(bench.args.profile_takeover),
+                            f"{bench.mode}-{how.name.lower()}")
+             if bench.args.profile_takeover and how == signal.SIGKILL else [])
+    signalled = time.time()
+    os.killpg(victim[0].pid, how)
+    flipped_at = 0.0
+    if flip_keys:
+        time.sleep(1.0)
+        flipped_at = source.flip_keys(flip_keys)
+    wait_until(lambda: set(deferred_waits(dsn)) <= set(waiting_on(dsn, survivor_jobs)), waits.timeout,
+               f"every wait owned by the survivors after {how.name}", interval=0.2)
+    reassigned = time.time() - signalled
+    # waits the flip resumed meanwhile poll no more: those still waiting must poll again
+    still = [t for t in mine if waits.key(t) not in flip_keys]
+    polling = waits.all_polling(source, signalled, still)
+    stop_profiles(spies, bench.args.profile_takeover, f"{bench.mode}-{how.name.lower()}")
+    wait_until(lambda: bool(exited), 60, f"the {how.name} victim's exit")
+    took = Takeover(len(mine), reassigned, polling, exited[0] - signalled, flipped_at, flip_keys)
+    console.print(f"  {how.name}: {took.waits} waits; every waiting trigger owned by the survivors after "
+                  f"{took.reassigned_s:.1f}s, each of the victim's waits polling again after "
+                  f"{took.all_polling_s:.1f}s; process exited after {took.exit_s:.1f}s")
+    return took
+
+
+def resumed_at(dsn: str) -> dict[int, float]:
+    """map index -> when its task instance left DEFERRED (scheduled_dttm, wall clock)."""
+    return {int(i): float(at) for i, at in rows(
+        dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
+             "WHERE dag_id = 'bench_k' AND state <> 'deferred'")}
+
+
+def wait_started(source: PollSource, dsn: str, jobs: list[int], waits: Waits) -> None:
+    """Until every waiter is assigned and every wait polled once (stock: each waiter's own coroutine)."""
+    trigger_ids = list(waits.index)
+    wait_until(lambda: assigned_to(dsn, jobs, trigger_ids) == len(trigger_ids), waits.timeout,
+               "all waiters assigned", interval=0.5)
+    waits.all_polling(source, 0.0, trigger_ids)
 
 
 def polls_in(source: PollSource, seconds: float) -> int:
@@ -521,9 +698,23 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
         "{:.2f}")
     add("resume: ready poll to resumed, p50 (s)", lambda r: r.pct(0.5, r.after_poll), "{:.2f}")
     add("resume: ready poll to resumed, p99 (s)", lambda r: r.pct(0.99, r.after_poll), "{:.2f}")
-    add("failover after SIGKILL (s)", lambda r: r.failover_kill, "{:.1f}")
-    add("handover after SIGTERM (s)", lambda r: r.failover_term, "{:.1f}")
+    add("cold start: every wait polling (s), start_to_all_polling_s", lambda r: r.start_to_all_polling_s,
+        "{:.1f}")
+    add("SIGKILL: the victim's waits", lambda r: r.kill_waits, "{:.0f}")
+    add("SIGKILL: every wait owned again (s), kill_to_reassigned_s", lambda r: r.kill_to_reassigned_s,
+        "{:.1f}")
+    add("SIGKILL: every wait polling again (s), kill_to_all_polling_s", lambda r: r.kill_to_all_polling_s,
+        "{:.1f}")
+    add("SIGKILL: flipped during the takeover, resume p50 (s)", lambda r: r.pct(0.5, r.takeover_resume),
+        "{:.2f}")
+    add("SIGKILL: flipped during the takeover, resume p99 (s)", lambda r: r.pct(0.99, r.takeover_resume),
+        "{:.2f}")
+    add("SIGTERM: the victim's waits", lambda r: r.term_waits, "{:.0f}")
+    add("SIGTERM: every wait owned again (s)", lambda r: r.term_to_reassigned_s, "{:.1f}")
+    add("SIGTERM: every wait polling again (s), term_to_all_polling_s", lambda r: r.term_to_all_polling_s,
+        "{:.1f}")
     add("process exit after SIGTERM (s)", lambda r: r.term_exit, "{:.1f}")
+    add("memory RSS per instance while waiting (MB)", lambda r: r.rss_mb_per_instance, "{:.0f}")
     add("time to steady state (s)", lambda r: r.steady_after, "{:.1f}")
     add("page: groups API, first 50 (ms)", lambda r: r.page_groups_ms, "{:.0f}")
     add("page: overview API (ms)", lambda r: r.page_overview_ms, "{:.0f}")
@@ -537,14 +728,20 @@ def main() -> int:
     parser.add_argument("--duplicates", type=float, default=0.4)
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--failover-waiters", type=int, default=500)
+    parser.add_argument("--takeover-flips", type=int, default=100,
+                        help="keys of the SIGKILL victim's waits flipped a second into the takeover")
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="pure waiting measured")
     parser.add_argument("--profile", metavar="DIR",
                         help="py-spy the first instance's supervisor and runner while waiting (needs root)")
     parser.add_argument("--profile-resume", metavar="DIR",
                         help="py-spy one instance's supervisor and runner from the flip for interval + 15 s")
+    parser.add_argument("--profile-start", metavar="DIR",
+                        help="py-spy the first instance's supervisor and runner until every wait polls")
+    parser.add_argument("--profile-takeover", metavar="DIR",
+                        help="py-spy the SIGKILL survivor's supervisor and runner until all waits poll again")
     parser.add_argument("--modes", default="stock,smart")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    parser.add_argument("--json", action="store_true", help="print each mode's figures as JSON at the end")
     args = parser.parse_args()
     # SIGTERM stops the run like Ctrl-C: the triggerers, the source and the databases are cleaned up
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -569,7 +766,30 @@ def main() -> int:
     markdown += "".join(f"\n\n{mode} did not get through: {why}" for mode, why in broke.items())
     if args.write:
         append_result("Triggerer", "bench.triggerer_bench", markdown)
+    if args.json:
+        print(json.dumps({mode: figures(r) for mode, r in results.items()} | {"broke": broke}, indent=1))
     return 0
+
+
+def figures(result: Result) -> dict[str, Any]:
+    """The run's figures under the names the issue tracker and the docs use."""
+    return {
+        "waiters": result.waiters, "unique": result.unique,
+        "polls_per_interval": round(result.polls_per_interval),
+        "start_to_all_polling_s": result.start_to_all_polling_s,
+        "kill_waits": result.kill_waits,
+        "kill_to_reassigned_s": result.kill_to_reassigned_s,
+        "kill_to_all_polling_s": result.kill_to_all_polling_s,
+        "takeover_flip_resume_p50_s": result.pct(0.5, result.takeover_resume),
+        "takeover_flip_resume_p99_s": result.pct(0.99, result.takeover_resume),
+        "term_waits": result.term_waits,
+        "term_to_reassigned_s": result.term_to_reassigned_s,
+        "term_to_all_polling_s": result.term_to_all_polling_s,
+        "term_exit_s": result.term_exit,
+        "resume_p50_s": result.pct(0.5), "resume_p99_s": result.pct(0.99),
+        "rss_mb_per_instance": round(result.rss_mb_per_instance),
+        "waiting_cpu_s_per_30s": result.steady.cpu,
+    }
 
 
 def append_result(title: str, module: str, body: str) -> None:

@@ -30,7 +30,9 @@ class PollTrigger(DedupableTrigger, BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
             try:
-                async with shared_session().get(f"{self.url}/poll/{self.key}") as response:
+                # the polling coroutine's trigger id (set by the runner) lets the bench tell who polled
+                params = {"t": str(self.trigger_id or 0)}
+                async with shared_session().get(f"{self.url}/poll/{self.key}", params=params) as response:
                     if (await response.json())["ready"]:
                         yield TriggerEvent({"key": self.key})
                         return
