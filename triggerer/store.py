@@ -164,12 +164,15 @@ class Store:
         return [r[0] for r in rows]
 
     def heartbeat(self, job_id: int, lease_seconds: float, *, feed_xmin: str | None = None,
-                  **counters: Any) -> bool:
-        """Renew membership; ``feed_xmin``: how far this instance has read the change feed. False when the
-        membership had lapsed (by the database clock) before this renewal, or the row is gone."""
-        was_live = self._run("heartbeat_instance", job_id=job_id, lease_seconds=lease_seconds,
-                             feed_xmin=feed_xmin, **counters).scalar()
-        return bool(was_live)
+                  **counters: Any) -> tuple[bool, float]:
+        """Renew membership; ``feed_xmin``: how far this instance has read the change feed. Returns whether
+        the membership was still live (by the database clock) before this renewal (False too when the row
+        is gone) and the database clock (epoch seconds)."""
+        row = self._run("heartbeat_instance", job_id=job_id, lease_seconds=lease_seconds,
+                        feed_xmin=feed_xmin, **counters).one_or_none()
+        if row is None:
+            return False, float(self._run("db_clock").scalar_one())
+        return bool(row.was_live), float(row.db_now)
 
     def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
         return [member for member, _lapses_in in self.live_members_lapsing(lease_seconds, queues)]

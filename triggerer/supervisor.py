@@ -134,8 +134,11 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
     load_xmin: str | None = attrs.field(default=None, init=False)
     hash_xmin: str | None = attrs.field(default=None, init=False)
-    # members' trigger_timeout as (time.monotonic(), trigger id), soonest first
+    # members' trigger_timeout as (database clock in epoch seconds, trigger id), soonest first
     deadlines: list[tuple[float, int]] = attrs.field(factory=list, init=False)
+    # the database clock's last reading (epoch seconds) and time.monotonic() then: between two renewals the
+    # database's time is estimated from it, so a step of the database's clock is followed within a loop
+    db_clock: tuple[float, float] | None = attrs.field(default=None, init=False)
     unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
@@ -381,8 +384,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         counters = self._counters()
         with create_session() as session:
             store = Store(session)
-            if not store.heartbeat(self.job_id, self.settings.lease_seconds, feed_xmin=self._feed_xmin(),
-                                   **counters):
+            was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
+                                               feed_xmin=self._feed_xmin(), **counters)
+            self.db_clock = (db_now, time.monotonic())
+            if not was_live:
                 self._lost_the_feed()
         self.published_counters = counters
 
@@ -457,8 +462,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         with create_session() as session:
             store = Store(session)
             counters = self._counters()
-            if not store.heartbeat(self.job_id, self.settings.lease_seconds, feed_xmin=self._feed_xmin(),
-                                   **counters):
+            was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
+                                               feed_xmin=self._feed_xmin(), **counters)
+            self.db_clock = (db_now, time.monotonic())
+            if not was_live:
                 self._lost_the_feed()
             self.published_counters = counters
             lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
@@ -483,6 +490,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             log.info("took shards", count=len(gained))
         self.owned = claimed
         self.to_read = (self.to_read | gained) & claimed
+
+    def _db_now(self) -> float:
+        """The database clock now (epoch seconds), from its last reading and the host's monotonic clock."""
+        if self.db_clock is None:
+            return time.time()
+        reading, at = self.db_clock
+        return reading + (time.monotonic() - at)
 
     def _lost_the_feed(self) -> None:
         """Our membership lapsed by the database clock (a pause, a very slow loop), and with it our claim on
@@ -616,7 +630,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         if row.hold_left > 0:
             self.young_until[row.trigger_id] = now + row.hold_left
         if row.timeout_in is not None:
-            heapq.heappush(self.deadlines, (now + row.timeout_in, row.trigger_id))
+            heapq.heappush(self.deadlines, (self._db_now() + row.timeout_in, row.trigger_id))
         dedup = row.dedupable and self.settings.dedup
         key = group_key(row.trigger_id, row.identity_hash, dedup)
         group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
@@ -649,7 +663,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         """Time out deferred members one by one (as the scheduler does) when one's trigger_timeout is due,
         by the database clock; a member still waiting after that (its row was locked) is looked at again
         next loop."""
-        now = time.monotonic()
+        now = self._db_now()
         self._drop_stale_deadlines()
         if not self.deadlines or self.deadlines[0][0] > now:
             return
@@ -718,7 +732,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         poll interval or timeout, whichever comes sooner."""
         if len(self.groups.unstarted) <= count:
             return list(self.groups.unstarted.values())
-        now = time.monotonic()
+        now = self._db_now()
         timeouts: dict[int, float] = {}
         for due, trigger_id in self.deadlines:
             timeouts[trigger_id] = min(due, timeouts.get(trigger_id, due))

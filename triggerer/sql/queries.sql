@@ -48,7 +48,11 @@ SET heartbeat_at = now(), runner_alive = :runner_alive, waiters = :waiters, grou
     health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin)
 FROM previous
 WHERE job_id = :job_id
-RETURNING previous.live AS was_live;
+RETURNING previous.live AS was_live, extract(epoch FROM clock_timestamp()) AS db_now;
+
+-- name: db_clock
+-- The database clock, in epoch seconds (timeouts are judged on it).
+SELECT extract(epoch FROM clock_timestamp());
 
 -- name: live_instances
 -- Instances whose membership has not lapsed: the rendezvous hashing input; lapses_in: seconds until each
