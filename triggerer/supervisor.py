@@ -139,6 +139,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     # the database clock's last reading (epoch seconds) and time.monotonic() then: between two renewals the
     # database's time is estimated from it, so a step of the database's clock is followed within a loop
     db_clock: tuple[float, float] | None = attrs.field(default=None, init=False)
+    # started groups whose workloads are left to build (a build is a batch at most)
+    build_backlog: bool = attrs.field(default=False, init=False)
     unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
@@ -240,13 +242,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
             self._db_step("cleanup", self._housekeeping)
-        elif self.groups.unstarted:
+        elif self._start_backlog():
             # a takeover or a start: keep starting coroutines between loads, a time budget at a time
             self._db_step("start", self._start_groups)
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
-        self._service_subprocess(0.0 if self.groups.unstarted else wait)
+        self._service_subprocess(0.0 if self._start_backlog() else wait)
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
         self._db_step("events", self.handle_events)
@@ -574,7 +576,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 if rows:
                     store.insert_identities(compute_identities(rows, self.settings))
             hashed += len(rows)
-            if len(rows) < batch or time.monotonic() >= deadline:
+            if len(rows) < batch or time.monotonic() >= deadline or self.stop:
                 return hashed
 
     def _ensure_feed(self) -> None:
@@ -709,29 +711,37 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _start_groups(self) -> None:
         """Start waiting groups, most urgent first, a batch at a time while this call's time budget lasts
         (the rest in the next call, right after the runner's messages were handled): every loop stays short
-        and renews its leases in time, and a takeover of thousands starts in seconds."""
+        and renews its leases in time, and a takeover of thousands starts in seconds. A build is a batch at
+        most, also for groups started while the database was away (``build_backlog``)."""
         self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
         deadline = time.monotonic() + self._busy_budget()
-        while True:
-            for group in self._most_urgent(self.settings.max_new_per_loop):
-                self.groups.start(group)
-            self._request_started()
-            if not self.groups.unstarted or time.monotonic() >= deadline:
+        order: list[Group] = []
+        while not self.stop:
+            if not order and self.groups.unstarted:
+                order = self._by_urgency()
+            batch, order = order[: self.settings.max_new_per_loop], order[self.settings.max_new_per_loop:]
+            for group in batch:
+                if self.groups.unstarted.get(group.identity_hash) is group:
+                    self.groups.start(group)
+            self.build_backlog = self._request_started()
+            if not self._start_backlog() or time.monotonic() >= deadline:
                 return
             # hand this batch to the runner (it asks, we answer) and read its log lines while building
             # the next: a runner left unanswered stalls on its full log socket
             self._service_subprocess(0.0)
 
+    def _start_backlog(self) -> bool:
+        """Groups wait for a coroutine, or started groups for their workload to be built."""
+        return bool(self.groups.unstarted) or self.build_backlog
+
     def _busy_budget(self) -> float:
         """Seconds one call may spend starting groups or hashing rows before the loop goes on."""
         return max(0.25, self.settings.lease_seconds * 0.1)
 
-    def _most_urgent(self, count: int) -> list[Group]:
-        """The ``count`` waiting groups whose next poll or earliest member timeout is due soonest (a group
-        just taken over may be due at once; its last poll is not known): asset watchers first, then by
-        poll interval or timeout, whichever comes sooner."""
-        if len(self.groups.unstarted) <= count:
-            return list(self.groups.unstarted.values())
+    def _by_urgency(self) -> list[Group]:
+        """The waiting groups, those whose next poll or earliest member timeout is due soonest first (a
+        group just taken over may be due at once; its last poll is not known): asset watchers first, then
+        by poll interval or timeout, whichever comes sooner."""
         now = self._db_now()
         timeouts: dict[int, float] = {}
         for due, trigger_id in self.deadlines:
@@ -743,22 +753,27 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             soonest = min((timeouts[m] - now for m in group.members if m in timeouts), default=math.inf)
             return min(soonest, group.poll_interval or UNKNOWN_INTERVAL_SECONDS)
 
-        return heapq.nsmallest(count, self.groups.unstarted.values(), key=due_in)
+        return sorted(self.groups.unstarted.values(), key=due_in)
 
-    def _request_started(self) -> None:
-        # ask the runner only when the coroutines wanted or running changed (idle loops cost nothing);
-        # a leader that cannot start hands over to the next member at once (bounded passes)
+    def _request_started(self) -> bool:
+        """Ask the runner for what changed (idle loops cost nothing); a leader that cannot start hands over
+        to the next member at once (bounded passes). True when coroutines are left to build next batch."""
         for _ in range(3):
             state = (self.groups.version, self.runner_changes)
             if state == self.requested:
-                break
-            retry = self._request_runners()
+                return False
+            retry, more = self._request_runners()
+            if more:
+                return True  # not recorded as requested: the next call builds the next batch
             self.requested = state
             if not retry:
-                break
+                return False
+        return False
 
-    def _request_runners(self) -> bool:
-        """Ask the runner for the groups' coroutines; True when some leader could not start."""
+    def _request_runners(self) -> tuple[bool, bool]:
+        """Ask the runner for the groups' coroutines, a batch at most (a pile of groups started while the
+        database was away is built over several calls, each short). Returns (some leader could not
+        start, coroutines were left to build)."""
         requested = self.groups.runner_ids()
         known = self.running_triggers.union(
             (entry.trigger_id for entry in self.events), (entry.trigger_id for entry in self.orphans),
@@ -769,21 +784,24 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         cancel_ids = self.running_triggers - requested
         if cancel_ids:
             self.cancelling_triggers.update(cancel_ids)
+        more = len(new_ids) > self.settings.max_new_per_loop
+        if more:
+            new_ids = set(sorted(new_ids)[: self.settings.max_new_per_loop])
         if not new_ids:
-            return False
+            return False, False
         try:
             workloads = self.build_trigger_workloads(new_ids)
         except _RowCannotBeBuilt as err:
             # the build's transaction is aborted: the others are built again in the next pass
             self._next_leader(err.trigger_id)
-            return True
+            return True, more
         finally:
             self.build_bag = None  # DAGs are shared within one build only
         self.creating_triggers.extend(workloads)
         not_started = new_ids - {w.id for w in workloads}
         for trigger_id in not_started:
             self._next_leader(trigger_id)
-        return bool(not_started)
+        return bool(not_started), more
 
     def _next_leader(self, trigger_id: int) -> None:
         """A group's leader row could not start (its task was cleared or timed out between load and start,

@@ -11,6 +11,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -155,3 +156,46 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
     print("\nstarted in order:", started, "| groups:", order)
     assert len(started) == 5
     assert all(runner in members for runner, members in zip(started, order, strict=True))
+
+
+def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """During an outage each start call marked a batch of groups started before its build failed; once
+    the database was back, every one of them was built in one call (one transaction, no lease renewal, no
+    runner served meanwhile: minutes at tens of thousands). Builds stay a batch each."""
+    import datetime as dt
+
+    from sqlalchemy.exc import OperationalError
+
+    from tests.helpers.airflow_orm import use_airflow_db
+    from tests.helpers.seeding import seed_deferred
+    from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    use_airflow_db(airflow_config.database_dsn)
+    base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=12, classpath=AT_TIME,
+                  kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()})
+    supervisor = make_supervisor(max_new_per_loop=3)
+    load(supervisor)
+    original = SmartTriggerRunnerSupervisor.build_trigger_workloads
+    builds: list[int] = []
+
+    def away(self: Any, ids: set[int]) -> Any:
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "build_trigger_workloads", away)
+    for _ in range(6):
+        supervisor._db_step("start", supervisor._start_groups)
+    assert not supervisor.groups.unstarted  # every group marked started, none built
+
+    def counted(self: Any, ids: set[int]) -> Any:
+        builds.append(len(ids))
+        return original(self, ids)
+
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "build_trigger_workloads", counted)
+    for _ in range(6):
+        supervisor._db_step("start", supervisor._start_groups)
+    print("\nbuild sizes after the outage:", builds)
+    assert builds and max(builds) <= 3
+    assert len({w.id for w in supervisor.creating_triggers}) == 12
