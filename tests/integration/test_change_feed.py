@@ -17,7 +17,6 @@ from typing import Any
 import psycopg2
 import pytest
 
-from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states
 from tests.integration.test_supervisor_faults import (
@@ -30,12 +29,6 @@ from tests.integration.test_supervisor_faults import (
 )
 from triggerer.devstack import AirflowConfig
 from triggerer.store import Store
-
-
-@pytest.fixture
-def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
-    use_airflow_db(airflow_config.database_dsn)
-    yield airflow_config
 
 
 def seed(config: AirflowConfig, count: int, **kw: Any) -> Seeded:

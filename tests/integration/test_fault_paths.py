@@ -18,7 +18,6 @@ from typing import Any
 import psycopg2
 import pytest
 
-from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.waiting import rows, ti_states, wait_for
 from tests.integration.test_supervisor_faults import (
     LATER,
@@ -31,12 +30,6 @@ from tests.integration.test_supervisor_faults import (
     watcher_group,
 )
 from triggerer.devstack import AirflowConfig
-
-
-@pytest.fixture
-def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
-    use_airflow_db(airflow_config.database_dsn)
-    yield airflow_config
 
 
 @pytest.fixture
@@ -65,6 +58,22 @@ def bounded(env: AirflowConfig) -> Iterator[Callable[[float], float]]:
 
 def other_time(hours: int) -> str:
     return (dt.datetime.now(dt.UTC) + dt.timedelta(hours=hours)).isoformat()
+
+
+def mixed_and_healthy(env: AirflowConfig, supervisor: Any, asset: str) -> tuple[Any, int, Any, int, str]:
+    """Two running groups: tasks and an asset watcher on one identity (the mixed group), and tasks alone
+    on another (the healthy group, due at the moment returned). Returns each group's seeded tasks and
+    runner id."""
+    mixed = seed(env, 2)
+    other = other_time(3)
+    healthy = seed(env, 2, moment=other)
+    watcher = add_watcher(asset)
+    load(supervisor)
+    supervisor._start_groups()
+    mixed_runner = watcher_group(supervisor, watcher).runner_id
+    healthy_runner = runner_of(supervisor, healthy)
+    supervisor.running_triggers.update({mixed_runner, healthy_runner})
+    return mixed, mixed_runner, healthy, healthy_runner, other
 
 
 # --- 1. a refusal while failing members blocks every failure / event behind it --------------------------
@@ -100,15 +109,7 @@ def test_a_poison_event_whose_cause_jsonb_refuses_never_blocks_other_events(
 
     dsn = env.database_dsn
     supervisor = make_supervisor()
-    mixed_tasks = seed(env, 2)
-    other = other_time(3)
-    healthy = seed(env, 2, moment=other)
-    watcher = add_watcher("mixed")
-    load(supervisor)
-    supervisor._start_groups()
-    mixed_runner = watcher_group(supervisor, watcher).runner_id
-    healthy_runner = runner_of(supervisor, healthy)
-    supervisor.running_triggers.update({mixed_runner, healthy_runner})
+    mixed_tasks, mixed_runner, healthy, healthy_runner, other = mixed_and_healthy(env, supervisor, "mixed")
 
     class Refusing:
         def register_asset_change(self, **kw: Any) -> None:
@@ -579,15 +580,8 @@ def test_an_event_whose_listener_outlasts_the_idle_limit_fails_alone_and_the_res
     dsn = env.database_dsn
     lease = bounded(3.0)
     supervisor = make_supervisor(lease_seconds=lease)
-    slow_tasks = seed(env, 2)
-    other = other_time(3)
-    healthy = seed(env, 2, moment=other)
-    watcher = add_watcher("slow-listener")
-    load(supervisor)
-    supervisor._start_groups()
-    slow_runner = watcher_group(supervisor, watcher).runner_id
-    healthy_runner = runner_of(supervisor, healthy)
-    supervisor.running_triggers.update({slow_runner, healthy_runner})
+    slow_tasks, slow_runner, healthy, healthy_runner, other = mixed_and_healthy(env, supervisor,
+                                                                                "slow-listener")
 
     class Slow:
         def register_asset_change(self, **kw: Any) -> None:

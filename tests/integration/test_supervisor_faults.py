@@ -11,14 +11,12 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg2
 import pytest
 import structlog
 
-from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states, wait_for
 from triggerer.config import Settings
@@ -98,12 +96,6 @@ def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None
 def next_kwargs(dsn: str, dag_id: str) -> dict[int, Any]:
     return {r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
             for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)}
-
-
-@pytest.fixture
-def env(airflow_config: AirflowConfig) -> Iterator[AirflowConfig]:
-    use_airflow_db(airflow_config.database_dsn)
-    yield airflow_config
 
 
 def seed(config: AirflowConfig, count: int, moment: str = LATER, **kw: Any) -> Seeded:
