@@ -20,8 +20,10 @@ import httpx
 import pytest
 
 from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.triggers import KillMarkerTrigger
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
 from triggerer.devstack import AirflowStack, Component
+from triggers.identity import IdentityPolicy, shard_of
 
 ROOT = Path(__file__).resolve().parents[2]
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
@@ -268,27 +270,44 @@ def test_unimportable_or_undecryptable_triggers_fail_alone(stack: AirflowStack) 
     assert component.running()
 
 
+def one_key_per_shard(marker_dir: str) -> list[str]:
+    """KillMarkerTrigger keys whose identities (as the triggerer computes them from the serialized kwargs)
+    fall one into each shard, found by trying k0, k1, ..."""
+    policy = IdentityPolicy.with_extra(())
+    found: dict[int, str] = {}
+    for n in range(10_000):
+        classpath, kwargs = KillMarkerTrigger(f"k{n}", marker_dir).serialize()
+        found.setdefault(shard_of(policy.identity(classpath, kwargs, 0).hash, SHARDS), f"k{n}")
+        if len(found) == SHARDS:
+            return [found[shard] for shard in range(SHARDS)]
+    raise AssertionError("no key found for some shard")
+
+
 def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, tmp_path: Path) -> None:
     dsn = stack.config.database_dsn
     markers = tmp_path / "markers"
     markers.mkdir()
-    shared = seed(stack, 24, "tests.helpers.triggers.KillMarkerTrigger",
-                  lambda i: {"key": f"k{i % 8}", "marker_dir": str(markers)})
+    # One group in every shard, so whichever shards the second instance takes, groups are handed over to it
+    keys = one_key_per_shard(str(markers))
+    shared = seed(stack, 2 * SHARDS, "tests.helpers.triggers.KillMarkerTrigger",
+                  lambda i: {"key": keys[i % SHARDS], "marker_dir": str(markers)})
     lone = seed(stack, 2, "tests.helpers.triggers.LoneKillMarkerTrigger",
                 lambda i: {"key": f"lone{i}", "marker_dir": str(markers)})
+    running = SHARDS + 2
     first = health_url(start(stack, "smart-a"))
-    wait_for(lambda: metrics(first), lambda m: m.get("smart_triggerer_coroutines") == 10, 30,
-             "8 groups + 2 lone triggers running")
+    wait_for(lambda: metrics(first), lambda m: m.get("smart_triggerer_coroutines") == running, 30,
+             f"{SHARDS} groups + 2 lone triggers running")
 
     second = health_url(start(stack, "smart-b"))
     both = wait_for(lambda: [metrics(first), metrics(second)],
                     lambda ms: all(m.get("smart_triggerer_shards_owned", 0) > 0 for m in ms)
-                    and sum(m["smart_triggerer_waiters"] for m in ms) == 26
-                    and sum(m["smart_triggerer_coroutines"] for m in ms) == 10, 40, "shards split over two")
+                    and sum(m["smart_triggerer_waiters"] for m in ms) == 2 * SHARDS + 2
+                    and sum(m["smart_triggerer_coroutines"] for m in ms) == running, 40,
+                    "shards split over two")
     assert both[0]["smart_triggerer_shards_owned"] + both[1]["smart_triggerer_shards_owned"] == SHARDS
-    # 10 coroutines over both: the first instance's handed-over ones have ended, and a cancel calls on_kill
-    # (if it does) before its coroutine ends; so no marker now means none was written
-    assert both[0]["smart_triggerer_coroutines"] < 10
+    # Every coroutine counted once over both: the first instance's handed-over ones have ended, and a cancel
+    # calls on_kill (if it does) before its coroutine ends; so no marker now means none was written
+    assert both[1]["smart_triggerer_coroutines"] > 0
     assert list(markers.iterdir()) == [], "a shard handover called on_kill"
     assert set(ti_states(dsn, shared.dag_id).values()) == {"deferred"}
 
