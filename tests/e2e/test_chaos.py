@@ -191,6 +191,23 @@ def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_as
     assert result.latencies == [2.0, 2.0, 2.0]
 
 
+def test_an_event_whose_holder_was_struck_before_storing_it_gets_one_more_takeover() -> None:
+    """Seed 2514: the watcher's owner was SIGKILLed before it polled; the next owner fired the event and
+    was partitioned from PostgreSQL before storing it; the third stored it 12.4 s after the row. Two
+    takeovers, each within the bound: allowed only with the logs' evidence of the second holder's firing."""
+    rows = [(1, "asset.a7", "SUCCESS", at(0)), (2, "asset.a7", "SUCCESS", at(0))]
+    events = [(10, "chaos://status/a7", {"payload": {"row_id": 1, "table_name": "asset.a7"}}, at(17)),
+              (11, "chaos://status/a7", {"payload": {"row_id": 2, "table_name": "asset.a7"}}, at(17))]
+    observed = Observed({}, {}, {}, {}, rows, events, T0, fired_by={1: {"smart-3.13", "smart-1.18"},
+                                                                    2: {"smart-1.18"}})
+    result = judge_assets(observed, BOUND, retake=7.0)
+    assert result.stalled == [f"row 2 (asset.a7): its event came 17.0s later (bound {BOUND:g}s)"]
+    assert len(result.refired) == 1 and result.refired[0].startswith("row 1 (asset.a7): 17.0s, fired by 2")
+    observed.asset_events[0] = (*events[0][:3], at(20))  # past the second takeover too
+    later = judge_assets(observed, BOUND, retake=7.0).stalled
+    assert later[0] == "row 1 (asset.a7): its event came 20.0s later (bound 17s)"
+
+
 def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
     plan = make_plan(Profile.quick(SEED))
     assert {f.kind for f in plan.faults} == set(FAULT_KINDS)
