@@ -27,6 +27,7 @@ from tests.helpers.chaos import (
     Profile,
     Waiter,
     downtime,
+    fired_by,
     judge,
     judge_assets,
     judge_bridge,
@@ -194,18 +195,42 @@ def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_as
 def test_an_event_whose_holder_was_struck_before_storing_it_gets_one_more_takeover() -> None:
     """Seed 2514: the watcher's owner was SIGKILLed before it polled; the next owner fired the event and
     was partitioned from PostgreSQL before storing it; the third stored it 12.4 s after the row. Two
-    takeovers, each within the bound: allowed only with the logs' evidence of the second holder's firing."""
-    rows = [(1, "asset.a7", "SUCCESS", at(0)), (2, "asset.a7", "SUCCESS", at(0))]
-    events = [(10, "chaos://status/a7", {"payload": {"row_id": 1, "table_name": "asset.a7"}}, at(17)),
-              (11, "chaos://status/a7", {"payload": {"row_id": 2, "table_name": "asset.a7"}}, at(17))]
-    observed = Observed({}, {}, {}, {}, rows, events, T0, fired_by={1: {"smart-3.13", "smart-1.18"},
-                                                                    2: {"smart-1.18"}})
+    takeovers, each within the bound: allowed only with the logs' evidence of a firing by another process
+    before the one that stored it (a firing after the store, as in ack mode, allows nothing)."""
+    def status_event(event_id: int, row_id: int, stored: float) -> tuple[int, str, dict[str, Any], Any]:
+        return (event_id, "chaos://status/a7", {"payload": {"row_id": row_id, "table_name": "asset.a7"}},
+                at(stored))
+
+    rows = [(row_id, "asset.a7", "SUCCESS", at(0)) for row_id in (1, 2, 3)]
+    events = [status_event(10, 1, 17), status_event(11, 2, 17), status_event(12, 3, 17)]
+    fired = {1: {"smart-3.13": at(6.6), "smart-1.18": at(16.8)}, 2: {"smart-1.18": at(16.8)},
+             3: {"smart-1.18": at(16.8), "smart-2.5": at(18)}}
+    stored = {10: "smart-1.18", 11: "smart-1.18", 12: "smart-1.18"}
+    observed = Observed({}, {}, {}, {}, rows, events, T0, fired_by=fired, stored_by=stored)
     result = judge_assets(observed, BOUND, retake=7.0)
-    assert result.stalled == [f"row 2 (asset.a7): its event came 17.0s later (bound {BOUND:g}s)"]
-    assert len(result.refired) == 1 and result.refired[0].startswith("row 1 (asset.a7): 17.0s, fired by 2")
-    observed.asset_events[0] = (*events[0][:3], at(20))  # past the second takeover too
+    assert result.stalled == [f"row {n} (asset.a7): its event came 17.0s later (bound {BOUND:g}s)"
+                              for n in (2, 3)]
+    assert result.refired == ["row 1 (asset.a7): 17.0s, fired before it was stored by 1 struck instance(s) "
+                              "(bound 17s)"]
+    observed.asset_events[0] = status_event(10, 1, 20)  # past the second takeover too
     later = judge_assets(observed, BOUND, retake=7.0).stalled
     assert later[0] == "row 1 (asset.a7): its event came 20.0s later (bound 17s)"
+    observed.stored_by.clear()  # who stored it unknown: no allowance
+    assert len(judge_assets(observed, BOUND, retake=7.0).stalled) == 3
+
+
+def test_firings_are_read_from_each_instance_process_log(tmp_path: Path) -> None:
+    line = ("2026-11-25T15:41:30.962263Z [info     ] Trigger fired event            "
+            "[airflow.jobs.triggerer_job_runner] dag_id=None loc=triggerer_job_runner.py:1046 map_index=None "
+            "name='ID 6' result=\"TriggerEvent<{'row_id': 1227, 'table_name': 'asset.a7', 'status': "
+            "'SUCCESS'}>\" run_id=None")
+    later = line.replace("15:41:30.962263", "15:41:33.000000")
+    (tmp_path / "smart-3.13.log").write_text(f"{line}\n{later}\n")
+    (tmp_path / "smart-1.log").write_text(line.replace("1227", "1228") + "\n")
+    (tmp_path / "relay.log").write_text(line + "\n")  # not an instance
+    assert fired_by(tmp_path) == {
+        1227: {"smart-3.13": dt.datetime(2026, 11, 25, 15, 41, 30, 962263, tzinfo=dt.UTC)},
+        1228: {"smart-1": dt.datetime(2026, 11, 25, 15, 41, 30, 962263, tzinfo=dt.UTC)}}
 
 
 def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:

@@ -405,11 +405,12 @@ BEGIN
 END $$;
 CREATE TRIGGER chaos_ti_audit AFTER UPDATE OR DELETE ON task_instance
     FOR EACH ROW EXECUTE FUNCTION chaos.audit_ti();
-CREATE TABLE chaos.asset_event_audit (event_id integer PRIMARY KEY, at timestamptz NOT NULL, txid bigint);
+CREATE TABLE chaos.asset_event_audit (event_id integer PRIMARY KEY, at timestamptz NOT NULL, txid bigint,
+                                      app text);
 CREATE FUNCTION chaos.audit_asset_event() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos.asset_event_audit (event_id, at, txid)
-    VALUES (NEW.id, clock_timestamp(), txid_current());
+    INSERT INTO chaos.asset_event_audit (event_id, at, txid, app)
+    VALUES (NEW.id, clock_timestamp(), txid_current(), current_setting('application_name'));
     RETURN NEW;
 END $$;
 CREATE TRIGGER chaos_asset_event_audit AFTER INSERT ON asset_event
@@ -898,9 +899,10 @@ class Observed:
     clock_steps: list[ClockStep] = field(default_factory=list)  # the database clock's forward steps
     outbox: dict[int, tuple[str, str | None]] = field(default_factory=dict)  # event id -> status, error
     delivered: Counter[int] = field(default_factory=Counter)  # event id -> deliveries to the inbox stub
-    # status row id -> the instance processes whose watcher fired its event (their logs' "Trigger fired
-    # event" lines): more than one means a holder fired it and was struck before storing it
-    fired_by: dict[int, set[str]] = field(default_factory=dict)
+    # status row id -> instance process (its log's name: smart-3.13 is slot smart-3's 13th start) -> when
+    # its watcher first fired the row's event (host clock, its log's "Trigger fired event" line)
+    fired_by: dict[int, dict[str, dt.datetime]] = field(default_factory=dict)
+    stored_by: dict[int, str] = field(default_factory=dict)  # asset event id -> the process that stored it
 
 
 class ChaosRun:
@@ -1225,29 +1227,21 @@ class ChaosRun:
             audit.setdefault(str(entry["ti_id"]), []).append(entry)
         final = {str(r[0]): (r[1], r[2]) for r in execute(
             dsn, "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%'", fetch=True)}
-        events = [(int(r[0]), r[1], _as_dict(r[2]), r[3]) for r in execute(
-            dsn, "SELECT e.id, a.uri, e.extra, au.at FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+        found = execute(
+            dsn, "SELECT e.id, a.uri, e.extra, au.at, au.app "
+                 "FROM asset_event e JOIN asset a ON a.id = e.asset_id "
                  "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
-                 "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)]
+                 "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)
+        events = [(int(r[0]), r[1], _as_dict(r[2]), r[3]) for r in found]
+        stored_by = {int(r[0]): r[4] for r in found if r[4]}
         outbox = {int(r[0]): (str(r[1]), r[2]) for r in execute(
             dsn, "SELECT asset_event_id, status, last_error FROM dataset_bridge.outbox WHERE target = %s",
             (SINK,), fetch=True)}
         return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
                         self.warehouse.asset_rows(), events, self.t0_db, diagnostics,
                         clock_steps=list(self.clock_steps), outbox=outbox,
-                        delivered=Counter(self.source.received), fired_by=self._fired_by())
-
-    def _fired_by(self) -> dict[int, set[str]]:
-        """Which instance processes (one log file each: smart-3.13 is slot smart-3's 13th start) fired each
-        status row's event."""
-        fired: dict[int, set[str]] = {}
-        row = re.compile(r"Trigger fired event.*'row_id': (\d+)")
-        for log_file in sorted(self.stack.log_dir.glob("smart-*.log")):
-            for line in log_file.read_text(errors="replace").splitlines():
-                found = row.search(line)
-                if found:
-                    fired.setdefault(int(found.group(1)), set()).add(log_file.stem)
-        return fired
+                        delivered=Counter(self.source.received), fired_by=fired_by(self.stack.log_dir),
+                        stored_by=stored_by)
 
     def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
@@ -1321,6 +1315,22 @@ class ChaosRun:
             for line in named[:per_component] + errors[-3:]:
                 lines.append(f"{log_file.stem}: {line[:400]}")
         return lines
+
+
+FIRED_LINE = re.compile(r"^(\S+Z) .*Trigger fired event.*'row_id': (\d+)")
+
+
+def fired_by(log_dir: Path) -> dict[int, dict[str, dt.datetime]]:
+    """Which instance processes fired each status row's event, and when first (their logs' lines)."""
+    fired: dict[int, dict[str, dt.datetime]] = {}
+    for log_file in sorted(log_dir.glob("smart-*.log")):
+        for line in log_file.read_text(errors="replace").splitlines():
+            found = FIRED_LINE.search(line)
+            if found:
+                at = dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00"))
+                by_process = fired.setdefault(int(found.group(2)), {})
+                by_process[log_file.stem] = min(at, by_process.get(log_file.stem, at))
+    return fired
 
 
 def _kwargs_of(members: Sequence[Waiter], url: str, index: int) -> dict[str, Any]:
@@ -1537,9 +1547,10 @@ class AssetOutcome:
 def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: float = 0.0) -> AssetOutcome:
     """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else.
 
-    An event fired by an instance that a fault struck before it stored it (its log says it fired, yet the
-    one event was stored by another instance) must wait for the next owner's takeover: ``retake``
-    seconds (a lease and a loop) are allowed for each such instance, beyond ``bound``."""
+    An event fired by an instance that a fault struck before it stored it (its log says it fired, before
+    the one event was stored by another instance) must wait for the next owner's takeover: ``retake``
+    seconds (a lease and a loop) are allowed for each such instance, beyond ``bound``. Who stored it is
+    the session's application name, which the harness sets to the instance process's name."""
     status_events = [e for e in observed.asset_events if e[1].startswith("chaos://status/")]
     result = AssetOutcome(events=len(status_events))
     by_row: dict[int, list[tuple[int, str, dict[str, Any], dt.datetime | None]]] = {}
@@ -1555,12 +1566,24 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
                 result.wrong.append(f"row {row_id} ({table} {status}) made events {[e[0] for e in events]}")
             continue
         result.success_rows += 1
-        struck = max(0, len(observed.fired_by.get(row_id, ())) - 1)
+        struck = _struck_holders(observed, row_id, events)
         _judge_row(result, (row_id, table, at), uri, events, bound, down=down, struck=struck, retake=retake)
     for row_id, events in by_row.items():
         if row_id not in rows:
             result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
     return result
+
+
+def _struck_holders(observed: Observed, row_id: int,
+                    events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]) -> int:
+    """Instance processes that fired the row's event before another one stored it (none known: 0)."""
+    if len(events) != 1 or events[0][3] is None:
+        return 0
+    stored_by, stored_at = observed.stored_by.get(events[0][0]), events[0][3]
+    firings = observed.fired_by.get(row_id, {})
+    if stored_by not in firings:
+        return 0
+    return sum(1 for process, at in firings.items() if process != stored_by and at < stored_at)
 
 
 def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str,
@@ -1587,8 +1610,8 @@ def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str
         result.latencies.append(latency)
         allowed = bound + struck * retake
         if struck and latency > bound:
-            result.refired.append(f"row {row_id} ({table}): {latency:.1f}s, fired by {struck + 1} instances "
-                                  f"({struck} struck before storing it; bound {allowed:g}s)")
+            result.refired.append(f"row {row_id} ({table}): {latency:.1f}s, fired before it was stored by "
+                                  f"{struck} struck instance(s) (bound {allowed:g}s)")
         if latency > allowed:
             result.stalled.append(f"row {row_id} ({table}): its event came {latency:.1f}s later "
                                   f"(bound {allowed:g}s)")

@@ -299,11 +299,13 @@ def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, 
              f"{SHARDS} groups + 2 lone triggers running")
 
     second = health_url(start(stack, "smart-b"))
+    # settled: each instance runs exactly its groups' coroutines (none still being started or cancelled)
     both = wait_for(lambda: [metrics(first), metrics(second)],
                     lambda ms: all(m.get("smart_triggerer_shards_owned", 0) > 0 for m in ms)
                     and sum(m["smart_triggerer_waiters"] for m in ms) == 2 * SHARDS + 2
-                    and sum(m["smart_triggerer_coroutines"] for m in ms) == running, 40,
-                    "shards split over two")
+                    and sum(m["smart_triggerer_coroutines"] for m in ms) == running
+                    and all(m["smart_triggerer_coroutines"] == m["smart_triggerer_groups"] for m in ms)
+                    and ms[1]["smart_triggerer_groups"] > 0, 40, "shards split over two")
     assert both[0]["smart_triggerer_shards_owned"] + both[1]["smart_triggerer_shards_owned"] == SHARDS
     # Every coroutine counted once over both: the first instance's handed-over ones have ended, and a cancel
     # calls on_kill (if it does) before its coroutine ends; so no marker now means none was written
