@@ -386,12 +386,17 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         counters = self._counters()
         with create_session() as session:
             store = Store(session)
-            was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
-                                               feed_xmin=self._feed_xmin(), **counters)
-            self.db_clock = (db_now, time.monotonic())
-            if not was_live:
-                self._lost_the_feed()
+            self._renew_membership(store, counters)
         self.published_counters = counters
+
+    def _renew_membership(self, store: Store, counters: dict[str, Any]) -> None:
+        """Heartbeat our instance row; note the database clock it read, and re-read the feed if our
+        membership had lapsed before this renewal."""
+        was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
+                                           feed_xmin=self._feed_xmin(), **counters)
+        self.db_clock = (db_now, time.monotonic())
+        if not was_live:
+            self._lost_the_feed()
 
     def _feed_xmin(self) -> str | None:
         """How far this instance has read the change feed (rows before it may be pruned)."""
@@ -464,11 +469,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         with create_session() as session:
             store = Store(session)
             counters = self._counters()
-            was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
-                                               feed_xmin=self._feed_xmin(), **counters)
-            self.db_clock = (db_now, time.monotonic())
-            if not was_live:
-                self._lost_the_feed()
+            self._renew_membership(store, counters)
             self.published_counters = counters
             lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
             members = [member for member, _ in lapsing]
