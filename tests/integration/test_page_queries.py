@@ -16,7 +16,7 @@ from airflow.utils.net import get_hostname
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
-from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
+from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor, unhashed
 from triggerer import page
 from triggerer.devstack import AirflowConfig
 
@@ -382,3 +382,71 @@ def test_a_failing_asset_watcher_is_shown_with_its_instance(env: AirflowConfig) 
     assert found["totals"]["watchers_failing"] == 1
     html = resources.files("triggerer").joinpath("static/page.html").read_text()
     assert "<th>Failing watchers</th>" in html and "i.watchers_failing" in html
+
+
+def _plan_rows(node: dict[str, Any], relation: str) -> int:
+    """Rows a plan read from ``relation``: each scan's rows (and those its filter removed) times its loops."""
+    own = 0
+    if node.get("Relation Name") == relation:
+        own = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+               + node.get("Rows Removed by Index Recheck", 0)) * node["Actual Loops"]
+    return own + sum(_plan_rows(child, relation) for child in node.get("Plans", []))
+
+
+def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: AirflowConfig) -> None:
+    """Fresh rows have no statistics until autovacuum analyses them (minutes, at scale): the plan must not
+    depend on them. 10,000 waiters in 400 groups of 25; one page of 50 groups reads its own groups' identities
+    and, of the triggers and tasks, only the members it shows: on unanalysed tables, then analysed."""
+    from airflow.utils.session import create_session
+
+    from triggerer.store import Store
+
+    load(make_supervisor())
+    dsn = env.database_dsn
+    tables = ["public.trigger", "public.task_instance", "smart_triggerer.trigger_identity"]
+    for table in tables:  # autovacuum must not analyse them while the test runs
+        rows(dsn, f"ALTER TABLE {table} SET (autovacuum_enabled = false); SELECT 1")
+    moments = [f"2099-01-01T00:{g // 60:02d}:{g % 60:02d}+00:00" for g in range(400)]
+    seed_deferred(dsn, env.dags_folder, count=10_000, classpath=AT_TIME, dag_id="dag_big",
+                  kwargs_for=lambda i: {"moment": moments[i % 400]})
+    supervisor = make_supervisor()
+    while unhashed(supervisor):  # a step hashes a few thousand
+        load(supervisor)
+    known = rows(dsn, "SELECT relname, reltuples FROM pg_class "  # what the planner believes they hold
+                      "WHERE relname IN ('trigger', 'task_instance', 'trigger_identity')")
+    assert len(known) == 3 and all(tuples < 10_000 for _, tuples in known), known
+
+    with create_session() as session:
+        order = Store(session).page_group_order(["dag_big"])
+        assert len(order) == 400
+        groups = [(o[0], o[1], o[2]) for o in order[:50]]
+        shown = Store(session).page_groups(groups, ["dag_big"], page.MEMBERS_SHOWN)
+    # each group's first 20 members (of 25), in the order they deferred: map indexes g, g + 400, ...
+    assert all(len(g["first_members"]) == page.MEMBERS_SHOWN for g in shown)
+    for group in shown:
+        indexes = [m["map_index"] for m in group["first_members"]]
+        assert indexes == [indexes[0] + 400 * k for k in range(page.MEMBERS_SHOWN)], indexes
+    # of the triggers and tasks, the members shown and the first again for its class; of the identities,
+    # the page's groups' own rows (25 each), once for the class, once for the members
+    bound = {"task_instance": 50 * page.MEMBERS_SHOWN, "trigger": 50 * (page.MEMBERS_SHOWN + 1),
+             "trigger_identity": 50 * 25 * 2}
+    for moment in ("unanalysed", "analysed"):
+        if moment == "analysed":
+            rows(dsn, f"ANALYZE {', '.join(tables)}; SELECT 1")
+        plan = _explain_page(groups)
+        read = {table: _plan_rows(plan, table) for table in bound}
+        assert all(read[t] <= bound[t] for t in bound), f"{moment}: read {read}: {json.dumps(plan)[:3000]}"
+
+
+def _explain_page(groups: list[tuple[Any, ...]]) -> dict[str, Any]:
+    from airflow.utils.session import create_session
+    from sqlalchemy import text
+
+    from triggerer.store import queries
+
+    params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
+              "queues": [g[2] for g in groups], "dag_ids": ["dag_big"], "members": page.MEMBERS_SHOWN}
+    with create_session() as session:
+        result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)
+        plan: dict[str, Any] = result.scalar_one()[0]["Plan"]
+    return plan

@@ -423,33 +423,41 @@ ORDER BY members DESC, waiting_since, identity_hash, alone, queue;
 -- name: page_groups
 -- One page of the groups page_group_order found (as arrays, in page order): each one's trigger class,
 -- description and shard from its first member, the instance serving it, and its first :members deferred
--- tasks in the DAGs :dag_ids, in the order they deferred. Reads the page's groups only, each through
--- trigger_identity_hash_member from its first member on: nothing of any other group.
+-- tasks in the DAGs :dag_ids, in the order they deferred. Reads the page's groups only, and of their
+-- triggers and tasks only as many as it shows: each group's member ids are listed in order (from
+-- trigger_identity_hash_member), and each member's trigger and task are then looked up by key alone, one
+-- member after the other until enough are found. Every step is a subquery with OFFSET 0, a fence the
+-- planner cannot flatten or push other conditions into: on rows autovacuum has not analysed yet (minutes
+-- after 50,000 waiters arrive) it guessed `state = 'deferred' AND dag_id = ANY(...)` matched one row and
+-- read every waiter through ti_dag_state once per group, or once per member: seconds per page.
 SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.hostname,
        (SELECT json_agg(json_build_object('dag_id', m.dag_id, 'run_id', m.run_id, 'task_id', m.task_id,
                                           'map_index', m.map_index, 'since', m.created_date)
                         ORDER BY m.trigger_id)
         FROM (SELECT i.trigger_id, ti.dag_id, ti.run_id, ti.task_id, ti.map_index, t.created_date
-              FROM smart_triggerer.trigger_identity i
-              JOIN trigger t ON t.id = i.trigger_id
-              JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'
-              WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
-                AND coalesce(t.queue, '') = g.queue AND ti.dag_id = ANY(:dag_ids)
-              ORDER BY i.identity_hash, i.trigger_id
+              FROM (SELECT i.trigger_id FROM smart_triggerer.trigger_identity i
+                    WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
+                    ORDER BY i.identity_hash, i.trigger_id OFFSET 0) i
+              CROSS JOIN LATERAL (
+                  SELECT t.created_date, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
+              CROSS JOIN LATERAL (
+                  SELECT ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.state FROM task_instance ti
+                  WHERE ti.trigger_id = i.trigger_id OFFSET 0) ti
+              WHERE coalesce(t.queue, '') = g.queue AND ti.state = 'deferred' AND ti.dag_id = ANY(:dag_ids)
+              ORDER BY i.trigger_id
               LIMIT :members) m) AS first_members
 FROM unnest(CAST(:hashes AS bigint[]), CAST(:alone AS integer[]), CAST(:queues AS text[]))
      WITH ORDINALITY AS g(identity_hash, alone, queue, n)
-LEFT JOIN LATERAL (
+LEFT JOIN LATERAL (  -- the first member (a big group's triggers are not read whole)
     SELECT t.classpath, i.description, i.shard
-    FROM smart_triggerer.trigger_identity i
-    JOIN trigger t ON t.id = i.trigger_id
-    WHERE i.trigger_id = (  -- the first member, found in index order (a big group is never read whole)
-        SELECT f.trigger_id FROM smart_triggerer.trigger_identity f
-        JOIN trigger ft ON ft.id = f.trigger_id
-        WHERE f.identity_hash = g.identity_hash AND f.trigger_id = coalesce(g.alone, f.trigger_id)
-          AND coalesce(ft.queue, '') = g.queue
-        ORDER BY f.identity_hash, f.trigger_id
-        LIMIT 1)
+    FROM (SELECT i.trigger_id, i.description, i.shard FROM smart_triggerer.trigger_identity i
+          WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
+          ORDER BY i.identity_hash, i.trigger_id OFFSET 0) i
+    CROSS JOIN LATERAL (
+        SELECT t.classpath, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
+    WHERE coalesce(t.queue, '') = g.queue
+    ORDER BY i.trigger_id
+    LIMIT 1
 ) first ON true
 LEFT JOIN LATERAL (
     SELECT l.owner_job_id, inst.hostname FROM smart_triggerer.shard_lease l
