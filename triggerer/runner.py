@@ -39,6 +39,7 @@ from airflow.jobs.triggerer_job_runner import _USER_ACTION_CANCEL_MSG, TriggerRu
 from airflow.triggers.base import TriggerEvent
 
 from triggerer.config import Settings
+from triggerer.heap import tune_collector
 
 HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
@@ -156,6 +157,7 @@ class SmartTriggerRunner(TriggerRunner):
 
     def run(self) -> None:
         """Airflow's entry point, on the ``[smart_triggerer] event_loop`` (validated by the supervisor)."""
+        tune_collector()  # what the fork brought is not garbage; thousands of coroutines need no scans
         if Settings.from_airflow().event_loop == "uvloop":
             import uvloop
 

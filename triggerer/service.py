@@ -13,6 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from triggerer.bounded import bound_waits
 from triggerer.config import Settings
 from triggerer.health import HealthServer
+from triggerer.heap import tune_collector
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
 
 log = structlog.get_logger(logger_name=__name__)
@@ -37,6 +38,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
                                   self.settings.health_host, self.settings.health_token)
             health.start()
         supervisor: SmartTriggerRunnerSupervisor | None = None
+        tune_collector()  # before the runner is forked: it inherits the settings and the frozen heap
         try:
             supervisor = SmartTriggerRunnerSupervisor.start(
                 job=self.job, capacity=self.capacity, logger=log, queues=self.queues,
