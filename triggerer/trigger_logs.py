@@ -15,11 +15,12 @@ trigger that logs every poll, with more of them than the pool holds, pays an ope
 
 from __future__ import annotations
 
+import os
 import resource
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
 
 import attrs
 import structlog
@@ -46,6 +47,16 @@ class LogFilePool:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: OrderedDict[PooledLogFile, BinaryIO] = OrderedDict()
+        self._settings: tuple[str, int] | None = None
+
+    def file_settings(self) -> tuple[str, int]:
+        """Airflow's base log folder and new log files' permissions, read from its config once."""
+        if self._settings is None:
+            from airflow.sdk.configuration import conf
+
+            permissions = conf.get("logging", "file_task_handler_new_file_permissions", fallback="0o664")
+            self._settings = (conf.get("logging", "base_log_folder"), int(permissions, 8))
+        return self._settings
 
     def __len__(self) -> int:
         return len(self._open)
@@ -77,7 +88,11 @@ class LogFilePool:
 class PooledLogFile:
     """A binary file for structlog's ``BytesLogger`` whose descriptor lives in a ``LogFilePool``.
 
-    The first open truncates, as Airflow's own trigger log file does; reopening appends.
+    The first open creates or truncates it, with Airflow's permissions for new log files, as Airflow's own
+    trigger log file is; reopening appends. Its folder is made (as Airflow makes it) only when missing: a
+    task's folder usually exists (its worker logged there before it deferred), and Airflow's way, a folder
+    check and a ``touch`` before every first open, was most of a takeover's supervisor CPU at thousands of
+    coroutines (bench/RESULTS.md).
     """
 
     def __init__(self, path: Path, pool: LogFilePool) -> None:
@@ -90,17 +105,22 @@ class PooledLogFile:
     def open_handle(self) -> BinaryIO:
         if self.closed:
             raise ValueError(f"I/O operation on closed log file {self.name}")
-        mode: Literal["ab", "wb"] = "ab" if self._opened else "wb"
         try:
-            handle = open(self.name, mode)  # noqa: SIM115 (the pool closes it)
+            handle = self._open()
         except FileNotFoundError:
-            # its folder was removed while the trigger waited (log retention): made again as Airflow makes
-            # it, with the configured permissions
+            # its folder is missing (never made, or removed by log retention while the trigger waited): made
+            # as Airflow makes it, with the configured permissions
             from airflow.sdk.log import init_log_file
 
-            handle = open(init_log_file(self.name), mode)  # noqa: SIM115
+            init_log_file(self.name)
+            handle = self._open()
         self._opened = True
         return handle
+
+    def _open(self) -> BinaryIO:
+        how = os.O_APPEND if self._opened else os.O_TRUNC
+        descriptor = os.open(self.name, os.O_WRONLY | os.O_CREAT | how, self._pool.file_settings()[1])
+        return os.fdopen(descriptor, "ab" if self._opened else "wb")
 
     def write(self, data: bytes) -> int:
         """Write a line; one that cannot be written is dropped with a warning (the stock triggerer, whose
@@ -135,9 +155,9 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     def __call__(self, processors: Iterable[Any]) -> Any:
         if hasattr(self, "bound_logger"):
             return self.bound_logger
-        from airflow.sdk.log import init_log_file
-
-        self._filehandle = PooledLogFile(init_log_file(self.log_path), self.pool)  # type: ignore[assignment]
+        base_folder, _ = self.pool.file_settings()
+        path = Path(os.path.join(base_folder, self.log_path))  # as Airflow's init_log_file places it
+        self._filehandle = PooledLogFile(path, self.pool)  # type: ignore[assignment]
         logger = structlog.wrap_logger(structlog.BytesLogger(self._filehandle),  # type: ignore[arg-type]
                                        processors=processors).bind()
         self.bound_logger = logger

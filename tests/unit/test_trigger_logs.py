@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,26 @@ def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: py
     other = PooledLogFile(tmp_path / "other.log", pool)
     other.write(b"evicts the trigger's file\n")
     assert relative_path_from_logger(factory.bound_logger._logger) == Path("dag_id=d/t.log.trigger.7.log")
+
+
+def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_permissions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is created by its first open (no separate touch), where Airflow's init_log_file would put
+    it, with ``file_task_handler_new_file_permissions``; a missing folder is made with the folder's."""
+    monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
+    monkeypatch.setenv("AIRFLOW__LOGGING__FILE_TASK_HANDLER_NEW_FILE_PERMISSIONS", "0o640")
+    monkeypatch.setenv("AIRFLOW__LOGGING__FILE_TASK_HANDLER_NEW_FOLDER_PERMISSIONS", "0o750")
+    previous_umask = os.umask(0o022)
+    try:
+        pool = LogFilePool(limit=4)
+        relative = "dag_id=d/run_id=r/task_id=t/attempt=1.log.trigger.7.log"
+        factory = PooledTriggerLoggingFactory(log_path=relative, ti=None, pool=pool)
+        logger = factory([lambda _l, _m, event: json.dumps(event).encode()])
+        assert not (tmp_path / relative).exists()  # nothing made before a line comes
+        logger.info("trigger starting")
+        made = tmp_path / relative
+        assert json.loads(made.read_text())["event"] == "trigger starting"
+        assert stat.S_IMODE(made.stat().st_mode) == 0o640
+        assert stat.S_IMODE(made.parent.stat().st_mode) == 0o750
+    finally:
+        os.umask(previous_umask)
