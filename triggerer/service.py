@@ -67,6 +67,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             # The leases are gone: whatever the runner still does is redone by the next owner, so it gets a
             # short grace (SIGINT, then SIGTERM, then SIGKILL) instead of Airflow's 10 s per step.
             supervisor.kill(escalation_delay=STOP_GRACE_SECONDS, force=True)
+            supervisor.write_held_log_lines()
         if health is not None:
             health.stop()
         log.info("smart triggerer stopped")

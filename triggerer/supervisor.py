@@ -77,6 +77,10 @@ WATCHER_BACKOFF_MAX_SECONDS = 60.0
 OUTAGE_STRIKES = 3
 # a group whose poll interval no kwarg names is started after those due within this many seconds
 UNKNOWN_INTERVAL_SECONDS = 60.0
+# a takeover or start of at least this many coroutines holds their first log lines until they all poll,
+# and their log files are made this long after the last was handed out (trigger_logs.py)
+HOLD_LOG_LINES_FROM = 100
+HELD_LOG_LINES_SECONDS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
+    handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
 
     @classmethod
     def run_in_process(cls) -> None:
@@ -245,6 +250,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         elif self._start_backlog():
             # a takeover or a start: keep starting coroutines between loads, a time budget at a time
             self._db_step("start", self._start_groups)
+        self._pace_log_files()
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
@@ -715,6 +721,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         and renews its leases in time, and a takeover of thousands starts in seconds. A build is a batch at
         most, also for groups started while the database was away (``build_backlog``)."""
         self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
+        self._pace_log_files()  # before the first batch goes out: its lines come back between batches
         deadline = time.monotonic() + self._busy_budget()
         order: list[Group] = []
         while not self.stop:
@@ -730,6 +737,25 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
             # hand this batch to the runner (it asks, we answer) and read its log lines while building
             # the next: a runner left unanswered stalls on its full log socket
             self._service_subprocess(0.0)
+
+    def _pace_log_files(self) -> None:
+        """While a takeover or a start hands out coroutines (and for a moment after), their first log lines
+        are held in memory; then their files are made, a time budget per loop (trigger_logs.py): making
+        tens of thousands of files would otherwise be most of the supervisor's work while waits wait."""
+        now = time.monotonic()
+        if len(self.groups.unstarted) + len(self.creating_triggers) >= HOLD_LOG_LINES_FROM or (
+                self.log_pool.holding and self._start_backlog()):
+            self.handing_out_until = now + HELD_LOG_LINES_SECONDS
+        self.log_pool.holding = now < self.handing_out_until
+        if not self.log_pool.holding and self.log_pool.held:
+            self.log_pool.write_held(self._busy_budget())
+
+    def write_held_log_lines(self) -> None:
+        """On the way out: the held first lines of coroutines started in the last seconds, for at most a
+        second (an exit must stay prompt); what is left is said, not silently lost."""
+        self.log_pool.holding = False
+        if self.log_pool.write_held(HELD_LOG_LINES_SECONDS / 2):
+            log.warning("trigger log lines not written at exit", files=len(self.log_pool.held))
 
     def _start_backlog(self) -> bool:
         """Groups wait for a coroutine, or started groups for their workload to be built."""

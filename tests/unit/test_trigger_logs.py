@@ -137,3 +137,53 @@ def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_pe
         assert stat.S_IMODE(made.parent.stat().st_mode) == 0o750
     finally:
         os.umask(previous_umask)
+
+
+def test_held_lines_are_written_first_in_order_when_their_files_are_made(tmp_path: Path) -> None:
+    """While a takeover hands out coroutines the pool holds the lines of files not made yet; each file is
+    then made with its lines in order, by ``write_held``, by its next line or by its close."""
+    pool = LogFilePool(limit=2)
+    files = [PooledLogFile(tmp_path / f"t{n}.log", pool) for n in range(4)]
+    pool.holding = True
+    for n, log_file in enumerate(files):
+        log_file.write(f"t{n} starting\n".encode())
+        log_file.flush()
+    files[0].write(b"t0 second line\n")
+    assert not any(Path(f.name).exists() for f in files) and len(pool.held) == 4
+    pool.holding = False
+    files[1].write(b"t1 fired\n")  # a line after the hold: the held one goes first
+    files[2].close()  # ended before its file was made
+    assert list(pool.held) == [files[0], files[3]]
+    assert pool.write_held(budget_seconds=60) is False and not pool.held
+    files[3].write(b"t3 fired\n")
+    for log_file in files:
+        log_file.flush()
+    assert [Path(f.name).read_text().splitlines() for f in files] == [
+        ["t0 starting", "t0 second line"], ["t1 starting", "t1 fired"], ["t2 starting"],
+        ["t3 starting", "t3 fired"]]
+
+
+def test_write_held_stops_at_its_budget_and_keeps_the_rest_in_order(tmp_path: Path) -> None:
+    pool = LogFilePool(limit=8)
+    pool.holding = True
+    files = [PooledLogFile(tmp_path / f"t{n}.log", pool) for n in range(5)]
+    for log_file in files:
+        log_file.write(b"starting\n")
+    assert pool.write_held(budget_seconds=0) is True and list(pool.held) == files  # nothing in no time
+    pool.holding = False
+    assert pool.write_held(budget_seconds=60) is False
+    assert all(Path(f.name).read_text() == "starting\n" for f in files)
+
+
+def test_held_lines_of_a_file_that_cannot_be_made_are_dropped_without_stopping_the_rest(
+        tmp_path: Path) -> None:
+    pool = LogFilePool(limit=4)
+    pool.holding = True
+    (tmp_path / "not-a-folder").write_text("a file where the folder should be")
+    blocked = PooledLogFile(tmp_path / "not-a-folder" / "t.log", pool)
+    fine = PooledLogFile(tmp_path / "t.log", pool)
+    blocked.write(b"lost\n")
+    fine.write(b"kept\n")
+    pool.holding = False
+    assert pool.write_held(budget_seconds=60) is False and not pool.held
+    assert (tmp_path / "t.log").read_text() == "kept\n"
