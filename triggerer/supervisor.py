@@ -77,10 +77,11 @@ WATCHER_BACKOFF_MAX_SECONDS = 60.0
 OUTAGE_STRIKES = 3
 # a group whose poll interval no kwarg names is started after those due within this many seconds
 UNKNOWN_INTERVAL_SECONDS = 60.0
-# a takeover or start of at least this many coroutines holds their first log lines until they all poll,
-# and their log files are made this long after the last was handed out (trigger_logs.py)
+# a takeover or start of at least this many coroutines holds their first log lines until they all run,
+# and their log files are made this long after the runner reported the last one running (trigger_logs.py)
 HOLD_LOG_LINES_FROM = 100
 HELD_LOG_LINES_SECONDS = 2.0
+HOLD_LOG_LINES_MAX_SECONDS = 60.0  # a group that never reports running must not hold lines for ever
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +181,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
     handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
+    holding_since: float = attrs.field(default=-math.inf, init=False)
 
     @classmethod
     def run_in_process(cls) -> None:
@@ -743,8 +745,13 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         are held in memory; then their files are made, a time budget per loop (trigger_logs.py): making
         tens of thousands of files would otherwise be most of the supervisor's work while waits wait."""
         now = time.monotonic()
-        if len(self.groups.unstarted) + len(self.creating_triggers) >= HOLD_LOG_LINES_FROM or (
-                self.log_pool.holding and self._start_backlog()):
+        # groups without a coroutine yet: not started, started but not built, or handed to the runner and
+        # not yet reported running (the runner may take a whole pile in one sync and create it for seconds)
+        to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
+        if not self.log_pool.holding:
+            self.holding_since = now
+        if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS and (
+                to_run >= HOLD_LOG_LINES_FROM or (self.log_pool.holding and to_run > 0)):
             self.handing_out_until = now + HELD_LOG_LINES_SECONDS
         self.log_pool.holding = now < self.handing_out_until
         if not self.log_pool.holding and self.log_pool.held:
