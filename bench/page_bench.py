@@ -10,7 +10,8 @@ waiters in few big groups and in many small ones (the identities are rewritten b
 the page reads identities, never kwargs); each as the page's refresh finds it (the groups' order kept,
 ``page.GroupOrders``) and as the first request for a set of DAGs (the order read first). Each shape is
 timed twice: first as the page finds fresh rows before autovacuum has analysed them (autovacuum held off
-on the tables the page reads; the planner then has no or stale statistics), then after VACUUM ANALYZE.
+on the tables the page reads: no statistics at all for the first shape, the previous shape's for the
+identities of the next), then after VACUUM ANALYZE.
 Prints the medians; ``--write`` appends them to RESULTS.md.
 """
 
@@ -113,8 +114,8 @@ def hold_autovacuum(dsn: str, *, held: bool) -> None:
     within a minute or so of the seeding, whenever its naptime falls). Our schema's table exists only once
     the first shape is stored: it is held from the second shape on, and ``analysed_meanwhile`` tells if
     autovacuum came first."""
-    _execute(dsn, *(f"ALTER TABLE IF EXISTS {table} SET (autovacuum_enabled = {'off' if held else 'on'})"
-                    for table in PAGE_TABLES.split(", ")))
+    setting = "SET (autovacuum_enabled = off)" if held else "RESET (autovacuum_enabled)"
+    _execute(dsn, *(f"ALTER TABLE IF EXISTS {table} {setting}" for table in PAGE_TABLES.split(", ")))
 
 
 def analysed_meanwhile(dsn: str) -> list[str]:
@@ -214,28 +215,36 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()
     shapes = [Shape("few big groups", 50), Shape("many small groups", max(1, args.waiters * 3 // 5))]
-    columns = [f"{shape.name}, {when}" for shape in shapes for when in ("unanalysed", "analysed")]
+    columns = [f"{shape.name}, {when}" for shape in shapes for when in ("before ANALYZE", "after")]
     lines = ["| groups API body (median ms) | " + " | ".join(columns) + " |",
              "|---|" + "---|" * len(columns)]
+    notes = []
     with seeded_database(args) as (dsn, dag_ids):
         waiters = rows(dsn, "SELECT count(*) FROM task_instance WHERE state = 'deferred'")[0][0]
         results = []
-        for shape in shapes:
-            hold_autovacuum(dsn, held=True)
-            store_identities(dsn, shape)
-            for when in ("unanalysed", "analysed"):
-                if when == "analysed":
-                    if analysed := analysed_meanwhile(dsn):
-                        console.print(f"  [yellow]autovacuum analysed {', '.join(analysed)} before the "
-                                      "unanalysed case ended[/yellow]")
-                    vacuum(dsn)
-                results.append(time_shape(dag_ids, args.repeat))
-                for name, took in results[-1]:
-                    console.print(f"  {shape.name}, {when}: {name}: {took:.1f} ms")
+        try:
+            for shape in shapes:
+                hold_autovacuum(dsn, held=True)
+                store_identities(dsn, shape)
+                for when in ("before ANALYZE", "after"):
+                    if when == "after":
+                        if analysed := analysed_meanwhile(dsn):
+                            notes.append(f"autovacuum had analysed {', '.join(analysed)} before the "
+                                         f"{shape.name} case before ANALYZE ended")
+                        vacuum(dsn)
+                    results.append(time_shape(dag_ids, args.repeat))
+                    for name, took in results[-1]:
+                        console.print(f"  {shape.name}, {when}: {name}: {took:.1f} ms")
+        finally:
             hold_autovacuum(dsn, held=False)
     for index, (name, _took) in enumerate(results[0]):
         lines.append(f"| {name} | " + " | ".join(f"{r[index][1]:.1f}" for r in results) + " |")
-    markdown = f"{waiters} deferred waiters over {len(dag_ids)} DAGs, {SHARDS} shards.\n\n" + "\n".join(lines)
+    notes.append(f"Before ANALYZE: {shapes[0].name} with no statistics on any table (seeded with autovacuum "
+                 f"held off{'' if not args.dsn else '; --dsn: as the earlier run left them'}); the later "
+                 "shapes with statistics of the previous shape's identities (the tasks and triggers are the "
+                 "same rows).")
+    head = f"{waiters} deferred waiters over {len(dag_ids)} DAGs, {SHARDS} shards."
+    markdown = "\n\n".join([head, "\n".join(lines), "\n".join(f"- {note}" for note in notes)])
     console.print(markdown)
     if args.write:
         append_result("Page groups API", "bench.page_bench", markdown)

@@ -44,6 +44,9 @@ log = structlog.get_logger(logger_name=__name__)
 # stopped instances stay on the page this long (a crash or a scale-down is worth seeing for a while)
 KEEP_STOPPED_SECONDS = 3600.0
 MEMBERS_SHOWN = 20
+# a group's tasks shown are found among its first this many members (the order they deferred): a big group
+# whose first members are in DAGs the user may not read is not read whole to find readable ones
+MEMBERS_SCANNED = 200
 DEFAULT_PAGE = 50
 MAX_PAGE = 200
 MAX_OFFSET = 1_000_000
@@ -388,7 +391,7 @@ def _details(shown: list[GroupCount], viewer: Viewer) -> list[dict[str, Any]]:
 
     with _session() as session:
         return Store(session).page_groups([c.key for c in shown], sorted(viewer.listed_dag_ids()),
-                                          MEMBERS_SHOWN)
+                                          MEMBERS_SHOWN, MEMBERS_SCANNED)
 
 
 def _group(count: GroupCount, row: dict[str, Any], viewer: Viewer) -> dict[str, Any]:

@@ -241,11 +241,15 @@ class Store:
         return [tuple(r) for r in self._run("page_group_order", dag_ids=list(dag_ids))]
 
     def page_groups(self, groups: Sequence[tuple[int, int | None, str]], dag_ids: Sequence[str],
-                    members: int) -> list[dict[str, Any]]:
+                    members: int, scanned: int) -> list[dict[str, Any]]:
         """Details of these groups ((identity_hash, alone, queue), in page order), with their first
-        ``members`` deferred tasks in ``dag_ids``."""
+        ``members`` deferred tasks in ``dag_ids`` among their first ``scanned`` members."""
+        # a group's members are listed from trigger_identity_hash_member in order and pulled only as far as
+        # needed; estimating a group small, the planner would rather read it whole (bitmap scan) and sort it
+        self.session.execute(text("SET LOCAL enable_bitmapscan = off"))
         rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
-                         queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members)
+                         queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members,
+                         scanned=scanned)
         return [dict(r._mapping) for r in rows]
 
     def page_chart(self) -> list[dict[str, Any]]:

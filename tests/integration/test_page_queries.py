@@ -395,8 +395,10 @@ def _plan_rows(node: dict[str, Any], relation: str) -> int:
 
 def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: AirflowConfig) -> None:
     """Fresh rows have no statistics until autovacuum analyses them (minutes, at scale): the plan must not
-    depend on them. 10,000 waiters in 400 groups of 25; one page of 50 groups reads its own groups' identities
-    and, of the triggers and tasks, only the members it shows: on unanalysed tables, then analysed."""
+    depend on them. 10,000 waiters in 400 groups of 25; one page of 50 groups reads, of its own groups'
+    identities, triggers and tasks, only the members it shows; none of the tasks for a user who may list
+    none; at most the first `scanned` members of a group whose members are in no DAG the user may list:
+    on unanalysed tables, then analysed."""
     from airflow.utils.session import create_session
 
     from triggerer.store import Store
@@ -420,33 +422,45 @@ def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: Air
         order = Store(session).page_group_order(["dag_big"])
         assert len(order) == 400
         groups = [(o[0], o[1], o[2]) for o in order[:50]]
-        shown = Store(session).page_groups(groups, ["dag_big"], page.MEMBERS_SHOWN)
+        shown = Store(session).page_groups(groups, ["dag_big"], page.MEMBERS_SHOWN, page.MEMBERS_SCANNED)
     # each group's first 20 members (of 25), in the order they deferred: map indexes g, g + 400, ...
     assert all(len(g["first_members"]) == page.MEMBERS_SHOWN for g in shown)
     for group in shown:
         indexes = [m["map_index"] for m in group["first_members"]]
         assert indexes == [indexes[0] + 400 * k for k in range(page.MEMBERS_SHOWN)], indexes
     # of the triggers and tasks, the members shown and the first again for its class; of the identities,
-    # the page's groups' own rows (25 each), once for the class, once for the members
-    bound = {"task_instance": 50 * page.MEMBERS_SHOWN, "trigger": 50 * (page.MEMBERS_SHOWN + 1),
-             "trigger_identity": 50 * 25 * 2}
+    # the same rows (not the page's groups whole: 25 each)
+    shown_rows = {"task_instance": 50 * page.MEMBERS_SHOWN, "trigger": 50 * (page.MEMBERS_SHOWN + 1),
+                  "trigger_identity": 50 * (page.MEMBERS_SHOWN + 1)}
+    # a user who may list no DAG's tasks: the first member for the class only, no task read
+    none_listed = {"task_instance": 0, "trigger": 50, "trigger_identity": 50}
+    # members in no DAG the user may list: a group is read up to its first `scanned` members, not whole
+    scanned = 7
+    unlisted = {"task_instance": 50 * scanned, "trigger": 50 * (scanned + 1),
+                "trigger_identity": 50 * (scanned + 1)}
     for moment in ("unanalysed", "analysed"):
         if moment == "analysed":
             rows(dsn, f"ANALYZE {', '.join(tables)}; SELECT 1")
-        plan = _explain_page(groups)
-        read = {table: _plan_rows(plan, table) for table in bound}
-        assert all(read[t] <= bound[t] for t in bound), f"{moment}: read {read}: {json.dumps(plan)[:3000]}"
+        cases = ((["dag_big"], page.MEMBERS_SCANNED, shown_rows), ([], page.MEMBERS_SCANNED, none_listed),
+                 (["another_dag"], scanned, unlisted))
+        for dag_ids, limit, bound in cases:
+            plan = _explain_page(groups, dag_ids, limit)
+            read = {table: _plan_rows(plan, table) for table in bound}
+            assert all(read[t] <= bound[t] for t in bound), (
+                f"{moment}, {dag_ids}: read {read}: {json.dumps(plan)[:3000]}")
 
 
-def _explain_page(groups: list[tuple[Any, ...]]) -> dict[str, Any]:
+def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: int) -> dict[str, Any]:
     from airflow.utils.session import create_session
     from sqlalchemy import text
 
     from triggerer.store import queries
 
     params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
-              "queues": [g[2] for g in groups], "dag_ids": ["dag_big"], "members": page.MEMBERS_SHOWN}
+              "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,
+              "scanned": scanned}
     with create_session() as session:
+        session.execute(text("SET LOCAL enable_bitmapscan = off"))  # as Store.page_groups runs it
         result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)
         plan: dict[str, Any] = result.scalar_one()[0]["Plan"]
     return plan

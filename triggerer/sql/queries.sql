@@ -423,10 +423,12 @@ ORDER BY members DESC, waiting_since, identity_hash, alone, queue;
 -- name: page_groups
 -- One page of the groups page_group_order found (as arrays, in page order): each one's trigger class,
 -- description and shard from its first member, the instance serving it, and its first :members deferred
--- tasks in the DAGs :dag_ids, in the order they deferred. Reads the page's groups only, and of their
--- triggers and tasks only as many as it shows: each group's member ids are listed in order (from
--- trigger_identity_hash_member), and each member's trigger and task are then looked up by key alone, one
--- member after the other until enough are found. Every step is a subquery with OFFSET 0, a fence the
+-- tasks in the DAGs :dag_ids among its first :scanned, in the order they deferred. Reads the page's groups
+-- only, and of their triggers and tasks only as many as it shows: each group's member ids are listed in
+-- order (from trigger_identity_hash_member, at most :scanned of them, so a big group whose first members
+-- are in DAGs the user may not read costs :scanned lookups, not the whole group; none when :dag_ids is
+-- empty), and each member's trigger and task are then looked up by key alone, one member after the other
+-- until enough are found. Every step is a subquery with OFFSET 0, a fence the
 -- planner cannot flatten or push other conditions into: on rows autovacuum has not analysed yet (minutes
 -- after 50,000 waiters arrive) it guessed `state = 'deferred' AND dag_id = ANY(...)` matched one row and
 -- read every waiter through ti_dag_state once per group, or once per member: seconds per page.
@@ -437,7 +439,8 @@ SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.ho
         FROM (SELECT i.trigger_id, ti.dag_id, ti.run_id, ti.task_id, ti.map_index, t.created_date
               FROM (SELECT i.trigger_id FROM smart_triggerer.trigger_identity i
                     WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
-                    ORDER BY i.identity_hash, i.trigger_id OFFSET 0) i
+                      AND cardinality(CAST(:dag_ids AS text[])) > 0
+                    ORDER BY i.identity_hash, i.trigger_id LIMIT :scanned) i
               CROSS JOIN LATERAL (
                   SELECT t.created_date, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
               CROSS JOIN LATERAL (
@@ -452,7 +455,7 @@ LEFT JOIN LATERAL (  -- the first member (a big group's triggers are not read wh
     SELECT t.classpath, i.description, i.shard
     FROM (SELECT i.trigger_id, i.description, i.shard FROM smart_triggerer.trigger_identity i
           WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
-          ORDER BY i.identity_hash, i.trigger_id OFFSET 0) i
+          ORDER BY i.identity_hash, i.trigger_id LIMIT :scanned) i
     CROSS JOIN LATERAL (
         SELECT t.classpath, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
     WHERE coalesce(t.queue, '') = g.queue
