@@ -245,8 +245,9 @@ class Store:
         """Details of these groups ((identity_hash, alone, queue), in page order), with their first
         ``members`` deferred tasks in ``dag_ids`` among their first ``scanned`` members."""
         # a group's members are listed from trigger_identity_hash_member in order and pulled only as far as
-        # needed; estimating a group small, the planner would rather read it whole (bitmap scan) and sort it
-        self.session.execute(text("SET LOCAL enable_bitmapscan = off"))
+        # needed; estimating a group small, the planner would rather read it whole (bitmap scan) and sort it,
+        # and with statistics of other groups (a big group's, stale) scan the whole table once per group
+        self.session.execute(text("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"))
         rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
                          queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members,
                          scanned=scanned)

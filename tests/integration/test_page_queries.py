@@ -460,7 +460,8 @@ def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: in
               "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,
               "scanned": scanned}
     with create_session() as session:
-        session.execute(text("SET LOCAL enable_bitmapscan = off"))  # as Store.page_groups runs it
+        # as Store.page_groups runs it
+        session.execute(text("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"))
         result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)
         plan: dict[str, Any] = result.scalar_one()[0]["Plan"]
     return plan
