@@ -428,7 +428,9 @@ ORDER BY members DESC, waiting_since, identity_hash, alone, queue;
 -- order (from trigger_identity_hash_member, at most :scanned of them, so a big group whose first members
 -- are in DAGs the user may not read costs :scanned lookups, not the whole group; none when :dag_ids is
 -- empty), and each member's trigger and task are then looked up by key alone, one member after the other
--- until enough are found. Every step is a subquery with OFFSET 0, a fence the
+-- until enough are found. A group's hash is matched as a range of one value: with equality the planner,
+-- misled by another shape's statistics, walked the whole primary key (trigger_id order) per group. Every
+-- step is a subquery with OFFSET 0 or LIMIT, a fence the
 -- planner cannot flatten or push other conditions into: on rows autovacuum has not analysed yet (minutes
 -- after 50,000 waiters arrive) it guessed `state = 'deferred' AND dag_id = ANY(...)` matched one row and
 -- read every waiter through ti_dag_state once per group, or once per member: seconds per page.
@@ -437,8 +439,9 @@ SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.ho
                                           'map_index', m.map_index, 'since', m.created_date)
                         ORDER BY m.trigger_id)
         FROM (SELECT i.trigger_id, ti.dag_id, ti.run_id, ti.task_id, ti.map_index, t.created_date
-              FROM (SELECT i.trigger_id FROM smart_triggerer.trigger_identity i
-                    WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
+              FROM (SELECT i.identity_hash, i.trigger_id FROM smart_triggerer.trigger_identity i
+                    WHERE i.identity_hash >= g.identity_hash AND i.identity_hash <= g.identity_hash
+                      AND i.trigger_id = coalesce(g.alone, i.trigger_id)
                       AND cardinality(CAST(:dag_ids AS text[])) > 0
                     ORDER BY i.identity_hash, i.trigger_id LIMIT :scanned) i
               CROSS JOIN LATERAL (
@@ -447,19 +450,20 @@ SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.ho
                   SELECT ti.dag_id, ti.run_id, ti.task_id, ti.map_index, ti.state FROM task_instance ti
                   WHERE ti.trigger_id = i.trigger_id OFFSET 0) ti
               WHERE coalesce(t.queue, '') = g.queue AND ti.state = 'deferred' AND ti.dag_id = ANY(:dag_ids)
-              ORDER BY i.trigger_id
+              ORDER BY i.identity_hash, i.trigger_id  -- the index's order: nothing to sort, pulled as needed
               LIMIT :members) m) AS first_members
 FROM unnest(CAST(:hashes AS bigint[]), CAST(:alone AS integer[]), CAST(:queues AS text[]))
      WITH ORDINALITY AS g(identity_hash, alone, queue, n)
 LEFT JOIN LATERAL (  -- the first member (a big group's triggers are not read whole)
     SELECT t.classpath, i.description, i.shard
-    FROM (SELECT i.trigger_id, i.description, i.shard FROM smart_triggerer.trigger_identity i
-          WHERE i.identity_hash = g.identity_hash AND i.trigger_id = coalesce(g.alone, i.trigger_id)
+    FROM (SELECT i.identity_hash, i.trigger_id, i.description, i.shard FROM smart_triggerer.trigger_identity i
+          WHERE i.identity_hash >= g.identity_hash AND i.identity_hash <= g.identity_hash
+            AND i.trigger_id = coalesce(g.alone, i.trigger_id)
           ORDER BY i.identity_hash, i.trigger_id LIMIT :scanned) i
     CROSS JOIN LATERAL (
         SELECT t.classpath, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
     WHERE coalesce(t.queue, '') = g.queue
-    ORDER BY i.trigger_id
+    ORDER BY i.identity_hash, i.trigger_id
     LIMIT 1
 ) first ON true
 LEFT JOIN LATERAL (
