@@ -159,10 +159,11 @@ class PooledLogFile:
             return 0
 
     def write_held(self) -> None:
-        """Make the file and write the lines held for it."""
+        """Make the file and write the lines held for it; lines that cannot be written are dropped, so a
+        file never stays held (``write_held`` of the pool would meet it again every loop)."""
         try:
             self._handle().flush()
-        except OSError as err:
+        except (OSError, ValueError) as err:
             self._dropped(err)
 
     def _handle(self) -> BinaryIO:
@@ -174,7 +175,7 @@ class PooledLogFile:
             handle.write(held)
         return handle
 
-    def _dropped(self, err: OSError) -> None:
+    def _dropped(self, err: Exception) -> None:
         self._held = []
         self._pool.held.pop(self, None)
         if not self._warned:
