@@ -355,6 +355,15 @@ def measure_steady(sampler: TreeSampler, source: PollSource, dsn: str, folder: P
     return steady
 
 
+def instance_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The Airflow settings of every instance of the run (stock and smart)."""
+    extra = {"AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5"}
+    if args.max_new_per_loop:
+        extra["AIRFLOW__SMART_TRIGGERER__MAX_NEW_PER_LOOP"] = str(args.max_new_per_loop)
+    return extra
+
+
 def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str) -> Result:
     result = Result(mode=mode, waiters=args.waiters)
     unique = round(args.waiters * (1 - args.duplicates))
@@ -363,9 +372,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
     dsn = create_database(server_dsn, name, template)
     home = _HOME / mode
     config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
-                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
-                           extra={"AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
-                                  "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5"})
+                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=instance_settings(args))
     config.home.mkdir(parents=True, exist_ok=True)
     source = PollSource()
     source.start()
@@ -740,6 +747,8 @@ def main() -> int:
     parser.add_argument("--profile-takeover", metavar="DIR",
                         help="py-spy the SIGKILL survivor's supervisor and runner until all waits poll again")
     parser.add_argument("--modes", default="stock,smart")
+    parser.add_argument("--max-new-per-loop", type=int, default=0,
+                        help="[smart_triggerer] max_new_per_loop of the smart instances (0: its default)")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json", action="store_true", help="print each mode's figures as JSON at the end")
     args = parser.parse_args()

@@ -21,12 +21,19 @@
    and a write to the task's log file; in a resume burst these lines were most of its work.
 5. Event loop: uvloop by default (``[smart_triggerer] event_loop``). At 50,000 waiters on 2 cores, under
    Python's loop the polls due during a resume burst came seconds late (p50 1-4 s), under uvloop 0.1 s.
+6. Log channel: the runner's log lines reach the supervisor through a socket written with blocking writes
+   (Airflow's JSON log channel). Its default send buffer (about 200 KB, a few hundred lines) filled while the
+   supervisor built a batch of workloads, and then the whole event loop waited for the supervisor: at a
+   takeover of thousands the runner created coroutines only between the supervisor's batches. The buffer is
+   widened to ``LOG_CHANNEL_BYTES`` (capped by the kernel's ``net.core.wmem_max``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +53,27 @@ IDLE_TICK = 0.5
 BUSY_TICK = 0.02  # while the supervisor hands over coroutines to start (a takeover, a start), ask again soon
 EVENT_GATHER = 0.1
 COMPLETED_LINE = "trigger completed"  # Airflow's last line of every coroutine (``run_trigger``)
+LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the runner waits for the supervisor
+
+
+def widen_log_channel(wanted: int = LOG_CHANNEL_BYTES) -> int | None:
+    """Give the socket the runner's log lines go through (the ``io`` of Airflow's structlog logger
+    factory) a send buffer of ``wanted`` bytes; returns the size it has, None when there is no socket."""
+    factory = structlog.get_config().get("logger_factory")
+    io = getattr(factory, "io", None)
+    try:
+        fileno = io.fileno() if io is not None else None
+    except (OSError, ValueError):
+        fileno = None
+    if fileno is None:
+        return None
+    try:
+        channel = socket.socket(fileno=os.dup(fileno))
+    except OSError:
+        return None  # not a socket (a file, a pipe): nothing to widen
+    with channel:  # closes the duplicate only; the option belongs to the socket both share
+        channel.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wanted)
+        return int(channel.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
 
 
 class _TriggerLog:
@@ -158,6 +186,7 @@ class SmartTriggerRunner(TriggerRunner):
     def run(self) -> None:
         """Airflow's entry point, on the ``[smart_triggerer] event_loop`` (validated by the supervisor)."""
         tune_collector()  # what the fork brought is not garbage; thousands of coroutines need no scans
+        widen_log_channel()
         if Settings.from_airflow().event_loop == "uvloop":
             import uvloop
 
