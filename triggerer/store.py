@@ -89,6 +89,12 @@ class NewIdentity:
     description: str | None = None
 
 
+# page_groups lists a group's members from trigger_identity_hash_member in order and pulls them only as far
+# as needed; estimating a group small, the planner would rather read it whole (bitmap scan) and sort it, and
+# with statistics of other groups (a big group's, stale) scan the whole table once per group
+PAGE_GROUPS_PLANNER = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"
+
+
 class Store:
     """One method per query; the caller owns the session and its transaction."""
 
@@ -244,10 +250,7 @@ class Store:
                     members: int, scanned: int) -> list[dict[str, Any]]:
         """Details of these groups ((identity_hash, alone, queue), in page order), with their first
         ``members`` deferred tasks in ``dag_ids`` among their first ``scanned`` members."""
-        # a group's members are listed from trigger_identity_hash_member in order and pulled only as far as
-        # needed; estimating a group small, the planner would rather read it whole (bitmap scan) and sort it,
-        # and with statistics of other groups (a big group's, stale) scan the whole table once per group
-        self.session.execute(text("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"))
+        self.session.execute(text(PAGE_GROUPS_PLANNER))
         rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
                          queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members,
                          scanned=scanned)

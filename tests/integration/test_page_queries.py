@@ -454,14 +454,13 @@ def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: in
     from airflow.utils.session import create_session
     from sqlalchemy import text
 
-    from triggerer.store import queries
+    from triggerer.store import PAGE_GROUPS_PLANNER, queries
 
     params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
               "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,
               "scanned": scanned}
     with create_session() as session:
-        # as Store.page_groups runs it
-        session.execute(text("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"))
+        session.execute(text(PAGE_GROUPS_PLANNER))  # as Store.page_groups runs it
         result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)
         plan: dict[str, Any] = result.scalar_one()[0]["Plan"]
     return plan
