@@ -5,23 +5,56 @@ Airflow's ``_create_workload`` looks up the task's serialized DAG and deserializ
 ``start_from_trigger``; runs without a bundle version also cost one "latest version" query each. Starting
 30,000 coroutines spent 95% of the supervisor's CPU there. Within one build (one session, a few hundred
 triggers) a DAG version does not change, so its model and DAG are read once and shared.
+
+A takeover or a start of thousands is many builds in a row: each build still reads its models (a DAG's
+latest version may change between builds), but a DAG whose version and hash it has deserialized in an
+earlier build of the same start is taken from ``DagCache`` (same version and hash: the same DAG). The
+cache is emptied when the start is over: a deserialized DAG is large.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import Any
+
+DAGS_KEPT = 32  # deserialized DAGs kept between the builds of one start, least recently used dropped
+
+
+class DagCache:
+    """Deserialized DAGs by (DAG version, hash of its serialized data), between the builds of one start."""
+
+    def __init__(self, limit: int = DAGS_KEPT) -> None:
+        self.limit = limit
+        self._dags: OrderedDict[tuple[Any, str], Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._dags)
+
+    def dag_of(self, model: Any) -> Any:
+        key = (model.dag_version_id, model.dag_hash)
+        dag = self._dags.get(key)
+        if dag is None:
+            dag = self._dags[key] = model.dag
+            while len(self._dags) > self.limit:
+                self._dags.popitem(last=False)
+        self._dags.move_to_end(key)
+        return dag
+
+    def clear(self) -> None:
+        self._dags.clear()
 
 
 class _SharedModel:
     """A ``SerializedDagModel`` whose ``dag`` is deserialized once; every other attribute is the model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, cache: DagCache) -> None:
         self._model = model
+        self._cache = cache
 
     @functools.cached_property
     def dag(self) -> Any:
-        return self._model.dag
+        return self._cache.dag_of(self._model)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -30,8 +63,9 @@ class _SharedModel:
 class OneBuildDagBag:
     """Wraps the ``DBDagBag`` Airflow made for one build; lives only as long as that build."""
 
-    def __init__(self, bag: Any) -> None:
+    def __init__(self, bag: Any, cache: DagCache | None = None) -> None:
         self.bag = bag
+        self.cache = cache if cache is not None else DagCache()
         self._by_run_key: dict[Any, _SharedModel | None] = {}
         self._by_version: dict[Any, _SharedModel | None] = {}
 
@@ -57,7 +91,7 @@ class OneBuildDagBag:
         version_id = model.dag_version_id
         shared = self._by_version.get(version_id)
         if shared is None:
-            shared = self._by_version[version_id] = _SharedModel(model)
+            shared = self._by_version[version_id] = _SharedModel(model, self.cache)
         return shared
 
     def __getattr__(self, name: str) -> Any:

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from triggerer import fanout
 from triggerer.config import ConfigError, Settings
-from triggerer.dagbag import OneBuildDagBag
+from triggerer.dagbag import DagCache, OneBuildDagBag
 from triggerer.db_errors import blames_event, cause, is_outage, is_transient
 from triggerer.dead_letters import DEAD_AFTER, DeadLetters, payload_text
 from triggerer.groups import Group, Groups
@@ -82,6 +82,11 @@ UNKNOWN_INTERVAL_SECONDS = 60.0
 HOLD_LOG_LINES_FROM = 100
 HELD_LOG_LINES_SECONDS = 2.0
 HOLD_LOG_LINES_MAX_SECONDS = 60.0  # a group that never reports running must not hold lines for ever
+# then held files are made in the background: at most this long per pass and one pass per this interval
+# (a quarter of a core; making and processing them all at once took a core for seconds, from the runner
+# still making its first polls)
+WRITE_HELD_SECONDS = 0.05
+WRITE_HELD_EVERY_SECONDS = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
+    dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
     last_prune: float = attrs.field(default=-math.inf, init=False)
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
@@ -182,6 +188,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
     handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
     holding_since: float = attrs.field(default=-math.inf, init=False)
+    held_written_at: float = attrs.field(default=-math.inf, init=False)
 
     @classmethod
     def run_in_process(cls) -> None:
@@ -252,6 +259,8 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         elif self._start_backlog():
             # a takeover or a start: keep starting coroutines between loads, a time budget at a time
             self._db_step("start", self._start_groups)
+        if not self._start_backlog():
+            self.dag_cache.clear()  # the start is over
         self._pace_log_files()
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
@@ -754,8 +763,10 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                 to_run >= HOLD_LOG_LINES_FROM or (self.log_pool.holding and to_run > 0)):
             self.handing_out_until = now + HELD_LOG_LINES_SECONDS
         self.log_pool.holding = now < self.handing_out_until
-        if not self.log_pool.holding and self.log_pool.held:
-            self.log_pool.write_held(self._busy_budget())
+        if (not self.log_pool.holding and self.log_pool.held
+                and now - self.held_written_at >= WRITE_HELD_EVERY_SECONDS):
+            self.held_written_at = now
+            self.log_pool.write_held(WRITE_HELD_SECONDS)
 
     def write_held_log_lines(self) -> None:
         """On the way out: the held first lines of coroutines started in the last seconds, for at most a
@@ -854,7 +865,7 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
     def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
                          session: Session) -> Any:
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
-            self.build_bag = OneBuildDagBag(dag_bag)
+            self.build_bag = OneBuildDagBag(dag_bag, self.dag_cache)
             # Airflow's build transaction locks nothing, and deserializing a big DAG may sit longer than
             # the connection's idle-in-transaction limit (bounded.py) between two statements
             Store(session).unbound_idle()

@@ -16,8 +16,11 @@ While a takeover or a start hands out thousands of coroutines, the pool *holds* 
 made yet (each coroutine's "trigger ... starting") in memory, and the supervisor makes those files after
 every coroutine polls, a time budget per loop (``write_held``). Making a file (and its task's folder, on a
 host where the task never ran) costs a few tenths of a millisecond of kernel time: at 50,000 waiters that
-was most of the supervisor's CPU while its coroutines waited to start. A file that gets a line, is closed
-or is asked for its descriptor meanwhile is made at once, held lines first.
+was most of the supervisor's CPU while its coroutines waited to start. A line is held as it came from the
+runner, before Airflow's processors (secrets masking, rendering: another sixth of that CPU) run on it; they
+run when its file is made. The runner stamps each line with its time, so a held line keeps it. A file
+that gets a line after the hold, is closed, is uploaded or is asked for its descriptor meanwhile is made at
+once, held lines first.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import os
 import resource
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -121,7 +125,9 @@ class PooledLogFile:
         self._pool = pool
         self._opened = False
         self._warned = False
-        self._held: list[bytes] = []
+        # lines (bytes) and logger calls not processed yet, in the order they came, while the file is held
+        self._held: list[bytes | Callable[[], Any]] = []
+        self._rendering: list[bytes] | None = None  # where lines go while held calls are processed
 
     def open_handle(self) -> BinaryIO:
         if self.closed:
@@ -148,15 +154,32 @@ class PooledLogFile:
         file stays open, goes on writing to a removed file): a log file never stops the supervisor."""
         if self.closed:
             raise ValueError(f"I/O operation on closed log file {self.name}")
-        if not self._opened and self._pool.holding:
-            self._held.append(data)
-            self._pool.held[self] = None
+        if self._rendering is not None:
+            self._rendering.append(data)
+            return len(data)
+        if self.holds():
+            self._hold(data)
             return len(data)
         try:
             return self._handle().write(data)
         except OSError as err:
             self._dropped(err)
             return 0
+
+    def holds(self) -> bool:
+        """Lines for this file are held now: it is not made yet and the pool holds."""
+        return not self._opened and self._pool.holding and not self.closed
+
+    def has_held(self) -> bool:
+        return bool(self._held)
+
+    def hold_call(self, call: Callable[[], Any]) -> None:
+        """Keep a logger call whose processing and line wait until the file is made."""
+        self._hold(call)
+
+    def _hold(self, item: bytes | Callable[[], Any]) -> None:
+        self._held.append(item)
+        self._pool.held[self] = None
 
     def write_held(self) -> None:
         """Make the file and write the lines held for it; lines that cannot be written are dropped, so a
@@ -170,10 +193,28 @@ class PooledLogFile:
         """The open handle, the held lines written first (they were held only because it was not made)."""
         handle = self._pool.handle(self)
         if self._held:
-            held, self._held = b"".join(self._held), []
+            held = self._render_held()
             self._pool.held.pop(self, None)
             handle.write(held)
         return handle
+
+    def _render_held(self) -> bytes:
+        """The held lines, held logger calls processed now (their lines come back through ``write``)."""
+        held, self._held = self._held, []
+        lines: list[bytes] = []
+        self._rendering = lines
+        try:
+            for item in held:
+                if isinstance(item, bytes):
+                    lines.append(item)
+                    continue
+                try:
+                    item()
+                except Exception as err:  # a line that cannot be processed is lost alone
+                    self._dropped(err)
+        finally:
+            self._rendering = None
+        return b"".join(lines)
 
     def _dropped(self, err: Exception) -> None:
         self._held = []
@@ -197,22 +238,57 @@ class PooledLogFile:
         self.closed = True
 
 
+class _HoldingLogger:
+    """The trigger's logger as Airflow's supervisor uses it (``log(level, event, **kw)`` per runner line):
+    while its file is held, a call is kept unprocessed; otherwise, and for anything else, the logger."""
+
+    def __init__(self, logger: Any, log_file: PooledLogFile) -> None:
+        self._logger = logger
+        self._file = log_file
+
+    def log(self, level: int, event: Any = None, *args: Any, **kw: Any) -> Any:
+        if self._file.holds():
+            self._file.hold_call(partial(self._logger.log, level, event, *args, **kw))
+            return None
+        self._release()
+        return self._logger.log(level, event, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        self._release()
+        return getattr(self._logger, name)
+
+    def _release(self) -> None:
+        """Held calls are processed before any new one, and never from inside the logger: structlog's
+        ``BytesLogger`` writes under a lock that a held call processed from its write would wait on."""
+        if self._file.has_held():
+            self._file.write_held()
+
+
 @attrs.define(kw_only=True)
 class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     """Airflow's per-trigger log factory, writing through a ``LogFilePool``."""
 
     pool: LogFilePool
+    _holding_logger: _HoldingLogger = attrs.field(init=False, repr=False)
 
     def __call__(self, processors: Iterable[Any]) -> Any:
         if hasattr(self, "bound_logger"):
-            return self.bound_logger
+            return self._holding_logger
         base_folder, _ = self.pool.file_settings()
         path = Path(os.path.join(base_folder, self.log_path))  # as Airflow's init_log_file places it
-        self._filehandle = PooledLogFile(path, self.pool)  # type: ignore[assignment]
-        logger = structlog.wrap_logger(structlog.BytesLogger(self._filehandle),  # type: ignore[arg-type]
+        log_file = PooledLogFile(path, self.pool)
+        self._filehandle = log_file  # type: ignore[assignment]
+        logger = structlog.wrap_logger(structlog.BytesLogger(log_file),  # type: ignore[arg-type]
                                        processors=processors).bind()
         self.bound_logger = logger
-        return logger
+        self._holding_logger = _HoldingLogger(logger, log_file)
+        return self._holding_logger
+
+    def upload_to_remote(self) -> None:
+        # the upload reads the file: lines still held go to it first
+        if isinstance(self._filehandle, PooledLogFile) and self._filehandle.has_held():
+            self._filehandle.write_held()
+        super().upload_to_remote()
 
     @classmethod
     def replacing(cls, factory: TriggerLoggingFactory, pool: LogFilePool) -> PooledTriggerLoggingFactory:

@@ -187,3 +187,54 @@ def test_held_lines_of_a_file_that_cannot_be_made_are_dropped_without_stopping_t
     pool.holding = False
     assert pool.write_held(budget_seconds=60) is False and not pool.held
     assert (tmp_path / "t.log").read_text() == "kept\n"
+
+
+def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_is_made(
+        tmp_path: Path) -> None:
+    """While the pool holds, Airflow's ``log(level, event, **kw)`` calls for a file not made yet are kept
+    as they came: the processors (masking, rendering) run only when the file is made, in order with any
+    line written after the hold, and the runner's own timestamp is the one written."""
+    processed: list[str] = []
+
+    def renderer(_logger: object, _method: str, event: dict[str, object]) -> bytes:
+        processed.append(str(event["event"]))
+        return json.dumps(event).encode()
+
+    pool = LogFilePool(limit=4)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    logger = factory([renderer])
+    pool.holding = True
+    logger.log(20, "trigger starting", timestamp="2026-01-01T00:00:00Z")
+    logger.log(20, "polling", n=1)
+    assert processed == [] and not Path(factory.log_path).exists() and list(pool.held)
+    pool.holding = False
+    logger.log(20, "fired", n=2)  # after the hold: the held calls are processed first
+    assert processed == ["trigger starting", "polling", "fired"]
+    lines = [json.loads(line) for line in Path(factory.log_path).read_text().splitlines()]
+    assert [line["event"] for line in lines] == processed
+    assert lines[0]["timestamp"] == "2026-01-01T00:00:00Z"
+    assert not pool.held
+
+
+def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uploaded: list[str] = []
+    monkeypatch.setattr(TriggerLoggingFactory, "upload_to_remote",
+                        lambda self: uploaded.append(Path(self.log_path).read_text()))
+
+    def renderer(_logger: object, _method: str, event: dict[str, object]) -> bytes:
+        if event.get("bad"):
+            raise ValueError("cannot render")
+        return f"{event['event']}\n".encode()[:-1]
+
+    pool = LogFilePool(limit=4)
+    pool.holding = True
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    logger = factory([renderer])
+    logger.log(20, "starting")
+    logger.log(20, "broken", bad=True)
+    logger.log(20, "fired")
+    factory.upload_to_remote()  # the coroutine ended while its lines were still held
+    assert uploaded == ["starting\nfired\n"]
+    factory.close()
+    assert not pool.held
