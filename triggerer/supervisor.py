@@ -759,9 +759,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
         to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
         if not self.log_pool.holding:
             self.holding_since = now
-        if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS and (
-                to_run >= HOLD_LOG_LINES_FROM or (self.log_pool.holding and to_run > 0)):
-            self.handing_out_until = now + HELD_LOG_LINES_SECONDS
+        if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS:
+            if to_run >= HOLD_LOG_LINES_FROM or (self.log_pool.holding and to_run > 0):
+                self.handing_out_until = now + HELD_LOG_LINES_SECONDS
+            elif self.log_pool.holding:
+                # reported running is not started yet: a runner given thousands at once runs their first
+                # steps (and their first lines) for seconds after; hold while new files' lines still come
+                self.handing_out_until = max(self.handing_out_until,
+                                             self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
         self.log_pool.holding = now < self.handing_out_until
         if (not self.log_pool.holding and self.log_pool.held
                 and now - self.held_written_at >= WRITE_HELD_EVERY_SECONDS):

@@ -63,6 +63,7 @@ class LogFilePool:
         # files not made yet whose lines are held (while ``holding``), in the order their first line came
         self.held: dict[PooledLogFile, None] = {}
         self.holding = False
+        self.new_file_held_at = -float("inf")  # when a file not made yet last got its first held line
 
     def write_held(self, budget_seconds: float) -> bool:
         """Make held files and write their lines, oldest first, for up to ``budget_seconds``; True when
@@ -178,6 +179,8 @@ class PooledLogFile:
         self._hold(call)
 
     def _hold(self, item: bytes | Callable[[], Any]) -> None:
+        if not self._held:
+            self._pool.new_file_held_at = time.monotonic()
         self._held.append(item)
         self._pool.held[self] = None
 

@@ -238,3 +238,19 @@ def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alo
     assert uploaded == ["starting\nfired\n"]
     factory.close()
     assert not pool.held
+
+
+def test_the_pool_knows_when_a_new_file_last_got_a_held_line(tmp_path: Path) -> None:
+    """The supervisor holds while files not made yet keep getting their first lines (a runner given
+    thousands of coroutines at once runs their first steps for seconds after it reported them)."""
+    pool = LogFilePool(limit=4)
+    pool.holding = True
+    first, second = PooledLogFile(tmp_path / "a.log", pool), PooledLogFile(tmp_path / "b.log", pool)
+    first.write(b"starting\n")
+    stamped = pool.new_file_held_at
+    assert stamped > float("-inf")
+    first.write(b"second line of the same file\n")
+    assert pool.new_file_held_at == stamped  # not a new file
+    pool.new_file_held_at = float("-inf")
+    second.write(b"starting\n")
+    assert pool.new_file_held_at >= stamped
