@@ -34,12 +34,14 @@ from airflow.jobs.triggerer_job_runner import (
     TriggerRunnerSupervisor,
     messages,
 )
+from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import TriggerEvent
 from airflow.utils.net import get_hostname
 from airflow.utils.session import create_session
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from triggerer import fanout
 from triggerer.config import ConfigError, Settings
@@ -866,6 +868,14 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
                     members=len(group.members))
 
     # --- workloads ---
+
+    def fetch_trigger_details(self, trigger_ids: set[int], *, session: Session) -> dict[int, Trigger]:
+        """Airflow's ``Trigger.bulk_fetch`` without what a workload never reads: it also joins each task
+        instance's trigger (the row just read, again) and that trigger's triggerer job, a sixth of a
+        takeover's build time at tens of thousands of triggers."""
+        stmt = (select(Trigger).where(Trigger.id.in_(trigger_ids))
+                .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger)))
+        return {trigger.id: trigger for trigger in session.scalars(stmt)}
 
     def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
                          session: Session) -> Any:
