@@ -26,12 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from bench.triggerer_bench import _HOME, append_result, console  # sets Airflow's environment first
+from devkit.devstack import AirflowConfig, migrate
+from devkit.pgserver import postgres_dsn
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.databases import create_database, drop_database, unique_name
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
-from triggerer.devstack import AirflowConfig, migrate
-from triggerer.pgserver import postgres_dsn
 
 POLL_TRIGGER = "bench.triggers.PollTrigger"
 SHARDS = 64

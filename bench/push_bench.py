@@ -18,11 +18,11 @@ import time
 import asyncpg
 
 from bench.triggerer_bench import _HOME, ROOT, append_result, console, wait_until
+from devkit.devstack import AirflowConfig, AirflowStack, migrate
+from devkit.pgserver import postgres_dsn
 from tests.helpers.databases import create_database, drop_database, unique_name
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
-from triggerer.devstack import AirflowConfig, AirflowStack, migrate
-from triggerer.pgserver import postgres_dsn
 from triggers.table_load import TableLoadTrigger
 
 STATUS_DDL = """

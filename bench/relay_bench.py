@@ -21,11 +21,11 @@ import time
 from typing import Any
 
 from bench.triggerer_bench import _HOME, ROOT, append_result, console, wait_until
+from devkit.devstack import AirflowConfig, AirflowStack, migrate
+from devkit.pgserver import postgres_dsn
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.databases import create_database, drop_database, unique_name
 from tests.helpers.waiting import rows
-from triggerer.devstack import AirflowConfig, AirflowStack, migrate
-from triggerer.pgserver import postgres_dsn
 
 URI = "warehouse://dds/h_user"
 

@@ -58,11 +58,11 @@ if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
     os.environ["AIRFLOW__CORE__FERNET_KEY"] = Fernet.generate_key().decode()
 
 from bench.source import PollSource  # noqa: E402
+from devkit.devstack import AirflowConfig, AirflowStack, Component, migrate  # noqa: E402
+from devkit.pgserver import postgres_dsn  # noqa: E402
 from tests.helpers.databases import create_database, drop_database, unique_name  # noqa: E402
 from tests.helpers.seeding import seed_deferred  # noqa: E402
 from tests.helpers.waiting import rows  # noqa: E402
-from triggerer.devstack import AirflowConfig, AirflowStack, Component, migrate  # noqa: E402
-from triggerer.pgserver import postgres_dsn  # noqa: E402
 
 console = Console()
 POLL_TRIGGER = "bench.triggers.PollTrigger"

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
                         help="also show status-table watermarks kept in this connection's database")
     status.add_argument("--json", action="store_true", help="print one JSON object")
-    from triggerer.cli import add_common_arguments
+    from commandline.errors import add_common_arguments
 
     for sub in commands.choices.values():
         add_common_arguments(sub)
@@ -242,14 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from triggerer.errors import guarded
+    from commandline.errors import guarded
 
     return guarded("dataset-bridge", args.verbose, lambda: dispatch(args))
 
 
 def dispatch(args: argparse.Namespace) -> int:
+    from commandline.errors import UserError, require_postgres
     from dataset_bridge.routes import RoutesError
-    from triggerer.errors import UserError, require_postgres
 
     try:
         require_postgres()

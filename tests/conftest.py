@@ -26,9 +26,9 @@ if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
 
     os.environ["AIRFLOW__CORE__FERNET_KEY"] = Fernet.generate_key().decode()
 
+from devkit.devstack import AirflowConfig, AirflowStack, migrate  # noqa: E402
+from devkit.pgserver import postgres_dsn  # noqa: E402
 from tests.helpers.databases import database, unique_name  # noqa: E402
-from triggerer.devstack import AirflowConfig, AirflowStack, migrate  # noqa: E402
-from triggerer.pgserver import postgres_dsn  # noqa: E402
 
 _STARTED = time.monotonic()
 _current_file: list[str] = []

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from commandline.errors import add_common_arguments
 from triggerer import __version__
 
 
@@ -43,11 +44,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="on an error, print the traceback as well as the one-line message")
 
 
 EPILOG = """Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, AIRFLOW__SECTION__KEY);
@@ -105,9 +101,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    from commandline.errors import require_postgres
     from triggerer import status
     from triggerer.config import Settings
-    from triggerer.errors import require_postgres
 
     settings = Settings.from_airflow()
     require_postgres()
@@ -120,7 +116,7 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from triggerer.demo import run_demo
+    from devkit.demo import run_demo
 
     return run_demo(quick=args.quick, as_json=args.json, keep_running=args.keep_running)
 
@@ -131,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from triggerer.errors import guarded
+    from commandline.errors import guarded
 
     handlers = {"run": run_command, "status": status_command, "demo": demo_command}
     return guarded("smart-triggerer", args.verbose, lambda: handlers[args.command](args))
@@ -147,7 +143,7 @@ def provider_status(args: argparse.Namespace) -> None:
 
 
 def guarded_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    from triggerer.errors import guarded
+    from commandline.errors import guarded
 
     return guarded("airflow smart-triggerer", getattr(args, "verbose", False), lambda: command(args))
 

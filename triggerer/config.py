@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from commandline.errors import UserError
+
 T = TypeVar("T")
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -20,7 +22,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A ``[smart_triggerer]`` setting is invalid; the message names the setting."""
 
 

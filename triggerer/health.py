@@ -101,7 +101,7 @@ class HealthServer:
         if not self._ready.wait(10):
             raise RuntimeError(f"health endpoint could not bind {self.host}:{self.port}")
         if self._bind_error is not None:
-            from triggerer.errors import UserError
+            from commandline.errors import UserError
 
             raise UserError(f"cannot serve the health endpoint on {self.host}:{self.port} "
                             f"({self._bind_error.strerror or self._bind_error}): choose another "

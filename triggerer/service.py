@@ -77,7 +77,7 @@ def preflight(settings: Settings) -> None:
     """Before anything starts: PostgreSQL, reachable, and the deployment's shard count."""
     from airflow.utils.session import create_session
 
-    from triggerer.errors import require_postgres
+    from commandline.errors import require_postgres
     from triggerer.store import Store
 
     require_postgres()

@@ -18,14 +18,17 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from commandline.errors import ExitCode, UserError
 from triggerer.rendezvous import Member
 
 SCHEMA = "smart_triggerer"
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
-class ShardCountMismatch(RuntimeError):
+class ShardCountMismatch(UserError, RuntimeError):
     """The configured number of shards differs from the one this deployment was created with."""
+
+    exit_code = ExitCode.SHARD_COUNT
 
 
 @cache

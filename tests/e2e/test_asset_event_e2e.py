@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
+from devkit.devstack import AirflowStack
+from devkit.pgserver import reader_dsn
 from tests.helpers.waiting import rows, wait_for
-from triggerer.devstack import AirflowStack
-from triggerer.pgserver import reader_dsn
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from dataset_bridge import signing
+from devkit.devstack import AirflowStack
 from tests.helpers.waiting import rows, wait_for
-from triggerer.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.devstack import AirflowStack
 from tests.helpers.auth import HIDDEN_PREFIX, LIMITED_USER, OUTSIDER
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows, wait_for
-from triggerer.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from triggerer.devstack import AirflowStack
+from devkit.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from triggerer.devstack import AirflowStack
+from devkit.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from triggerer.devstack import AirflowStack, group_alive
+from devkit.devstack import AirflowStack, group_alive
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import textwrap
 import asyncpg
 import pytest
 
+from devkit.devstack import AirflowStack
 from tests.helpers.waiting import db_now, rows, scheduler_looped_since, wait_for
-from triggerer.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import time
 import asyncpg
 import pytest
 
+from devkit.devstack import AirflowStack
 from tests.helpers.waiting import rows, wait_for
-from triggerer.devstack import AirflowStack
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from devkit.devstack import AirflowStack, Component
 from tests.helpers.waiting import db_now, queried_since, rows, scheduler_looped_since, wait_for
-from triggerer.devstack import AirflowStack, Component
 
 pytestmark = pytest.mark.e2e
 

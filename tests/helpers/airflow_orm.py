@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triggerer.pgserver import sqlalchemy_url
+from devkit.pgserver import sqlalchemy_url
 
 
 def use_airflow_db(dsn: str) -> None:

@@ -62,10 +62,10 @@ from typing import Any
 import psycopg2
 from aiohttp import web
 
+from devkit.devstack import AirflowConfig, AirflowStack, Component, migrate
+from devkit.pgserver import EmbeddedPostgres, create_database, sqlalchemy_url
 from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous, ensure_libfaketime
 from tests.helpers.tcp_proxy import Proxies
-from triggerer.devstack import AirflowConfig, AirflowStack, Component, migrate
-from triggerer.pgserver import EmbeddedPostgres, create_database, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE, FLAG, HTTP, POISON = "table", "flag", "http", "poison"

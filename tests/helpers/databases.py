@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from triggerer.pgserver import create_database, drop_database
+from devkit.pgserver import create_database, drop_database
 
 __all__ = ["create_database", "database", "drop_database", "unique_name"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triggerer.pgserver import EmbeddedPostgres
+from devkit.pgserver import EmbeddedPostgres
 
 LIBRARY_GLOBS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
                  "/usr/lib64/faketime/libfaketime.so.1")

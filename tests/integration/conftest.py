@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from devkit.devstack import AirflowConfig
 from tests.helpers.airflow_orm import use_airflow_db
-from triggerer.devstack import AirflowConfig
 
 
 @pytest.fixture

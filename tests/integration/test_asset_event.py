@@ -9,9 +9,9 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from deferrables import AssetEventSensor
+from devkit.devstack import AirflowConfig
+from devkit.pgserver import reader_dsn
 from tests.helpers.airflow_orm import use_airflow_db
-from triggerer.devstack import AirflowConfig
-from triggerer.pgserver import reader_dsn
 from triggers import SqlConditionTrigger
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg2
 import pytest
 
+from devkit.devstack import AirflowConfig
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states
 from tests.integration.test_supervisor_faults import (
@@ -27,7 +28,6 @@ from tests.integration.test_supervisor_faults import (
     load,
     make_supervisor,
 )
-from triggerer.devstack import AirflowConfig
 from triggerer.store import Store
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devkit.devstack import AirflowConfig
 from triggerer import __version__
-from triggerer.devstack import AirflowConfig
 
 BIN = Path(sys.executable).parent
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from triggerer.devstack import AirflowConfig
-from triggerer.errors import ExitCode
-from triggerer.pgserver import free_port
+from commandline.errors import ExitCode
+from devkit.devstack import AirflowConfig
+from devkit.pgserver import free_port
 
 BIN = Path(sys.executable).parent
 SMART = str(BIN / "smart-triggerer")
@@ -116,7 +116,7 @@ def test_a_routes_file_error_is_one_line(config: AirflowConfig, tmp_path: Path) 
 
 
 def test_a_missing_database_privilege_is_one_line(config: AirflowConfig) -> None:
-    from triggerer.pgserver import reader_dsn, sqlalchemy_url
+    from devkit.pgserver import reader_dsn, sqlalchemy_url
 
     # a role that can read Airflow's tables but neither write them nor create our schema
     reader = sqlalchemy_url(reader_dsn(config.database_dsn))

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg2
 import pytest
 
+from devkit.devstack import AirflowConfig
 from tests.helpers.waiting import rows, ti_states, wait_for
 from tests.integration.test_supervisor_faults import (
     LATER,
@@ -29,7 +30,6 @@ from tests.integration.test_supervisor_faults import (
     seed,
     watcher_group,
 )
-from triggerer.devstack import AirflowConfig
 
 
 @pytest.fixture

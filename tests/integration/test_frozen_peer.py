@@ -22,11 +22,11 @@ from typing import Any
 import psycopg2
 import pytest
 
+from devkit.devstack import AirflowStack
 from tests.helpers.chaos import AUDIT_DDL
 from tests.helpers.http_server import ControlledServer
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
 from tests.integration.test_smart_triggerer import LEASE, SHARDS, _job_of, health_url, metrics, seed, start
-from triggerer.devstack import AirflowStack
 
 GROUPS = 12  # distinct waits, 2 tasks each
 SOURCE_POLL = "tests.helpers.chaos_triggers.SourcePollTrigger"

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from airflow.utils.net import get_hostname
 
+from devkit.devstack import AirflowConfig
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
 from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor, unhashed
 from triggerer import page
-from triggerer.devstack import AirflowConfig
 
 
 @pytest.fixture

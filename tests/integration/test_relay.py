@@ -20,8 +20,8 @@ from sqlalchemy import text as sql_text
 from dataset_bridge import ddl, outbox, signing
 from dataset_bridge.relay import Relay, RelaySettings
 from dataset_bridge.routes import Routes
+from devkit.pgserver import free_port
 from tests.helpers.airflow_orm import use_airflow_db
-from triggerer.pgserver import free_port
 
 SECRET = "s3cret"
 # what a buggy inbox answers: the dead letter keeps the error, never the secrets it may carry

@@ -22,7 +22,7 @@ from cryptography.x509.oid import NameOID
 from dataset_bridge import signing
 from dataset_bridge.relay import DeliveryError, Relay, RelaySettings
 from dataset_bridge.routes import Routes
-from triggerer.pgserver import free_port
+from devkit.pgserver import free_port
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import psycopg2
 import pytest
 
+from devkit.devstack import AirflowConfig, AirflowStack
 from tests.helpers.seeding import seed_deferred
-from triggerer.devstack import AirflowConfig, AirflowStack
 
 DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
 

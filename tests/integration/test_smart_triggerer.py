@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from devkit.devstack import AirflowStack, Component
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.triggers import KillMarkerTrigger
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
-from triggerer.devstack import AirflowStack, Component
 from triggers.identity import IdentityPolicy, shard_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,10 +17,10 @@ import psycopg2
 import pytest
 import structlog
 
+from devkit.devstack import AirflowConfig
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states, wait_for
 from triggerer.config import Settings
-from triggerer.devstack import AirflowConfig
 from triggerer.health import is_healthy
 
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"

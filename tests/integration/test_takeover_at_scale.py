@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from devkit.devstack import AirflowConfig, AirflowStack, Component
 from tests.helpers.chaos import AUDIT_DDL
 from tests.helpers.http_server import ControlledServer
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
 from tests.integration.test_smart_triggerer import LEASE, _job_of, health_url, metrics, seed, start
-from triggerer.devstack import AirflowConfig, AirflowStack, Component
 
 SOURCE_POLL = "tests.helpers.chaos_triggers.SourcePollTrigger"
 WAITS = 3000

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 import traceback
@@ -121,16 +122,9 @@ def _first_line(text: str) -> str:
 
 def explain(err: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for an error the user can fix; None for a bug (the traceback is wanted)."""
-    from triggerer.config import ConfigError
-    from triggerer.store import ShardCountMismatch
-
     for link in _chain(err):
-        if isinstance(link, UserError):
+        if isinstance(link, UserError):  # also an invalid setting, a shard count differing (triggerer/)
             return str(link), link.exit_code
-        if isinstance(link, ShardCountMismatch):
-            return str(link), ExitCode.SHARD_COUNT
-        if isinstance(link, ConfigError):
-            return str(link), ExitCode.CONFIG
         denied = _privilege_failure(link)
         if denied is not None:
             return (f"the database role lacks a privilege ({denied}): see the README's Install section for "
@@ -157,3 +151,9 @@ def guarded(prog: str, verbose: bool, command: Callable[[], int]) -> int:
             traceback.print_exc()
         print(f"{prog}: error: {message}", file=sys.stderr)
         return int(code)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every command of both CLIs takes."""
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="on an error, print the traceback as well as the one-line message")

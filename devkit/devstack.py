@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import psutil
 
-from triggerer.pgserver import free_port, sqlalchemy_url
+from devkit.pgserver import free_port, sqlalchemy_url
 
 TERMINAL_RUN_STATES = {"success", "failed"}
 

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from triggerer.devstack import AirflowConfig, AirflowStack, StackError, migrate
-from triggerer.pgserver import PgServerError, create_database, drop_database, postgres_dsn, reader_dsn
+from devkit.devstack import AirflowConfig, AirflowStack, StackError, migrate
+from devkit.pgserver import PgServerError, create_database, drop_database, postgres_dsn, reader_dsn
 
 EXAMPLE_DAGS = Path(__file__).resolve().parents[1] / "example_dags"
 STATUS_DDL = """
