@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import select as io_select
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -82,6 +83,7 @@ UNKNOWN_INTERVAL_SECONDS = 60.0
 # a takeover or start of at least this many coroutines holds their first log lines until they all run,
 # and their log files are made this long after the runner reported the last one running (trigger_logs.py)
 HOLD_LOG_LINES_FROM = 100
+LOG_READS_BEFORE_FINISHING = 1024  # reads of Airflow's 4 KB each: the runner's biggest batch is 256 KB
 HELD_LOG_LINES_SECONDS = 2.0
 HOLD_LOG_LINES_MAX_SECONDS = 60.0  # a group that never reports running must not hold lines for ever
 # then held files are made in the background: at most this long per pass and one pass per this interval
@@ -1254,12 +1256,28 @@ class SmartTriggerRunnerSupervisor(TriggerRunnerSupervisor):
 
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
         handing_out = bool(self.creating_triggers)
+        if isinstance(msg, messages.TriggerStateChanges) and msg.finished:
+            self._read_sent_log_lines()
         super()._handle_request(msg, log, req_id)
         if isinstance(msg, messages.TriggerStateChanges):
             if msg.finished or msg.events or msg.failures or handing_out:
                 self.runner_changes += 1  # what the runner runs changed: compare with the groups again
             for trigger_id in msg.finished or ():
                 self.user_cancels.discard(trigger_id)
+
+    def _read_sent_log_lines(self) -> None:
+        """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
+        sync reports it ended, and reads the log channel 4 KB per loop pass: the runner sends its lines in
+        batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
+        files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
+        for key in list(self.selector.get_map().values()):
+            if self._open_sockets.get(key.fileobj) != "logs":  # type: ignore[call-overload]
+                continue
+            read, _on_close = key.data
+            for _ in range(LOG_READS_BEFORE_FINISHING):
+                ready, _, _ = io_select.select([key.fileobj], [], [], 0)
+                if not ready or not read(key.fileobj):
+                    break  # nothing more now, or the channel closed (the loop's next select handles that)
 
     # --- reporting ---
 
