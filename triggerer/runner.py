@@ -30,7 +30,7 @@
    each wakes the supervisor; at a start of thousands, each coroutine's "trigger ... starting" line was a
    fifth of the runner's CPU. Here they are gathered and sent in one write (``BatchedLogChannel``) before
    each sync with the supervisor (which closes an ended coroutine's file), before the loop sleeps, and as
-   soon as ``LOG_BATCH_BYTES`` are waiting.
+   soon as ``LOG_BATCH_BYTES`` are waiting; a "Trigger fired event" line goes at once, as Airflow's.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ IDLE_TICK = 0.5
 BUSY_TICK = 0.02  # while the supervisor hands over coroutines to start (a takeover, a start), ask again soon
 EVENT_GATHER = 0.1
 COMPLETED_LINE = "trigger completed"  # Airflow's last line of every coroutine (``run_trigger``)
+FIRED_LINE = "Trigger fired event"  # Airflow's line for each event a coroutine yields
 LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the runner waits for the supervisor
 LOG_BATCH_BYTES = 256 * 2**10  # log lines sent at once at most (sooner when the loop pass ends)
 
@@ -138,9 +139,10 @@ class _TriggerLog:
     the line can be matched to the coroutine's event count. Everything else passes through unchanged.
     """
 
-    def __init__(self, log: Any, triggers: dict[int, Any]) -> None:
+    def __init__(self, log: Any, triggers: dict[int, Any], send_now: Callable[[], None]) -> None:
         self._log = log
         self._triggers = triggers
+        self._send_now = send_now
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._log, name)
@@ -148,7 +150,12 @@ class _TriggerLog:
     async def ainfo(self, event: str, *args: Any, **kw: Any) -> Any:
         if event == COMPLETED_LINE and self._fired():
             return None
-        return await self._log.ainfo(event, *args, **kw)
+        result = await self._log.ainfo(event, *args, **kw)
+        if event == FIRED_LINE:
+            # sent at once, as Airflow's own line is: an instance killed before its next sync leaves the
+            # line of what it fired in its log (the event itself is redone by the next owner)
+            self._send_now()
+        return result
 
     def _fired(self) -> bool:
         """The calling coroutine sent an event and is ending without being cancelled."""
@@ -191,7 +198,7 @@ class SmartTriggerRunner(TriggerRunner):
         self.events = _WakingDeque(self._on_event)
         self._ended: deque[int] = deque()
         self.triggers = _WatchedTriggers(self._ended.append)
-        self.log = _TriggerLog(self.log, self.triggers)  # type: ignore[assignment]
+        self.log = _TriggerLog(self.log, self.triggers, self._send_log_lines)  # type: ignore[assignment]
         self.log_channel: BatchedLogChannel | None = None
 
     def _on_event(self) -> None:

@@ -67,3 +67,25 @@ def test_a_cancelled_coroutine_says_completed_even_after_firing() -> None:
     """A watcher fires and keeps running; cancelled at a handover, its log still says it ended."""
     lines = _lines_of(_Trigger(events=2, forever=True), cancel=True)
     assert lines == [STARTING, "Trigger fired event", "Trigger fired event", "trigger completed"]
+
+
+def test_a_fired_line_is_sent_at_once_other_lines_wait_for_the_loop() -> None:
+    """The runner batches its log lines (runner.py item 6) but sends a "Trigger fired event" line at once:
+    an instance killed before its next sync still leaves in its log what it fired."""
+    drains: list[int] = []
+
+    class _Channel:
+        def drain(self) -> None:
+            drains.append(1)
+
+    async def run() -> None:
+        runner = SmartTriggerRunner()
+        runner.log_channel = _Channel()  # type: ignore[assignment]
+        trigger = _Trigger(events=2)
+        task = asyncio.create_task(runner.run_trigger(1, trigger))
+        runner.triggers[1] = {"task": task, "is_watcher": False, "name": NAME, "events": 0}
+        await task
+
+    with capture_logs():
+        asyncio.run(run())
+    assert len(drains) == 2  # one per fired line; "starting" waits for the loop's pass
