@@ -17,7 +17,7 @@ checker proves from the databases that every waiter resumed exactly once with it
 no earlier than due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
 made exactly one asset event and the relay delivered it (the ``\u0000`` one dead-lettered alone), and no
 wait stalled past ``lease + poll interval + 3 s`` (the clock's steps and PostgreSQL's downtime taken
-out). Exit status 1 when any check fails. The shared implementation is ``tests/helpers/chaos.py``.
+out). Exit status 1 when any check fails. The shared implementation is ``tests/helpers/chaos/``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The chaos run, short and seeded: every fault kind once or more, a few hundred waiters, the full checker.
 
-The same implementation as ``bench/chaos.py`` (``tests/helpers/chaos.py``); the checker itself is first
+The same implementation as ``bench/chaos.py`` (``tests/helpers/chaos/``); the checker itself is first
 shown to catch each kind of violation on made-up audit trails, so a passing run means something.
 """
 
@@ -16,25 +16,12 @@ from urllib.parse import urlsplit
 import psycopg2
 import pytest
 
-from tests.helpers.chaos import (
-    FAULT_KINDS,
-    NUL_ASSET,
-    ONCE,
-    POISON,
-    FaultRecord,
-    Identity,
-    Observed,
-    Profile,
-    Waiter,
-    downtime,
-    fired_by,
-    judge,
-    judge_assets,
-    judge_bridge,
-    make_plan,
-    on_host_clock,
-    run_chaos,
-)
+from tests.helpers.chaos import run_chaos
+from tests.helpers.chaos.checker import Observed, downtime, judge, judge_assets, judge_bridge, on_host_clock
+from tests.helpers.chaos.cluster import FaultRecord
+from tests.helpers.chaos.constants import FAULT_KINDS, NUL_ASSET, ONCE, POISON
+from tests.helpers.chaos.plan import Identity, Profile, Waiter, make_plan
+from tests.helpers.chaos.run import fired_by
 from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous, ensure_libfaketime
 from tests.helpers.tcp_proxy import Proxies
 from tests.helpers.waiting import rows, wait_for

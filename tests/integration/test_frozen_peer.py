@@ -23,7 +23,7 @@ import psycopg2
 import pytest
 
 from devkit.devstack import AirflowStack
-from tests.helpers.chaos import AUDIT_DDL
+from tests.helpers.chaos.databases import AUDIT_DDL
 from tests.helpers.http_server import ControlledServer
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
 from tests.integration.test_smart_triggerer import LEASE, SHARDS, _job_of, health_url, metrics, seed, start

@@ -1,0 +1,52 @@
+"""A Jepsen-style chaos run of the smart triggerer: the workload (plan.py), the faults
+(cluster.py) and the checker (checker.py).
+
+``bench/chaos.py`` (20 minutes, thousands of waiters) and ``tests/e2e/test_chaos.py`` (a short seeded run)
+share this package, so the suite exercises the very checker the long run relies on.
+
+What runs: a private PostgreSQL whose clock can be stepped (libfaketime; it must also be restarted, so never
+the one ``SMART_TRIGGERER_DSN`` names), an Airflow metadata database with an audit trigger of ours on
+``task_instance`` and ``asset_event``, a "warehouse" database (an ETL status table, a flags table), an HTTP
+condition source, N ``smart-triggerer run`` instances, each reaching the metadata database through a TCP
+proxy of its own (``tcp_proxy.py``) and naming its sessions (``PGAPPNAME`` = the instance's name), and the
+dataset bridge's outbox (the instances' asset manager) with a relay to an inbox stub. Seeded deferred waiters
+(``TableLoadTrigger`` push and pull, ``SqlConditionTrigger``, ``PollTrigger``; 40% duplicates; some with a
+``trigger_timeout`` due during the run) and status-table asset watchers wait while conditions flip, new
+status rows arrive and a seeded schedule of faults runs:
+
+- ``sigkill``, ``sigstop`` (past the lease, then SIGCONT), ``sigterm`` (and a restart), ``join`` and
+  ``leave`` (a fourth instance), ``pg_restart`` (PostgreSQL down for a while);
+- ``freeze``: an instance SIGSTOPped while one of its sessions is inside a transaction (seen in
+  pg_stat_activity, confirmed 'idle in transaction' after the stop) and never woken: SIGKILLed after the
+  hold and replaced, as an orchestrator would;
+- ``partition``: the instance's proxy stops forwarding both ways for the hold, then heals;
+- ``db_error``: right after the instance renewed its leases (its lease rows' expiry moved), its sessions
+  are terminated again and again for about a second, until its log says "database unavailable";
+- ``clock_step``: the database's clock jumps forward (forward only; see ``fake_clock.py``);
+- ``poison``: the source hands one group of waiters an event with a ``\u0000`` (jsonb refuses it): their
+  tasks must fail with the cause ("could not be stored"), exactly once;
+- ``nul_extra``: an asset watcher's event whose extra holds a ``\u0000``: one asset event in Airflow, no
+  outbox row in the producer's transaction, dead-lettered alone by the relay's sweep, all other events
+  delivered.
+
+What is checked, from the databases alone: every waiter left DEFERRED exactly once (the audit trigger logs
+every transition with ``clock_timestamp()``), with its own event, or timed out no earlier than due, or (the
+poison group) failed with the cause; nothing else failed; every SUCCESS status row made exactly one asset
+event, delivered by the relay; and no wait stalled longer than ``lease + poll interval + 3 s`` after its
+condition held (condition times are written by the same PostgreSQL server, so one clock measures both ends;
+the clock's steps are taken out of every duration, ``fake_clock.continuous``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.chaos.checker import Report
+from tests.helpers.chaos.constants import Log
+from tests.helpers.chaos.plan import Profile
+from tests.helpers.chaos.run import ChaosRun
+
+
+def run_chaos(profile: Profile, log: Log = print, keep_logs: Path | None = None) -> Report:
+    """Run one chaos experiment end to end; every process and temp dir is gone when it returns."""
+    return ChaosRun(profile, log, keep_logs).run()
