@@ -294,7 +294,7 @@ def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
     supervisor._heartbeat_counters()
     later = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     later.monotonic = lambda: time.monotonic() + 15  # the supervisor's clock, 15 s on
-    monkeypatch.setattr("triggerer.supervisor.time", later)
+    monkeypatch.setattr("triggerer.supervisor.housekeeping.time", later)
     supervisor._housekeeping()
     totals = page.overview(may_read_assets=False)["totals"]
     assert totals["groups"] == 1 and totals["polls_saved_per_minute"] == 2 * 60 / 0.2

@@ -665,7 +665,7 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
     watcher runs on and its next event is stored."""
     import airflow.assets.manager
 
-    import triggerer.supervisor as supervisor_module
+    import triggerer.supervisor.events as supervisor_module
 
     dsn = env.database_dsn
     monkeypatch.setattr(supervisor_module, "DEAD_AFTER", 3)

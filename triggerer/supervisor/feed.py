@@ -1,0 +1,176 @@
+"""Loading from the change feed: identities of new trigger rows computed once, then the waiters
+that arrived or left since the last loop (every waiter only of a shard just taken), kept in groups."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+from airflow.utils.session import create_session
+
+from triggerer.identities import compute_identities, group_key
+from triggerer.store import Store, WaitingTrigger
+
+if TYPE_CHECKING:
+    pass
+
+from triggerer.supervisor.state import MemberInfo, SupervisorState
+
+log = structlog.get_logger(logger_name=__name__)
+
+
+
+class FeedLoading(SupervisorState):
+    def load_triggers(self) -> None:
+        """What changed since the last loop, read from the change feed: nothing changed, nothing read.
+        Timeouts, unreadable rows and starting groups are steps of their own: one failing (a lock, a row
+        that cannot be built) never keeps the others, nor the next loop's read, from running."""
+        try:
+            self.read_changes()
+        finally:
+            self._db_step("timeouts", self._timeout_members)
+            self._db_step("unreadable", self._fail_unreadable)
+            self._db_step("start", self._start_groups)
+            # publish this loop's counters when they changed, so `status` agrees with /metrics
+            if self._counters() != self.published_counters:
+                self._db_step("heartbeat", self._heartbeat_counters)
+
+    def read_changes(self) -> None:
+        """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
+        self._renew_leases()
+        if not self._nothing_changed():
+            self._hash_new_triggers()
+            self._load_waiters()
+
+    def _nothing_changed(self) -> bool:
+        """One statement: True (and both feed positions moved on) when no waiter arrived or left since
+        the last read and no shard was taken: the common loop of a waiting deployment."""
+        if self.load_xmin is None or self.hash_xmin is None or self.to_read:
+            return False
+        with create_session() as session:
+            xmin, changed = Store(session).feed_probe(self.load_xmin, self.hash_xmin)
+        if self._went_back(xmin) or changed:
+            return False
+        self.load_xmin = self.hash_xmin = xmin
+        return True
+
+    def _went_back(self, xmin: str) -> bool:
+        """A snapshot older than a position already read means the database went back in time (a
+        failover to a replica that had not received the last transactions, crash recovery): transaction
+        ids may be handed out again below what was read. Read everything again."""
+        read = [int(x) for x in (self.load_xmin, self.hash_xmin) if x is not None]
+        if not read or int(xmin) >= max(read):
+            return False
+        log.warning("the database's transaction ids went back; reading every waiter again",
+                    position=max(read), now=int(xmin))
+        self.load_xmin = self.hash_xmin = None
+        return True
+
+    def _hash_new_triggers(self) -> None:
+        """Store the identity of every trigger row the change feed reports as new (of every row without
+        one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
+        another instance is hashing, a row beyond this loop's limit)."""
+        after = self.hash_xmin  # None: a sweep over every trigger row
+        if after is None:
+            self._ensure_feed()
+        with create_session() as session:
+            store = Store(session)
+            if after is None:
+                position = store.sweep_position(self.queue_list)
+            else:
+                position = store.feed_position(after, self.queue_list)
+            if self._went_back(position.xmin):
+                return
+            if position.unhashed == 0:
+                self.hash_xmin = position.xmin
+                return
+        hashed = self._hash_batches(after)
+        if after is None:
+            log.info("hashing trigger rows the change feed does not cover", rows=hashed)
+
+    def _hash_batches(self, after: str | None) -> int:
+        """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
+        while this loop's time budget lasts; returns how many."""
+        batch = self.settings.max_new_per_loop * 4
+        deadline = time.monotonic() + self._busy_budget()
+        hashed = 0
+        while True:
+            with create_session() as session:
+                store = Store(session)
+                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after)
+                if rows:
+                    store.insert_identities(compute_identities(rows, self.settings))
+            hashed += len(rows)
+            if len(rows) < batch or time.monotonic() >= deadline or self.stop:
+                return hashed
+
+    def _ensure_feed(self) -> None:
+        """Before reading everything again: the last instance to stop removes the feed's triggers, and
+        this one may have been taken for stopped while it was paused."""
+        with create_session() as session:
+            if Store(session).ensure_feed_locked():
+                log.warning("installed the change feed's triggers again (an instance stopped while this one "
+                            "was paused, or a table of Airflow's was recreated)")
+
+    def _load_waiters(self) -> None:
+        """Arrivals and departures since the last read, from the change feed; every waiter of shards just
+        taken (or of all owned shards when the feed position was lost) in full."""
+        full = set(self.owned) if self.load_xmin is None else self.to_read & self.owned
+        hold = self.settings.resume_hold_seconds
+        gone: set[int] = set()
+        with create_session() as session:
+            store = Store(session)
+            xmin = store.snapshot_xmin()
+            rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
+            if self.load_xmin is not None:
+                rows += store.waiting_triggers(self.owned - full, self.queue_list, after_xid=self.load_xmin,
+                                               hold_seconds=hold)
+                gone = store.deleted_triggers(self.load_xmin)
+            new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
+            if new:
+                fenced = self._fence(session)
+                store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
+        if self._went_back(xmin):
+            return
+        self.to_read -= full  # read in full, committed
+        reconcile = self.load_xmin is None
+        self.load_xmin = xmin
+        if reconcile:
+            self._reconcile({r.trigger_id for r in rows})
+        for trigger_id in gone:
+            self.held.pop(trigger_id, None)
+            if trigger_id in self.member_info:
+                self._forget_member(trigger_id, user_action=True)
+        for row in rows:
+            self._join(row)
+
+    def _join(self, row: WaitingTrigger) -> None:
+        if row.trigger_id in self.member_info or row.trigger_id in self.held:
+            return
+        if row.shard not in self.owned:
+            return
+        if row.error is not None:
+            self.unreadable[row.trigger_id] = (row.shard, row.error)
+            return
+        self.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
+        now = time.monotonic()
+        if row.hold_left > 0:
+            self.young_until[row.trigger_id] = now + row.hold_left
+        if row.timeout_in is not None:
+            heapq.heappush(self.deadlines, (self._db_now() + row.timeout_in, row.trigger_id))
+        dedup = row.dedupable and self.settings.dedup
+        key = group_key(row.trigger_id, row.identity_hash, dedup)
+        group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
+        if group.stricter_than_running():
+            # The newcomer needs more (a shorter poll interval, another NOTIFY channel): run the group from
+            # its row with the merged settings; the old coroutine is cancelled without on_kill.
+            log.info("restarting a group with more demanding settings", members=len(group.members))
+            self.groups.restart(group, runner=row.trigger_id)
+
+    def _reconcile(self, waiting: set[int]) -> None:
+        for trigger_id in set(self.member_info) - waiting:
+            self._forget_member(trigger_id, user_action=True)
+        for trigger_id in set(self.held) - waiting:
+            self.held.pop(trigger_id, None)

@@ -1,0 +1,192 @@
+"""Membership and shard leases: joining (migrations first), renewing the leases rendezvous
+hashing gives this instance, noticing a lapse by the database clock, dropping and releasing shards."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from airflow.utils.net import get_hostname
+from airflow.utils.session import create_session
+from sqlalchemy.exc import SQLAlchemyError
+
+from triggerer.config import ConfigError
+from triggerer.db_errors import cause, is_transient
+from triggerer.rendezvous import Member, assign, shards_of
+from triggerer.store import Store
+
+if TYPE_CHECKING:
+    pass
+
+from triggerer.supervisor.state import SupervisorState
+
+log = structlog.get_logger(logger_name=__name__)
+
+# after a member's membership lapses, its leases (renewed just before its heartbeat) have expired too
+LAPSE_MARGIN_SECONDS = 0.05
+
+MIGRATE_WAIT_SECONDS = 60.0  # start-up: how long migrations are tried again while their locks are busy
+
+
+class Leases(SupervisorState):
+    def register(self) -> None:
+        """Migrate the schema (each lock waited for briefly, the whole tried again for up to a minute:
+        a migration queued behind a reader must not hold up the running instances' heartbeats behind
+        it) and join the membership."""
+        deadline = time.monotonic() + MIGRATE_WAIT_SECONDS
+        delay = 0.2
+        while True:
+            try:
+                self._migrate_and_join()
+                break
+            except SQLAlchemyError as err:
+                if not is_transient(err) or time.monotonic() + delay > deadline:
+                    raise
+                log.info("the schema is busy (another instance migrating, or a reader); trying again",
+                         error=cause(err), retry_in=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.publish_snapshot()
+
+    def _migrate_and_join(self) -> None:
+        with create_session() as session:
+            store = Store(session)
+            store.migrate(self.settings.shards)
+            self._refuse_overlapping_queues(store)
+            store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
+                           health_url=self.health_url, shards=self.settings.shards)
+
+    def _refuse_overlapping_queues(self, store: Store) -> None:
+        """Queue sets own separate shard spaces: two sets that share a queue would both run its triggers."""
+        mine = set(self.queues or ())
+        for other in store.live_queue_sets(self.settings.lease_seconds):
+            theirs = {q for q in other.split(",") if q}
+            if theirs != mine and theirs & mine:
+                raise ConfigError(
+                    f"--queues {','.join(sorted(mine))} overlaps a live instance's --queues {other}: "
+                    "instances must serve either the same queue set or disjoint ones"
+                )
+
+    def _guard_leases(self) -> None:
+        """Stop running shards before their leases can expire when they cannot be renewed.
+
+        A slow loop (a busy host, a long burst) is not a reason: the leases are renewed now, and those
+        still valid by the database clock keep their groups running (stopping and restarting coroutines
+        is itself a stall). Only when that renewal fails are all shards stopped.
+        """
+        if not self.owned or not self._renewal_overdue():
+            return
+        if self._db_step("renewal", self._renew_leases) or not self.owned:
+            return
+        log.warning("cannot renew shard leases; stopping all shards before they expire",
+                    shards=len(self.owned), cause=self.last_error)
+        self._drop_shards(set(self.owned))
+        self.owned = set()
+
+    def _renewal_overdue(self) -> bool:
+        return time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6
+
+    def _drop_lapsed(self) -> None:
+        """Shards whose lease lapsed while this instance thought it held them (the database clock stepped,
+        a loop was slow): their members are dropped, not kept without a coroutine, and the shards leave
+        ``owned``, so whoever claims them next (this instance too) reads them in full."""
+        lapsed, self.lapsed = self.lapsed & self.owned, set()
+        if not lapsed:
+            return
+        log.warning("shard leases lapsed by the database clock; dropping them until claimed again",
+                    shards=sorted(lapsed))
+        self._drop_shards(lapsed)
+        self.owned -= lapsed
+        self.to_read -= lapsed
+
+    def _heartbeat_counters(self) -> None:
+        counters = self._counters()
+        with create_session() as session:
+            store = Store(session)
+            self._renew_membership(store, counters)
+        self.published_counters = counters
+
+    def _renew_membership(self, store: Store, counters: dict[str, Any]) -> None:
+        """Heartbeat our instance row; note the database clock it read, and re-read the feed if our
+        membership had lapsed before this renewal."""
+        was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
+                                           feed_xmin=self._feed_xmin(), **counters)
+        self.db_clock = (db_now, time.monotonic())
+        if not was_live:
+            self._lost_the_feed()
+
+    def _feed_xmin(self) -> str | None:
+        """How far this instance has read the change feed (rows before it may be pruned)."""
+        if self.load_xmin is None or self.hash_xmin is None:
+            return None
+        return min(self.load_xmin, self.hash_xmin, key=int)
+
+    def _renew_leases(self) -> None:
+        started = time.monotonic()
+        with create_session() as session:
+            store = Store(session)
+            counters = self._counters()
+            self._renew_membership(store, counters)
+            self.published_counters = counters
+            lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
+            members = [member for member, _ in lapsing]
+            self._wake_at_lapse([left for member, left in lapsing if member.job_id != self.job_id])
+            if all(m.job_id != self.job_id for m in members):
+                members.append(Member(self.job_id, self.capacity))
+            desired = shards_of(self.job_id, assign(self.settings.shards, members))
+            released = self.owned - desired
+            if released:
+                store.release_shards(self.job_id, released, self.queues_key)
+            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key)
+            if skipped := (desired - claimed) & self.owned:
+                # still ours, locked by a session of ours whose client is gone: kept, renewed later
+                claimed |= store.held_shards(self.job_id, skipped, self.queues_key)
+        self.last_renewal = started
+        lost, gained = self.owned - claimed, claimed - self.owned
+        if lost:
+            log.info("handing over shards", shards=sorted(lost))
+            self._drop_shards(lost)
+        if gained:
+            log.info("took shards", count=len(gained))
+        self.owned = claimed
+        self.to_read = (self.to_read | gained) & claimed
+
+    def _lost_the_feed(self) -> None:
+        """Our membership lapsed by the database clock (a pause, a very slow loop), and with it our claim on
+        the change feed (peers prune what every live instance has read): read everything again, once. A
+        slow loop whose membership held reads on from where it was."""
+        self.load_xmin = self.hash_xmin = None
+
+    def _wake_at_lapse(self, lapses_in: list[float]) -> None:
+        """Load again right when another member's membership lapses (it stopped renewing: crashed or
+        paused), not up to a loop later: its shards, whose leases expire with it, are taken at once."""
+        soonest = min((left for left in lapses_in if left < self.settings.loop_seconds), default=None)
+        if soonest is not None:
+            # the next load runs once loop_seconds have passed since last_load: move last_load back
+            due = time.monotonic() + max(soonest, 0.0) + LAPSE_MARGIN_SECONDS
+            self.last_load = min(self.last_load, due - self.settings.loop_seconds)
+
+    def _drop_shards(self, shards: set[int]) -> None:
+        """Forget every waiter of these shards and cancel their coroutines without on_kill."""
+        dropped = [t for t, info in self.member_info.items() if info.shard in shards]
+        for trigger_id in dropped:
+            # held events first: their shard is known only while the member's info is kept
+            self.held.pop(trigger_id, None)
+            self._forget_member(trigger_id, user_action=False)
+
+    def release_all(self) -> None:
+        """Graceful stop: release every lease and leave the membership at once; the last instance also
+        takes the change feed off Airflow's tables (best effort: the next start prunes what is left)."""
+        with create_session() as session:
+            Store(session).stop_instance(self.job_id)
+        self.owned = set()
+        try:
+            with create_session() as session:
+                removed = Store(session).remove_feed_if_last(self.job_id, self.settings.lease_seconds)
+        except SQLAlchemyError as err:
+            log.warning("could not remove the change feed's triggers; the next instance to start uses them",
+                        error=cause(err))
+            return
+        if removed:
+            log.info("last instance stopped: removed the change feed's triggers from Airflow's tables")

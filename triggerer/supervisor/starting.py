@@ -1,0 +1,282 @@
+"""Starting groups: one coroutine per group in Airflow's runner, most urgent first, built a batch at a
+time (workloads, DAGs read once per start, log files through the bounded pool, first lines held
+during a big start) and the runner's requests answered."""
+
+from __future__ import annotations
+
+import math
+import select as io_select
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import structlog
+from airflow.jobs.triggerer_job_runner import (
+    TriggerLoggingFactory,
+    messages,
+)
+from airflow.models.taskinstance import TaskInstance
+from airflow.models.trigger import Trigger
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, selectinload
+
+from triggerer.dagbag import OneBuildDagBag
+from triggerer.db_errors import cause, is_outage, is_transient
+from triggerer.groups import Group
+from triggerer.store import Store
+from triggerer.trigger_logs import PooledTriggerLoggingFactory
+
+if TYPE_CHECKING:
+    from airflow.models.dagbag import DBDagBag
+
+from triggerer.supervisor.state import SupervisorState
+
+log = structlog.get_logger(logger_name=__name__)
+
+# a group whose poll interval no kwarg names is started after those due within this many seconds
+UNKNOWN_INTERVAL_SECONDS = 60.0
+
+# a takeover or start of at least this many coroutines holds their first log lines until they all run,
+# and their log files are made this long after the runner reported the last one running (trigger_logs.py)
+HOLD_LOG_LINES_FROM = 100
+
+LOG_READS_BEFORE_FINISHING = 1024  # reads of Airflow's 4 KB each: the runner's biggest batch is 256 KB
+
+HELD_LOG_LINES_SECONDS = 2.0
+
+HOLD_LOG_LINES_MAX_SECONDS = 60.0  # a group that never reports running must not hold lines for ever
+
+# then held files are made in the background: at most this long per pass and one pass per this interval
+# (a quarter of a core; making and processing them all at once took a core for seconds, from the runner
+# still making its first polls)
+WRITE_HELD_SECONDS = 0.05
+
+WRITE_HELD_EVERY_SECONDS = 0.2
+
+class _RowCannotBeBuilt(Exception):
+    """A database error building one row's workload that is not an outage nor a lock: that row cannot
+    lead its group, and the build's transaction is lost (the others are built again)."""
+
+    def __init__(self, trigger_id: int) -> None:
+        super().__init__(trigger_id)
+        self.trigger_id = trigger_id
+
+
+class GroupStarting(SupervisorState):
+    def _start_groups(self) -> None:
+        """Start waiting groups, most urgent first, a batch at a time while this call's time budget lasts
+        (the rest in the next call, right after the runner's messages were handled): every loop stays short
+        and renews its leases in time, and a takeover of thousands starts in seconds. A build is a batch at
+        most, also for groups started while the database was away (``build_backlog``)."""
+        self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
+        self._pace_log_files()  # before the first batch goes out: its lines come back between batches
+        deadline = time.monotonic() + self._busy_budget()
+        order: list[Group] = []
+        while not self.stop:
+            if not order and self.groups.unstarted:
+                order = self._by_urgency()
+            batch, order = order[: self.settings.max_new_per_loop], order[self.settings.max_new_per_loop:]
+            for group in batch:
+                if self.groups.unstarted.get(group.identity_hash) is group:
+                    self.groups.start(group)
+            self.build_backlog = self._request_started()
+            if not self._start_backlog() or time.monotonic() >= deadline:
+                return
+            # hand this batch to the runner (it asks, we answer) and read its log lines while building
+            # the next: a runner left unanswered stalls on its full log socket
+            self._service_subprocess(0.0)
+
+    def _pace_log_files(self) -> None:
+        """While a takeover or a start hands out coroutines (and for a moment after), their first log lines
+        are held in memory; then their files are made, a time budget per loop (trigger_logs.py): making
+        tens of thousands of files would otherwise be most of the supervisor's work while waits wait."""
+        now = time.monotonic()
+        # groups without a coroutine yet: not started, started but not built, or handed to the runner and
+        # not yet reported running (the runner may take a whole pile in one sync and create it for seconds)
+        to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
+        if not self.log_pool.holding:
+            self.holding_since = now
+        if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS:
+            if to_run >= HOLD_LOG_LINES_FROM or (self.log_pool.holding and to_run > 0):
+                self.handing_out_until = now + HELD_LOG_LINES_SECONDS
+            elif self.log_pool.holding:
+                # reported running is not started yet: a runner given thousands at once runs their first
+                # steps (and their first lines) for seconds after; hold while new files' lines still come
+                self.handing_out_until = max(self.handing_out_until,
+                                             self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
+        self.log_pool.holding = now < self.handing_out_until
+        if (not self.log_pool.holding and self.log_pool.held
+                and now - self.held_written_at >= WRITE_HELD_EVERY_SECONDS):
+            self.held_written_at = now
+            self.log_pool.write_held(WRITE_HELD_SECONDS)
+
+    def write_held_log_lines(self) -> None:
+        """On the way out: the held first lines of coroutines started in the last seconds, for at most a
+        second (an exit must stay prompt); what is left is said, not silently lost."""
+        self.log_pool.holding = False
+        if self.log_pool.write_held(HELD_LOG_LINES_SECONDS / 2):
+            log.warning("trigger log lines not written at exit", files=len(self.log_pool.held))
+
+    def _start_backlog(self) -> bool:
+        """Groups wait for a coroutine, or started groups for their workload to be built."""
+        return bool(self.groups.unstarted) or self.build_backlog
+
+    def _by_urgency(self) -> list[Group]:
+        """The waiting groups, those whose next poll or earliest member timeout is due soonest first (a
+        group just taken over may be due at once; its last poll is not known): asset watchers first, then
+        by poll interval or timeout, whichever comes sooner."""
+        now = self._db_now()
+        timeouts: dict[int, float] = {}
+        for due, trigger_id in self.deadlines:
+            timeouts[trigger_id] = min(due, timeouts.get(trigger_id, due))
+
+        def due_in(group: Group) -> float:
+            if not all(self._is_task(m) for m in group.members):
+                return -math.inf  # an asset watcher: its events come whenever its source has them
+            soonest = min((timeouts[m] - now for m in group.members if m in timeouts), default=math.inf)
+            return min(soonest, group.poll_interval or UNKNOWN_INTERVAL_SECONDS)
+
+        return sorted(self.groups.unstarted.values(), key=due_in)
+
+    def _request_started(self) -> bool:
+        """Ask the runner for what changed (idle loops cost nothing); a leader that cannot start hands over
+        to the next member at once (bounded passes). True when coroutines are left to build next batch."""
+        for _ in range(3):
+            state = (self.groups.version, self.runner_changes)
+            if state == self.requested:
+                return False
+            retry, more = self._request_runners()
+            if more:
+                return True  # not recorded as requested: the next call builds the next batch
+            self.requested = state
+            if not retry:
+                return False
+        return False
+
+    def _request_runners(self) -> tuple[bool, bool]:
+        """Ask the runner for the groups' coroutines, a batch at most (a pile of groups started while the
+        database was away is built over several calls, each short). Returns (some leader could not
+        start, coroutines were left to build)."""
+        requested = self.groups.runner_ids()
+        known = self.running_triggers.union(
+            (entry.trigger_id for entry in self.events), (entry.trigger_id for entry in self.orphans),
+            self.cancelling_triggers,
+            (failure[0] for failure in self.failed_triggers), (w.id for w in self.creating_triggers),
+        )
+        new_ids = requested - known
+        cancel_ids = self.running_triggers - requested
+        if cancel_ids:
+            self.cancelling_triggers.update(cancel_ids)
+        more = len(new_ids) > self.settings.max_new_per_loop
+        if more:
+            new_ids = set(sorted(new_ids)[: self.settings.max_new_per_loop])
+        if not new_ids:
+            return False, False
+        try:
+            workloads = self.build_trigger_workloads(new_ids)
+        except _RowCannotBeBuilt as err:
+            # the build's transaction is aborted: the others are built again in the next pass
+            self._next_leader(err.trigger_id)
+            return True, more
+        finally:
+            self.build_bag = None  # DAGs are shared within one build only
+        self.creating_triggers.extend(workloads)
+        not_started = new_ids - {w.id for w in workloads}
+        for trigger_id in not_started:
+            self._next_leader(trigger_id)
+        return bool(not_started), more
+
+    def _next_leader(self, trigger_id: int) -> None:
+        """A group's leader row could not start (its task was cleared or timed out between load and start,
+        its workload cannot be built): let another member lead, or the group would never run."""
+        group = self.groups.by_runner(trigger_id)
+        if group is None:
+            return
+        group.unstartable.add(trigger_id)
+        self.groups.stop_runner(group)
+        leader = self.groups.start(group)
+        log.warning("a group's leader could not start", trigger_id=trigger_id, next_leader=leader,
+                    members=len(group.members))
+
+    def fetch_trigger_details(self, trigger_ids: set[int], *, session: Session) -> dict[int, Trigger]:
+        """Airflow's ``Trigger.bulk_fetch`` without what a workload never reads: it also joins each task
+        instance's trigger (the row just read, again) and that trigger's triggerer job, a sixth of a
+        takeover's build time at tens of thousands of triggers."""
+        stmt = (select(Trigger).where(Trigger.id.in_(trigger_ids))
+                .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger)))
+        return {trigger.id: trigger for trigger in session.scalars(stmt)}
+
+    def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
+                         session: Session) -> Any:
+        if self.build_bag is None or self.build_bag.bag is not dag_bag:
+            self.build_bag = OneBuildDagBag(dag_bag, self.dag_cache)
+            # Airflow's build transaction locks nothing, and deserializing a big DAG may sit longer than
+            # the connection's idle-in-transaction limit (bounded.py) between two statements
+            Store(session).unbound_idle()
+        try:
+            workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
+                                                session)  # a DBDagBag in all Airflow asks of it
+        except SQLAlchemyError as err:
+            if is_outage(err) or is_transient(err):
+                raise
+            # this row's own data is refused (e.g. a value its model cannot load): it cannot lead here
+            log.error("a trigger's workload cannot be built; another member leads its group",
+                      trigger_id=trigger.id, error=cause(err))
+            raise _RowCannotBeBuilt(trigger.id) from err
+        except Exception as err:
+            # e.g. a timetable or a module the task's DAG needs is not installed on this host: this row
+            # cannot lead its group here (another member, or another host after a handover, may)
+            log.error("a trigger's workload cannot be built on this host", trigger_id=trigger.id,
+                      error=cause(err))
+            return None
+        self._pool_log_file(trigger.id)
+        group = self.groups.by_runner(trigger.id)
+        if workload is None or group is None:
+            return workload
+        info = self.member_info.get(trigger.id)
+        if info is not None and info.dedupable and self.settings.dedup:
+            # Members time out one by one (see _timeout_members); the shared coroutine must not.
+            workload = workload.model_copy(update={"timeout_after": None})
+            workload = self._with_group_settings(workload, trigger, group)
+        return workload
+
+    def _pool_log_file(self, trigger_id: int) -> None:
+        """The coroutine's log file through the bounded pool, not one descriptor per coroutine."""
+        factory = self.logger_cache.get(trigger_id)
+        if type(factory) is TriggerLoggingFactory:
+            self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(factory, self.log_pool)
+
+    def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group) -> Any:
+        """Run the group with its members' merged settings (shortest interval, every channel...)."""
+        kwargs = trigger.kwargs
+        changed = {k: v for k, v in group.settings.items()
+                   if k in kwargs and kwargs[k] != v and [kwargs[k]] != v}
+        if not changed:
+            return workload
+        kwargs.update(changed)
+        return workload.model_copy(update={"encrypted_kwargs": Trigger.encrypt_kwargs(kwargs)})
+
+    def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
+        handing_out = bool(self.creating_triggers)
+        if isinstance(msg, messages.TriggerStateChanges) and msg.finished:
+            self._read_sent_log_lines()
+        super()._handle_request(msg, log, req_id)
+        if isinstance(msg, messages.TriggerStateChanges):
+            if msg.finished or msg.events or msg.failures or handing_out:
+                self.runner_changes += 1  # what the runner runs changed: compare with the groups again
+            for trigger_id in msg.finished or ():
+                self.user_cancels.discard(trigger_id)
+
+    def _read_sent_log_lines(self) -> None:
+        """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
+        sync reports it ended, and reads the log channel 4 KB per loop pass: the runner sends its lines in
+        batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
+        files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
+        for key in list(self.selector.get_map().values()):
+            if self._open_sockets.get(key.fileobj) != "logs":  # type: ignore[call-overload]
+                continue
+            read, _on_close = key.data
+            for _ in range(LOG_READS_BEFORE_FINISHING):
+                ready, _, _ = io_select.select([key.fileobj], [], [], 0)
+                if not ready or not read(key.fileobj):
+                    break  # nothing more now, or the channel closed (the loop's next select handles that)

@@ -1,0 +1,236 @@
+"""What every part of the supervisor shares: its fields (one attrs class) and the few helpers
+more than one part calls; the calls parts make into each other are named at the end (each part
+implements its own, the conductor inherits them all)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import structlog
+from airflow.jobs.triggerer_job_runner import (
+    TriggerEventEntry,
+    TriggerRunnerSupervisor,
+)
+from airflow.triggers.base import TriggerEvent
+from sqlalchemy.orm import Session
+
+from triggerer.config import Settings
+from triggerer.dagbag import DagCache, OneBuildDagBag
+from triggerer.db_errors import cause, is_outage
+from triggerer.dead_letters import DeadLetters
+from triggerer.groups import Groups
+from triggerer.store import Store
+from triggerer.trigger_logs import LogFilePool, open_files_allowed
+
+if TYPE_CHECKING:
+    pass
+
+
+log = structlog.get_logger(logger_name=__name__)
+
+SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
+
+FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
+
+WATCHER_BACKOFF_MAX_SECONDS = 60.0
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """What the loop needs to know of a member (its row's other fields are not kept)."""
+
+    shard: int
+    has_task: bool
+    dedupable: bool
+
+@dataclass
+class Held:
+    """An event kept back for a member whose deferral is too recent to resume safely."""
+
+    event: TriggerEvent
+    release_at: float  # time.monotonic()
+
+
+@attrs.define(kw_only=True)
+class SupervisorState(TriggerRunnerSupervisor):
+    settings: Settings = attrs.field(factory=Settings.from_airflow)
+    health_url: str | None = None
+
+    groups: Groups = attrs.field(factory=Groups, init=False)
+    owned: set[int] = attrs.field(factory=set, init=False)
+    member_info: dict[int, MemberInfo] = attrs.field(factory=dict, init=False)
+    young_until: dict[int, float] = attrs.field(factory=dict, init=False)
+    held: dict[int, Held] = attrs.field(factory=dict, init=False)
+    user_cancels: set[int] = attrs.field(factory=set, init=False)
+    # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
+    # read commits (a statement failing later in the loop that took it must not leave it unread)
+    to_read: set[int] = attrs.field(factory=set, init=False)
+    # owned shards whose lease a write transaction found lapsed by the database clock: dropped after it
+    lapsed: set[int] = attrs.field(factory=set, init=False)
+    last_error: str | None = attrs.field(default=None, init=False)
+    failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
+    # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
+    load_xmin: str | None = attrs.field(default=None, init=False)
+    hash_xmin: str | None = attrs.field(default=None, init=False)
+    # members' trigger_timeout as (database clock in epoch seconds, trigger id), soonest first
+    deadlines: list[tuple[float, int]] = attrs.field(factory=list, init=False)
+    # the database clock's last reading (epoch seconds) and time.monotonic() then: between two renewals the
+    # database's time is estimated from it, so a step of the database's clock is followed within a loop
+    db_clock: tuple[float, float] | None = attrs.field(default=None, init=False)
+    # started groups whose workloads are left to build (a build is a batch at most)
+    build_backlog: bool = attrs.field(default=False, init=False)
+    unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
+    requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
+    runner_changes: int = attrs.field(default=0, init=False)
+    build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
+    dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
+    last_cleanup: float = attrs.field(default=-math.inf, init=False)
+    last_prune: float = attrs.field(default=-math.inf, init=False)
+    last_lingering: float = attrs.field(factory=time.monotonic, init=False)
+    last_sample: float = attrs.field(factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS,
+                                     init=False)
+    # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved" card
+    # comes from it, next to groups from the heartbeat, so a change is sampled within FIRST_SAMPLE_SECONDS
+    sampled: tuple[int, int] | None = attrs.field(default=None, init=False)
+    sampled_at: float = attrs.field(factory=time.monotonic, init=False)
+    published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
+    loops: int = attrs.field(default=0, init=False)
+    last_renewal: float = attrs.field(default=-math.inf, init=False)
+    last_load: float = attrs.field(default=-math.inf, init=False)
+    pending_since: float | None = attrs.field(default=None, init=False)
+    # events of coroutines still running whose group this instance forgot (its shards were dropped and may
+    # be re-claimed without restarting the coroutine): kept until the group is back or the coroutine ends
+    orphans: list[TriggerEventEntry] = attrs.field(factory=list, init=False)
+    db_ok: bool = attrs.field(default=True, init=False)
+    events_total: int = attrs.field(default=0, init=False)
+    resumed_total: int = attrs.field(default=0, init=False)
+    failures_total: int = attrs.field(default=0, init=False)
+    # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
+    watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
+    watcher_restarts_total: int = attrs.field(default=0, init=False)
+    outage_strikes: dict[int, int] = attrs.field(factory=dict, init=False)  # runner id -> in a row
+    dead_letters: DeadLetters = attrs.field(factory=DeadLetters, init=False)
+    watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
+    last_watcher_error: str | None = attrs.field(default=None, init=False)
+    published: dict[str, Any] = attrs.field(factory=dict, init=False)
+    log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
+    handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
+    holding_since: float = attrs.field(default=-math.inf, init=False)
+    held_written_at: float = attrs.field(default=-math.inf, init=False)
+
+    @property
+    def job_id(self) -> int:
+        assert self.job is not None, "the smart triggerer always runs under a TriggererJob"
+        return int(self.job.id)
+
+    @property
+    def queues_key(self) -> str | None:
+        return ",".join(sorted(self.queues)) if self.queues else None
+
+    @property
+    def queue_list(self) -> list[str] | None:
+        return sorted(self.queues) if self.queues else None
+
+    def _db_step(self, name: str, step: Callable[[], None]) -> bool:
+        """A step that fails must not stop the service: an outage is logged once, any other error when
+        its cause changes; the loop goes on and the step runs again. True when the step succeeded."""
+        try:
+            step()
+        except Exception as err:
+            self._step_failed(name, err)
+            return False
+        else:
+            if not self.db_ok and name == "load":
+                log.info("database reachable again")
+                self.db_ok = True
+            return True
+        finally:
+            self._drop_lapsed()
+
+    def _step_failed(self, name: str, err: Exception) -> None:
+        self.last_error = cause(err)
+        if is_outage(err):
+            if self.db_ok:
+                log.warning("database unavailable; retrying every loop", step=name, error=self.last_error)
+            self.db_ok = False
+        elif self.failed_step != (name, self.last_error):
+            # not the database being away: a statement it refused, a lock, or a bug (named, not hidden)
+            log.error("a loop step failed; retrying it every loop", step=name, error=self.last_error)
+        self.failed_step = (name, self.last_error)
+
+    def _fence(self, session: Session) -> set[int]:
+        """The owned shards whose lease still holds, share-locked until this transaction ends. Owned shards
+        whose lease lapsed by the database clock are dropped once the caller is done (``_drop_lapsed``)."""
+        if not self.owned:
+            return set()
+        fenced = Store(session).fence(self.job_id, self.owned, self.queues_key)
+        self.lapsed |= self.owned - fenced
+        return fenced
+
+    def _shard_of(self, trigger_id: int) -> int | None:
+        info = self.member_info.get(trigger_id)
+        return None if info is None else info.shard
+
+    def _db_now(self) -> float:
+        """The database clock now (epoch seconds), from its last reading and the host's monotonic clock."""
+        if self.db_clock is None:
+            return time.time()
+        reading, at = self.db_clock
+        return reading + (time.monotonic() - at)
+
+    def _forget_member(self, trigger_id: int, *, user_action: bool) -> None:
+        info = self.member_info.pop(trigger_id, None)
+        self.young_until.pop(trigger_id, None)
+        group = self.groups.leave(trigger_id)
+        if group is None or not group.empty:
+            return
+        # A lone task's trigger left by user action gets on_kill, as in stock Airflow;
+        # a shared coroutine never does (its other waiters may still need it).
+        lone_task = info is not None and not info.dedupable and info.has_task
+        if group.runner_id is not None and user_action and lone_task:
+            self.user_cancels.add(group.runner_id)
+        self.groups.finish(group)
+
+    def _is_task(self, trigger_id: int) -> bool:
+        info = self.member_info.get(trigger_id)
+        return info is None or info.has_task
+
+    def _task_members(self, members: Iterable[int]) -> list[int]:
+        return [m for m in members if self._is_task(m)]
+
+    def _busy_budget(self) -> float:
+        """Seconds one call may spend starting groups or hashing rows before the loop goes on."""
+        return max(0.25, self.settings.lease_seconds * 0.1)
+
+    # --- what the parts call of each other: each is implemented by its part, the conductor has them all ---
+
+    def _counters(self) -> dict[str, Any]:
+        raise NotImplementedError  # implemented by a part
+
+    def publish_snapshot(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _heartbeat_counters(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _renew_leases(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _guard_leases(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _fail_unreadable(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _timeout_members(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _start_groups(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _drop_lapsed(self) -> None:
+        raise NotImplementedError  # implemented by a part
