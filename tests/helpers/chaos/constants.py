@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 TABLE, FLAG, HTTP, POISON = "table", "flag", "http", "poison"
 CLASSPATHS = {
     TABLE: "triggers.table_load.TableLoadTrigger",
