@@ -143,6 +143,11 @@ def test_stalls_are_measured_without_postgresqls_own_downtime() -> None:
     assert judge(http_waiter(), trail, at(10), 12.0).problems  # 14 s
     outcome = judge(http_waiter(), trail, at(10), 12.0, down=downtime([restart, other]))
     assert (outcome.problems, outcome.stall) == ([], 10.0)
+    # the same for a timeout: due at 10 s, written at 24 s, 4 s of it with PostgreSQL down
+    timed_out = [entry("deferred", 0), entry("resolved", 24, method="__fail__", kwargs=TIMEOUT, due=10)]
+    assert judge(http_waiter(timeout_at=10), timed_out, None, 12.0, at(10)).problems  # 14 s
+    outcome = judge(http_waiter(timeout_at=10), timed_out, None, 12.0, at(10), down=downtime([restart]))
+    assert (outcome.verdict, outcome.problems, outcome.stall) == ("timed_out", [], 10.0)
 
 
 def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:

@@ -137,7 +137,7 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
         return outcome
     expected = _expected(condition, due, bound)
     if outcome.verdict == "timed_out":
-        _judge_timeout(outcome, first, due, expected, bound)
+        _judge_timeout(outcome, first, due, expected, bound, down=down)
     else:
         _judge_event(outcome, waiter, first, condition=condition, start=start, expected=expected, bound=bound,
                      down=down)
@@ -193,7 +193,7 @@ def _expected(condition: dt.datetime | None, due: dt.datetime | None, bound: flo
 
 
 def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | None, expected: str,
-                   bound: float) -> None:
+                   bound: float, *, down: Windows = ()) -> None:
     if due is None:
         outcome.problems.append("wrong: timed out without a trigger_timeout")
         return
@@ -202,9 +202,12 @@ def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | N
         outcome.problems.append(f"early: timed out {-late:.2f}s before its deadline")
     if expected == "event":
         outcome.problems.append("wrong: timed out although its condition held well before the deadline")
-    outcome.stall, outcome.window = max(late, 0.0), (due, entry["at"])
-    if late > bound:
-        outcome.problems.append(f"stalled: timed out {late:.1f}s after due (bound {bound:.0f}s)")
+    # as for an event: PostgreSQL's own downtime inside the wait is nobody's delay (nothing can be written)
+    stall = max(late, 0.0) - (_down_within(due, entry["at"], down) if late > 0 else 0.0)
+    outcome.stall, outcome.window = stall, (due, entry["at"])
+    if stall > bound:
+        outcome.problems.append(f"stalled: timed out {stall:.1f}s after due, less PostgreSQL's downtime "
+                                f"(bound {bound:.0f}s)")
 
 
 def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, condition: dt.datetime | None,
