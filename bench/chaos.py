@@ -23,6 +23,7 @@ out). Exit status 1 when any check fails. The shared implementation is ``tests/h
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
 import shutil
@@ -36,6 +37,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 _HOME = Path(tempfile.mkdtemp(prefix="smart-triggerer-chaos-home-"))
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)  # also when imported without a run
 os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 # the harness itself seeds through Airflow's ORM: keep its info logs out of the progress output
