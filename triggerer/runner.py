@@ -322,7 +322,6 @@ class SmartTriggerRunner(TriggerRunner):
         except Exception:
             with suppress(BrokenPipeError):
                 await log.aexception("Trigger runner failed")
-                self._send_log_lines()
             self.stop = True
             raise
         finally:

@@ -159,7 +159,7 @@ class PooledLogFile:
             self._rendering.append(data)
             return len(data)
         if self.holds():
-            self._hold(data)
+            self.hold(data)
             return len(data)
         try:
             return self._handle().write(data)
@@ -174,11 +174,8 @@ class PooledLogFile:
     def has_held(self) -> bool:
         return bool(self._held)
 
-    def hold_call(self, call: Callable[[], Any]) -> None:
-        """Keep a logger call whose processing and line wait until the file is made."""
-        self._hold(call)
-
-    def _hold(self, item: bytes | Callable[[], Any]) -> None:
+    def hold(self, item: bytes | Callable[[], Any]) -> None:
+        """Keep a line, or a logger call whose processing and line wait, until the file is made."""
         if not self._held:
             self._pool.new_file_held_at = time.monotonic()
         self._held.append(item)
@@ -251,7 +248,7 @@ class _HoldingLogger:
 
     def log(self, level: int, event: Any = None, *args: Any, **kw: Any) -> Any:
         if self._file.holds():
-            self._file.hold_call(partial(self._logger.log, level, event, *args, **kw))
+            self._file.hold(partial(self._logger.log, level, event, *args, **kw))
             return None
         self._release()
         return self._logger.log(level, event, *args, **kw)

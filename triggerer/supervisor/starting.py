@@ -88,8 +88,9 @@ class GroupStarting(SupervisorState):
 
     def _pace_log_files(self) -> None:
         """While a takeover or a start hands out coroutines (and for a moment after), their first log lines
-        are held in memory; then their files are made, a time budget per loop (trigger_logs.py): making
-        tens of thousands of files would otherwise be most of the supervisor's work while waits wait."""
+        are held in memory; then their files are made in the background, ``WRITE_HELD_SECONDS`` per
+        ``WRITE_HELD_EVERY_SECONDS`` (trigger_logs.py): making tens of thousands of files would otherwise be
+        most of the supervisor's work while waits wait."""
         now = time.monotonic()
         # groups without a coroutine yet: not started, started but not built, or handed to the runner and
         # not yet reported running (the runner may take a whole pile in one sync and create it for seconds)

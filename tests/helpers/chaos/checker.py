@@ -115,6 +115,11 @@ def _down_within(start: dt.datetime, end: dt.datetime, windows: Windows) -> floa
     return sum(max(0.0, (min(end, b) - max(start, a)).total_seconds()) for a, b in windows)
 
 
+def _seconds_up(start: dt.datetime, end: dt.datetime, down: Windows) -> float:
+    """Seconds from ``start`` to ``end`` less PostgreSQL's downtime inside: how every stall is measured."""
+    return (end - start).total_seconds() - _down_within(start, end, down)
+
+
 def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None,
           bound: float, due: dt.datetime | None = None, *, down: Windows = ()) -> Outcome:
     """One waiter's audit trail against its condition and its deadline (``due``, as the harness set it)."""
@@ -174,7 +179,7 @@ def _judge_poison(outcome: Outcome, entry: dict[str, Any], *, condition: dt.date
         outcome.problems.append(f"premature: failed at {entry['at'].isoformat()} before its event existed")
         return
     assert start is not None
-    stall = (entry["at"] - start).total_seconds() - _down_within(start, entry["at"], down)
+    stall = _seconds_up(start, entry["at"], down)
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
         outcome.problems.append(f"stalled: failed {stall:.1f}s after its event came (bound {bound:.0f}s)")
@@ -203,7 +208,7 @@ def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | N
     if expected == "event":
         outcome.problems.append("wrong: timed out although its condition held well before the deadline")
     # as for an event: PostgreSQL's own downtime inside the wait is nobody's delay (nothing can be written)
-    stall = max(late, 0.0) - (_down_within(due, entry["at"], down) if late > 0 else 0.0)
+    stall = max(_seconds_up(due, entry["at"], down), 0.0)
     outcome.stall, outcome.window = stall, (due, entry["at"])
     if stall > bound:
         outcome.problems.append(f"stalled: timed out {stall:.1f}s after due, less PostgreSQL's downtime "
@@ -222,7 +227,7 @@ def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, con
     if expected == "timeout":
         outcome.problems.append("wrong: resumed although its deadline passed well before its condition")
     assert start is not None
-    stall = (entry["at"] - start).total_seconds() - _down_within(start, entry["at"], down)
+    stall = _seconds_up(start, entry["at"], down)
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
         outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held "
@@ -305,7 +310,7 @@ def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str
                                 f"table_name {payload.get('table_name')!r}")
     created = events[0][3]
     if created is not None:
-        latency = (created - at).total_seconds() - _down_within(at, created, down)
+        latency = _seconds_up(at, created, down)
         result.latencies.append(latency)
         allowed = bound + struck * retake
         if struck and latency > bound:
