@@ -336,3 +336,43 @@ def _session() -> Any:
     from airflow.utils.session import create_session
 
     return create_session()
+
+
+def feed_functions(dsn: str) -> dict[str, str]:
+    """Each feed trigger's function name."""
+    found = rows(dsn, "SELECT t.tgname, p.proname FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
+                      "WHERE t.tgname LIKE 'smart_triggerer_feed_%%'")
+    return {name: function for name, function in found}
+
+
+def changes(dsn: str, trigger_ids: list[int]) -> list[tuple[int, bool]]:
+    return [(r[0], r[1]) for r in rows(
+        dsn, "SELECT trigger_id, created FROM smart_triggerer.trigger_change WHERE trigger_id = ANY(%s) "
+             "ORDER BY xid, trigger_id", trigger_ids)]
+
+
+def delete_triggers(dsn: str, trigger_ids: list[int]) -> None:
+    rows(dsn, "UPDATE task_instance SET trigger_id = NULL WHERE trigger_id = ANY(%s); "
+              "DELETE FROM trigger WHERE id = ANY(%s) RETURNING id", trigger_ids, trigger_ids)
+
+
+@pytest.mark.parametrize("installed_by", ["this version", "the version before"])
+def test_one_function_feeds_every_change(env: AirflowConfig, installed_by: str) -> None:
+    """Version 11 merged the three feed functions into one; triggers that an instance of the previous
+    version installs again at its start (a rolling upgrade) still use the old ones, and feed the same."""
+    dsn = env.database_dsn
+    load(make_supervisor())
+    assert set(feed_functions(dsn).values()) == {"feed_change"}
+    if installed_by == "the version before":
+        rows(dsn, "DROP TRIGGER smart_triggerer_feed_created ON trigger; "
+                  "CREATE TRIGGER smart_triggerer_feed_created AFTER INSERT ON public.trigger "
+                  "REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT "
+                  "EXECUTE FUNCTION smart_triggerer.feed_created(); "
+                  "DROP TRIGGER smart_triggerer_feed_deleted ON trigger; "
+                  "CREATE TRIGGER smart_triggerer_feed_deleted AFTER DELETE ON public.trigger "
+                  "REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT "
+                  "EXECUTE FUNCTION smart_triggerer.feed_deleted(); SELECT 1")
+        assert feed_functions(dsn)["smart_triggerer_feed_created"] == "feed_created"
+    ids = sorted(seed(env, 2).trigger_ids)
+    delete_triggers(dsn, ids[:1])
+    assert changes(dsn, ids) == [(ids[0], True), (ids[1], True), (ids[0], False)]

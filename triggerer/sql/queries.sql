@@ -343,19 +343,19 @@ WHERE tgname IN ('smart_triggerer_feed_created', 'smart_triggerer_feed_deleted',
 -- New trigger rows go into the feed (statement level: one insert per Airflow statement).
 DROP TRIGGER IF EXISTS smart_triggerer_feed_created ON public.trigger;
 CREATE TRIGGER smart_triggerer_feed_created AFTER INSERT ON public.trigger
-REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_created();
+REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_change();
 
 -- name: install_feed_deleted
 -- Deleted trigger rows (Airflow's clean_unused) go into the feed: their waiters left.
 DROP TRIGGER IF EXISTS smart_triggerer_feed_deleted ON public.trigger;
 CREATE TRIGGER smart_triggerer_feed_deleted AFTER DELETE ON public.trigger
-REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_deleted();
+REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_change();
 
 -- name: install_feed_watched
 -- A trigger row an asset watcher now refers to is read again (it may be waited on only from now).
 DROP TRIGGER IF EXISTS smart_triggerer_feed_watched ON public.asset_watcher;
 CREATE TRIGGER smart_triggerer_feed_watched AFTER INSERT ON public.asset_watcher
-REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_watched();
+REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT EXECUTE FUNCTION smart_triggerer.feed_change();
 
 -- name: live_feed_readers
 -- Instances other than this one (of any queue set) that read the change feed (an older version does not
