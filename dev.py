@@ -45,15 +45,22 @@ environment:
   CI=true              set by .ci/run
 """
 
+STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".installed-from"
 
 
+def clock() -> str:
+    """Time since dev.py started, as [mm:ss] (set-up included: a fresh clone's first run is timed whole)."""
+    minutes, seconds = divmod(round(time.monotonic() - STARTED), 60)
+    return f"[{minutes:02d}:{seconds:02d}]"
+
+
 def step(message: str) -> None:
     # stderr: `python3 dev.py demo --json` must print nothing but the JSON on stdout
-    print(f"==> {message}", file=sys.stderr, flush=True)
+    print(f"==> {clock()} {message}", file=sys.stderr, flush=True)
 
 
 def run(cmd: list[str], **kwargs: object) -> int:
@@ -130,8 +137,20 @@ def leftovers() -> set[str]:
     return {str(p) for p in temp.glob("smart-triggerer-*")}
 
 
+def parallel(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist options: one worker more than there are cores (at most 4), tests spread over them.
+
+    The suite is mostly waiting (on Airflow's loops, leases, polls): in one process it kept two cores busy
+    a third of the time. "load" hands tests out in collection order (the long e2e files first) as workers
+    free up. `-n 0` (or any -n given) in the arguments runs it as asked.
+    """
+    if any(arg == "-n" or arg.startswith(("-n", "--numprocesses", "--dist")) for arg in pytest_args):
+        return []
+    workers = min((os.cpu_count() or 1) + 1, 4)
+    return ["-n", str(workers), "--dist", "load"]
+
+
 def test(pytest_args: list[str]) -> int:
-    started = time.monotonic()
     os.environ["SMART_TRIGGERER_CHROMIUM"] = ensure_chromium()
     step("ruff check")
     if run([str(BIN / "ruff"), "check", "."]) != 0:
@@ -145,18 +164,17 @@ def test(pytest_args: list[str]) -> int:
     before = leftovers()
     # tmp_path directories live under .venv (a failed test's stay there as evidence), not the system temp dir
     code = run([str(BIN / "python"), "-m", "pytest", f"--junitxml={junit}",
-                f"--basetemp={VENV / 'pytest-tmp'}", *pytest_args])
+                f"--basetemp={VENV / 'pytest-tmp'}", *parallel(pytest_args), *pytest_args])
     left = sorted(leftovers() - before)
     if left:
         print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
         code = code or 1
-    elapsed = time.monotonic() - started
     if not junit.exists():
         print(f"pytest wrote no report (exit {code}); failing", flush=True)
         return code or 1
     tests, bad, skipped, executed = count_tests(junit)
-    print(f"total test time: {elapsed:.0f}s; {tests} tests, {executed} executed, {skipped} skipped, "
-          f"{bad} failed", flush=True)
+    print(f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "
+          f"{skipped} skipped, {bad} failed", flush=True)
     if executed == 0:
         print("no test was executed: failing", flush=True)
         return 1

@@ -31,7 +31,7 @@ from devkit.pgserver import postgres_dsn  # noqa: E402
 from tests.helpers.databases import database, unique_name  # noqa: E402
 
 _STARTED = time.monotonic()
-_current_file: list[str] = []
+_files_started: set[str] = set()
 _config: list[pytest.Config] = []
 
 
@@ -53,11 +53,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    """A line when a new file starts, with the suite's elapsed time: e2e files run for minutes."""
+    """A line when a file's first test starts, with the suite's elapsed time: e2e files run for minutes.
+    (With pytest-xdist this runs in the controller, as the workers report their tests starting.)"""
     path = nodeid.split("::", 1)[0]
-    if _current_file and _current_file[-1] == path:
+    if path in _files_started:
         return
-    _current_file.append(path)
+    _files_started.add(path)
     reporter = _config[0].pluginmanager.get_plugin("terminalreporter") if _config else None
     if reporter is not None:
         elapsed = time.monotonic() - _STARTED

@@ -33,6 +33,29 @@ class AtTimeTrigger(DedupableTrigger, BaseTrigger):
         yield TriggerEvent({"moment": self.moment, "status": "success"})
 
 
+class FlagFileTrigger(DedupableTrigger, BaseTrigger):
+    """Fires once the file ``flag`` exists (the test says when); ``key`` tells its waits apart."""
+
+    identity_kwargs = ("key", "flag")
+
+    def __init__(self, key: str, flag: str, poll_interval: float = 0.5) -> None:
+        super().__init__()
+        self.key = key
+        self.flag = flag
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.FlagFileTrigger",
+                {"key": self.key, "flag": self.flag, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from pathlib import Path
+
+        while not Path(self.flag).exists():
+            await asyncio.sleep(self.poll_interval)
+        yield TriggerEvent({"key": self.key, "status": "success"})
+
+
 class FailingTrigger(DedupableTrigger, BaseTrigger):
     """Raises after ``delay`` seconds: the source is unreachable."""
 

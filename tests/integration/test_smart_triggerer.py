@@ -28,6 +28,7 @@ from triggers.identity import IdentityPolicy, shard_of
 ROOT = Path(__file__).resolve().parents[2]
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
 FAILING = "tests.helpers.triggers.FailingTrigger"
+FLAG_FILE = "tests.helpers.triggers.FlagFileTrigger"
 SHARDS = 16
 LEASE = 6.0
 ENV = {
@@ -458,9 +459,10 @@ def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
     url = health_url(instance)
     wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_shards_owned") == SHARDS, 30,
              "every shard owned")
-    # waiters arrive at a running instance (as in a takeover); they fire after every coroutine started
-    seeded = seed(stack, count, AT_TIME, lambda i: {"moment": in_seconds(40 + i / 1000),
-                                                    "poll_interval": 1.0})
+    # waiters arrive at a running instance (as in a takeover); they fire when the flag is set, below
+    flag = stack.config.home / "fire"
+    seeded = seed(stack, count, FLAG_FILE, lambda i: {"key": f"w{i}", "flag": str(flag),
+                                                      "poll_interval": 1.0})
 
     running = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == count, 30,
                        f"{count} coroutines running")
@@ -471,6 +473,7 @@ def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
     held = open_trigger_logs(instance.pid)
     assert 0 < held <= FD_LIMIT // 4, held
 
+    flag.touch()  # every coroutine started and logged: now all fire, and log again
     wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
              "every waiter resumed")
     assert instance.running(), instance.log_tail()
