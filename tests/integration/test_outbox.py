@@ -19,24 +19,38 @@ targets:
 """
 
 
-def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_adds_missed_ones(
-        airflow_db: str, tmp_path: Path) -> None:
-    from airflow.assets.manager import AssetManager
+def routed_deployment(airflow_db: str, tmp_path: Path, uris: tuple[str, ...],
+                      schema: bool = True) -> tuple[Any, Path]:
+    """Airflow's ORM on this database, the routes file, an outbox asset manager and these assets (active);
+    ``schema``: the outbox schema made up front (else the manager or the sweep makes it)."""
     from airflow.models.asset import AssetActive, AssetModel
     from airflow.utils.session import create_session
 
     from dataset_bridge import outbox
     from dataset_bridge.asset_manager import OutboxAssetManager
-    from dataset_bridge.routes import Routes
 
     use_airflow_db(airflow_db)
     routes_file = tmp_path / "routes.yaml"
     routes_file.write_text(ROUTES)
-    manager = OutboxAssetManager(routes=str(routes_file))
     with create_session() as session:
-        outbox.ensure_schema(session)
-        for uri in ("warehouse://dds/h_user", "warehouse://dds/other"):
+        if schema:
+            outbox.ensure_schema(session)
+        for uri in uris:
             session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    return OutboxAssetManager(routes=str(routes_file)), routes_file
+
+
+def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_adds_missed_ones(
+        airflow_db: str, tmp_path: Path) -> None:
+    from airflow.assets.manager import AssetManager
+    from airflow.models.asset import AssetModel
+    from airflow.utils.session import create_session
+
+    from dataset_bridge import outbox
+    from dataset_bridge.routes import Routes
+
+    manager, routes_file = routed_deployment(airflow_db, tmp_path, ("warehouse://dds/h_user",
+                                                                   "warehouse://dds/other"))
     with create_session() as session:
         routed = session.query(AssetModel).filter_by(uri="warehouse://dds/h_user").one().to_serialized()
         other = session.query(AssetModel).filter_by(uri="warehouse://dds/other").one().to_serialized()
@@ -71,20 +85,14 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
     outbox row (the manager creates the schema), and a watcher event made after it (no manager) is swept
     when the relay finally starts: the window opens when routing was first seen, not at the first sweep."""
     from airflow.assets.manager import AssetManager
-    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.models.asset import AssetModel
     from airflow.utils.session import create_session
 
     from dataset_bridge import outbox
-    from dataset_bridge.asset_manager import OutboxAssetManager
     from dataset_bridge.routes import Routes
 
-    use_airflow_db(airflow_db)
-    routes_file = tmp_path / "routes.yaml"
-    routes_file.write_text(ROUTES)
-    manager = OutboxAssetManager(routes=str(routes_file))
     uri = "warehouse://dds/h_user"
-    with create_session() as session:
-        session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    manager, routes_file = routed_deployment(airflow_db, tmp_path, (uri,), schema=False)
     with create_session() as session:
         assert session.execute(text("SELECT to_regclass('dataset_bridge.outbox')")).scalar() is None
         routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
@@ -108,21 +116,14 @@ def test_an_extra_jsonb_cannot_hold_never_fails_its_producer_and_is_dead_lettere
     alone with the reason (by the sweep, for events made through the manager and without it alike) and
     every other event gets its row."""
     from airflow.assets.manager import AssetManager
-    from airflow.models.asset import AssetActive, AssetModel
+    from airflow.models.asset import AssetModel
     from airflow.utils.session import create_session
 
     from dataset_bridge import outbox
-    from dataset_bridge.asset_manager import OutboxAssetManager
     from dataset_bridge.routes import Routes
 
-    use_airflow_db(airflow_db)
-    routes_file = tmp_path / "routes.yaml"
-    routes_file.write_text(ROUTES)
-    manager = OutboxAssetManager(routes=str(routes_file))
     uri = "warehouse://dds/h_user"
-    with create_session() as session:
-        outbox.ensure_schema(session)
-        session.add_all([AssetModel(name=uri, uri=uri), AssetActive(name=uri, uri=uri)])
+    manager, routes_file = routed_deployment(airflow_db, tmp_path, (uri,))
     with create_session() as session:
         routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
         first = manager.register_asset_change(asset=routed, extra={"n": 1}, session=session)

@@ -128,13 +128,22 @@ def runner_of(supervisor: Any, seeded: Seeded) -> int:
     return int(group.runner_id)
 
 
-def test_an_event_of_a_group_no_longer_run_is_neither_stored_nor_acknowledged(env: AirflowConfig) -> None:
-    """Issue 11.3: acknowledging it would let a status-table watermark pass a row with no asset event."""
+def started_then_dropped(env: AirflowConfig, running: bool) -> tuple[Any, Seeded, int]:
+    """A supervisor whose group of two seeded waiters started (``running``: the runner said so), then
+    every shard dropped: (supervisor, seeded, the group's runner id)."""
     supervisor = make_supervisor()
     seeded = seed(env, 2)
     load(supervisor)
     runner = runner_of(supervisor, seeded)
-    supervisor._drop_shards(set(supervisor.owned))  # handed over in the same loop as the event
+    if running:
+        supervisor.running_triggers.add(runner)
+    supervisor._drop_shards(set(supervisor.owned))
+    return supervisor, seeded, runner
+
+
+def test_an_event_of_a_group_no_longer_run_is_neither_stored_nor_acknowledged(env: AirflowConfig) -> None:
+    """Issue 11.3: acknowledging it would let a status-table watermark pass a row with no asset event."""
+    supervisor, seeded, runner = started_then_dropped(env, running=False)  # handed over with the event
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=7))
     supervisor.handle_events()
     assert list(supervisor.persisted_event_seqs) == []
@@ -146,12 +155,7 @@ def test_an_event_fired_while_its_shards_were_dropped_is_stored_when_back(env: A
     """The guard drops every shard during a database blip; the coroutine keeps running, the next load
     re-claims the shards. Its event (a status-table row, say) must be stored then, not thrown away while
     the stream moves on (the chaos run lost asset events this way)."""
-    supervisor = make_supervisor()
-    seeded = seed(env, 2)
-    load(supervisor)
-    runner = runner_of(supervisor, seeded)
-    supervisor.running_triggers.add(runner)
-    supervisor._drop_shards(set(supervisor.owned))
+    supervisor, seeded, runner = started_then_dropped(env, running=True)
     supervisor.owned = set()
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=11))
     supervisor.handle_events()
@@ -164,12 +168,7 @@ def test_an_event_fired_while_its_shards_were_dropped_is_stored_when_back(env: A
 
 
 def test_an_event_of_a_coroutine_being_cancelled_is_dropped(env: AirflowConfig) -> None:
-    supervisor = make_supervisor()
-    seeded = seed(env, 2)
-    load(supervisor)
-    runner = runner_of(supervisor, seeded)
-    supervisor.running_triggers.add(runner)
-    supervisor._drop_shards(set(supervisor.owned))
+    supervisor, seeded, runner = started_then_dropped(env, running=True)
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=12))
     supervisor.handle_events()
     supervisor.cancelling_triggers.add(runner)  # its shard went to another instance
