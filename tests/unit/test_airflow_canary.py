@@ -1,0 +1,65 @@
+"""Canary: the Airflow 3.3 triggerer internals we build on are still there, with the parameters we pass.
+
+An Airflow release that renames, removes or changes one of these makes our override dead code or our call
+wrong, silently; this test fails first, naming the class and the method. (The columns our SQL reads are
+checked against a migrated database in tests/integration/test_airflow_canary.py.)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+# Airflow's class -> method -> its parameters as of 3.3.2 (our overrides and the methods we call on it)
+RELIED_ON: dict[str, dict[str, list[str]]] = {
+    "TriggerRunnerSupervisor": {
+        "run_in_process": [],
+        "run_once": ["self"],
+        "send_msg": ["self", "msg", "request_id", "error", "dump_opts"],
+        "handle_events": ["self"],
+        "handle_failed_triggers": ["self"],
+        "load_triggers": ["self"],
+        "_create_workload": ["self", "trigger", "dag_bag", "render_log_fname", "session"],
+        "_handle_request": ["self", "msg", "log", "req_id"],
+        "fetch_trigger_details": ["self", "trigger_ids", "session"],
+    },
+    "TriggerRunner": {
+        "_handle_signal": ["self", "signum", "frame"],
+        "arun": ["self"],
+        "cancel_triggers": ["self"],
+        "cleanup_finished_triggers": ["self"],
+        "run": ["self"],
+        "sync_state_to_supervisor": ["self", "finished_ids"],
+        "create_triggers": ["self"],
+        "run_trigger": ["self", "trigger_id", "trigger", "timeout_after", "context"],
+    },
+}
+
+
+@pytest.mark.parametrize(("cls_name", "method"),
+                         [(c, m) for c, methods in RELIED_ON.items() for m in methods])
+def test_the_triggerer_internals_we_override_or_call_are_unchanged(cls_name: str, method: str) -> None:
+    from airflow.jobs import triggerer_job_runner
+
+    cls = getattr(triggerer_job_runner, cls_name)
+    found = getattr(cls, method, None)
+    assert found is not None, f"Airflow's {cls_name}.{method} is gone: our override of it is dead code"
+    params = list(inspect.signature(found).parameters)
+    assert params == RELIED_ON[cls_name][method], (
+        f"Airflow's {cls_name}.{method} now takes {params}, not {RELIED_ON[cls_name][method]}: "
+        "our override or call must follow")
+
+
+def test_every_override_of_ours_is_in_the_canary() -> None:
+    """A new override must be added above, or the canary would not watch it."""
+    from airflow.jobs.triggerer_job_runner import TriggerRunner, TriggerRunnerSupervisor
+
+    from triggerer.runner import SmartTriggerRunner
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    pairs = ((SmartTriggerRunnerSupervisor, TriggerRunnerSupervisor), (SmartTriggerRunner, TriggerRunner))
+    for ours, base in pairs:
+        overrides = {name for cls in ours.__mro__ if cls.__module__.startswith("triggerer")
+                     for name in vars(cls) if not name.startswith("__") and hasattr(base, name)}
+        assert overrides <= set(RELIED_ON[base.__name__]), overrides - set(RELIED_ON[base.__name__])
