@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import anyio
@@ -82,6 +82,29 @@ def widen_log_channel(wanted: int = LOG_CHANNEL_BYTES) -> int | None:
     with channel:  # closes the duplicate only; the option belongs to the socket both share
         channel.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wanted)
         return int(channel.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+
+
+def skip_untraced_spans() -> bool:
+    """With tracing off, give Airflow's ``run_trigger`` one shared non-recording span; True if it did.
+
+    Airflow opens an OpenTelemetry span for every coroutine it starts, also when no tracer provider is set
+    (``[traces] otel_on`` false): extracting the task's trace context and attaching a no-op span was 9% of
+    the runner's CPU in a 50,000-waiter takeover (bench/RESULTS.md). With a provider set, nothing changes.
+    """
+    from airflow.configuration import conf
+    from airflow.jobs import triggerer_job_runner
+    from opentelemetry import trace
+
+    if conf.getboolean("traces", "otel_on", fallback=False):
+        return False
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return False  # a provider set some other way (auto-instrumentation): keep Airflow's spans
+
+    def untraced(**_: Any) -> AbstractContextManager[trace.Span]:
+        return nullcontext(trace.INVALID_SPAN)
+
+    triggerer_job_runner._make_trigger_span = untraced  # type: ignore[assignment]
+    return True
 
 
 class BatchedLogChannel:
@@ -251,6 +274,7 @@ class SmartTriggerRunner(TriggerRunner):
         tune_collector()  # what the fork brought is not garbage; thousands of coroutines need no scans
         widen_log_channel()
         self.log_channel = batch_log_channel()
+        skip_untraced_spans()
         if Settings.from_airflow().event_loop == "uvloop":
             import uvloop
 

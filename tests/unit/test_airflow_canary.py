@@ -51,6 +51,15 @@ def test_the_triggerer_internals_we_override_or_call_are_unchanged(cls_name: str
         "our override or call must follow")
 
 
+def test_the_span_function_we_replace_when_untraced_is_unchanged() -> None:
+    """triggerer.runner.skip_untraced_spans replaces this module function of Airflow's."""
+    from airflow.jobs import triggerer_job_runner
+
+    found = getattr(triggerer_job_runner, "_make_trigger_span", None)
+    assert found is not None, "Airflow's triggerer_job_runner._make_trigger_span is gone"
+    assert list(inspect.signature(found).parameters) == ["ti", "trigger_id", "name"]
+
+
 def test_every_override_of_ours_is_in_the_canary() -> None:
     """A new override must be added above, or the canary would not watch it."""
     from airflow.jobs.triggerer_job_runner import TriggerRunner, TriggerRunnerSupervisor

@@ -89,3 +89,23 @@ def test_a_fired_line_is_sent_at_once_other_lines_wait_for_the_loop() -> None:
     with capture_logs():
         asyncio.run(run())
     assert len(drains) == 2  # one per fired line; "starting" waits for the loop's pass
+
+
+@pytest.mark.parametrize("otel_on", [False, True])
+def test_untraced_coroutines_share_one_no_op_span(monkeypatch: pytest.MonkeyPatch, otel_on: bool) -> None:
+    """Tracing off: run_trigger gets a non-recording span without Airflow's per-coroutine context work, and
+    still runs its trigger to the end; tracing on: Airflow's spans are left as they are."""
+    from airflow.jobs import triggerer_job_runner
+    from opentelemetry import trace
+
+    from triggerer.runner import skip_untraced_spans
+
+    airflows = triggerer_job_runner._make_trigger_span
+    monkeypatch.setattr(triggerer_job_runner, "_make_trigger_span", airflows)  # restored after the test
+    monkeypatch.setenv("AIRFLOW__TRACES__OTEL_ON", str(otel_on))
+    assert skip_untraced_spans() is not otel_on
+    assert (triggerer_job_runner._make_trigger_span is airflows) is otel_on
+    if not otel_on:
+        with triggerer_job_runner._make_trigger_span(ti=None, trigger_id=1, name=NAME) as span:
+            assert span is trace.INVALID_SPAN and not span.is_recording()
+    assert _lines_of(_Trigger(events=1)) == [STARTING, "Trigger fired event"]
