@@ -1,9 +1,9 @@
 """Waiting for another DAG's run, or some of its tasks, at a logical date (or a run id).
 
-The states come through Airflow's own task-SDK calls (``get_task_states``, ``get_dr_count``), which work
-in the triggerer and in workers alike. Unlike Airflow's deferrable ExternalTaskSensor as reported in
-apache/airflow#47298, failed and skipped states end the wait: ``failed`` at once, ``skipped`` as the
-sensor's ``on_skipped`` says.
+The states come through Airflow's own task-SDK messages (``GetTaskStates``, ``GetDRCount``): awaited on
+the runner's event loop in the triggerer, sent synchronously in a worker. Unlike Airflow's deferrable
+ExternalTaskSensor as reported in apache/airflow#47298, failed and skipped states end the wait: ``failed``
+at once, ``skipped`` as the sensor's ``on_skipped`` says.
 """
 
 from __future__ import annotations
@@ -46,25 +46,46 @@ class ExternalTarget:
         assert self.logical_date is not None
         return {"logical_dates": [dt.datetime.fromisoformat(self.logical_date)]}
 
-    def check_sync(self) -> dict[str, Any] | None:
-        """Synchronous: the task SDK's comms calls are synchronous (run it in a thread from async code)."""
-        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    def requests(self) -> list[Any]:
+        """The task-SDK messages that answer this wait: the tasks' states, or the counts of runs in the
+        failed and in the allowed states."""
+        from airflow.sdk.execution_time.comms import GetDRCount, GetTaskStates
 
         if self.task_ids:
-            runs = RuntimeTaskInstance.get_task_states(dag_id=self.dag_id, task_ids=list(self.task_ids),
-                                                       **self._selector())
-            states = {task: state for tasks in runs.values() for task, state in tasks.items()}
-            return self.judge(states)
-        counts = {
-            kind: RuntimeTaskInstance.get_dr_count(dag_id=self.dag_id, states=list(states),
-                                                   **self._selector())
-            for kind, states in (("failed", self.failed_states), ("success", self.allowed_states))
-        }
-        if counts["failed"]:
+            return [GetTaskStates(dag_id=self.dag_id, task_ids=list(self.task_ids), **self._selector())]
+        return [GetDRCount(dag_id=self.dag_id, states=list(states), **self._selector())
+                for states in (self.failed_states, self.allowed_states)]
+
+    def verdict(self, responses: list[Any]) -> dict[str, Any] | None:
+        """The answers to ``requests()``, in order -> the event's payload, or None to wait on."""
+        if self.task_ids:
+            runs = responses[0].task_states
+            return self.judge({task: state for tasks in runs.values() for task, state in tasks.items()})
+        failed, succeeded = (response.count for response in responses)
+        if failed:
             return {"status": "failed", "message": f"run of {self.dag_id} is in {list(self.failed_states)}"}
-        if counts["success"]:
+        if succeeded:
             return {"status": "success", "message": f"run of {self.dag_id} succeeded"}
         return None
+
+    def check_sync(self) -> dict[str, Any] | None:
+        """In a worker (the sensor's own poke): the worker's comms are synchronous."""
+        from airflow.sdk.execution_time.task_runner import SUPERVISOR_COMMS
+
+        return self.verdict([SUPERVISOR_COMMS.send(request) for request in self.requests()])
+
+    async def check(self) -> dict[str, Any] | None:
+        """In the triggerer: the runner's comms answered on its own event loop. No thread: a sync call made
+        from a thread waits on the loop (and all such calls share one thread), so one unanswered request
+        would hold every other wait's check behind it."""
+        from airflow.sdk.execution_time.task_runner import SUPERVISOR_COMMS
+
+        if not hasattr(SUPERVISOR_COMMS, "asend"):  # not in a triggerer: a worker's synchronous comms
+            from asgiref.sync import sync_to_async
+
+            result: dict[str, Any] | None = await sync_to_async(self.check_sync, thread_sensitive=False)()
+            return result
+        return self.verdict([await SUPERVISOR_COMMS.asend(request) for request in self.requests()])
 
     def judge(self, states: dict[str, str | None]) -> dict[str, Any] | None:
         """Task states -> payload: failed beats skipped beats waiting; all allowed is success."""
@@ -122,12 +143,5 @@ class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from asgiref.sync import sync_to_async
-
-        target = self.target()
-
-        async def check() -> dict[str, Any] | None:
-            result: dict[str, Any] | None = await sync_to_async(target.check_sync)()
-            return result
-
+        check = self.target().check
         yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))

@@ -47,3 +47,55 @@ def test_start_from_trigger_keeps_the_logical_date_template_for_the_triggerer() 
     assert sensor.start_from_trigger and args is not None
     assert args.trigger_kwargs["logical_date"] == "{{ logical_date }}"
     assert "logical_date" in ExternalDagTrigger.template_fields
+
+
+class _AsyncComms:
+    """The triggerer runner's comms: answers awaited on the loop (no thread), each request recorded."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers, self.sent = answers, []
+
+    async def asend(self, msg: Any) -> Any:
+        self.sent.append(msg)
+        return self.answers.pop(0)
+
+
+async def test_in_the_triggerer_the_check_awaits_the_runners_comms(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from airflow.sdk.execution_time import task_runner
+    from airflow.sdk.execution_time.comms import DRCount, TaskStatesResult
+
+    states = TaskStatesResult(task_states={"run1": {"a": "success", "b": "skipped"}})
+    comms = _AsyncComms([states])
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", comms, raising=False)
+    before = threading.active_count()
+    verdict = await TARGET.check()
+    assert verdict is not None and verdict["status"] == "skipped"
+    assert [type(m).__name__ for m in comms.sent] == ["GetTaskStates"]
+    assert comms.sent[0].task_ids == ["a", "b"] and comms.sent[0].dag_id == "producer"
+    assert threading.active_count() == before  # no thread was started for it
+
+    whole_run = ExternalTarget("producer", run_id="r1")
+    comms.answers = [DRCount(count=0), DRCount(count=1)]  # none failed, one succeeded
+    verdict = await whole_run.check()
+    assert verdict == {"status": "success", "message": "run of producer succeeded"}
+    wanted = [list(whole_run.failed_states), list(whole_run.allowed_states)]
+    assert [m.states for m in comms.sent[1:]] == wanted
+
+
+def test_in_a_worker_the_check_sends_synchronously(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow.sdk.execution_time import task_runner
+    from airflow.sdk.execution_time.comms import TaskStatesResult
+
+    sent: list[Any] = []
+
+    class _SyncComms:
+        def send(self, msg: Any) -> Any:
+            sent.append(msg)
+            return TaskStatesResult(task_states={"run1": {"a": "success", "b": "success"}})
+
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", _SyncComms(), raising=False)
+    verdict = TARGET.check_sync()
+    assert verdict is not None and verdict["status"] == "success"
+    assert [type(m).__name__ for m in sent] == ["GetTaskStates"]
