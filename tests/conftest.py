@@ -143,7 +143,33 @@ def _stopped_at_teardown(stack: AirflowStack, request: pytest.FixtureRequest) ->
     finally:
         if _failed(request):
             print(stack.log_tails())
+            print(python_stacks(stack))
         stack.stop()
+
+
+def python_stacks(stack: AirflowStack) -> str:
+    """What every process of our own components is doing now (py-spy dump), for a failed test: a wait
+    that never ends leaves no log line, a stack shows where it hangs."""
+    import shutil
+    import subprocess
+    import sys
+
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return "(py-spy is not installed: no stacks)"
+    dumps = []
+    for component in stack.components:
+        if not component.name.startswith(("smart", "dataset-bridge", "relay")):
+            continue
+        for process in component.tree():
+            try:
+                result = subprocess.run([spy, "dump", "--pid", str(process.pid)], capture_output=True,
+                                        text=True, timeout=30, check=False)
+                found = (result.stdout or result.stderr)[-6000:]
+            except subprocess.TimeoutExpired:
+                found = "(py-spy dump timed out)"
+            dumps.append(f"----- stacks of {component.name} pid {process.pid} -----\n{found}")
+    return "\n".join(dumps)
 
 
 @pytest.fixture
