@@ -110,18 +110,24 @@ def skip_untraced_spans() -> bool:
 class BatchedLogChannel:
     """The runner's log channel, its lines gathered and sent in one write per ``drain`` (or per
     ``LOG_BATCH_BYTES``) rather than one each. Whole lines only: structlog writes a line per ``write``. A
-    lock keeps lines that threads (sync triggers) write while a batch goes out."""
+    lock keeps lines that threads (sync triggers) write while a batch goes out.
+
+    The lock is reentrant: a line can be logged on the very thread that is inside ``drain`` (a garbage
+    collector's finalizer, a signal handler); with a plain lock that thread waited on itself for ever, and
+    the runner's event loop with it. Such a line is only added to the next batch: a nested drain would
+    write it into the middle of a line the outer one has only partly written."""
 
     def __init__(self, raw: Any, limit: int = LOG_BATCH_BYTES) -> None:
         self.raw = raw
         self.limit = limit
         self._pending = bytearray()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._draining = False
 
     def write(self, data: bytes) -> int:
         with self._lock:
             self._pending += data
-            full = len(self._pending) >= self.limit
+            full = len(self._pending) >= self.limit and not self._draining
         if full:
             self.drain()
         return len(data)
@@ -131,11 +137,16 @@ class BatchedLogChannel:
 
     def drain(self) -> None:
         with self._lock:
-            if not self._pending:
-                return
-            batch, self._pending = memoryview(bytes(self._pending)), bytearray()
-            while batch:  # a blocking write of a socket may take part of it
-                batch = batch[self.raw.write(batch):]
+            if self._draining:
+                return  # called again on the draining thread: the outer drain sends what is pending
+            self._draining = True
+            try:
+                while self._pending:  # lines added while a batch went out go in the next one
+                    batch, self._pending = memoryview(bytes(self._pending)), bytearray()
+                    while batch:  # a blocking write of a socket may take part of it
+                        batch = batch[self.raw.write(batch):]
+            finally:
+                self._draining = False
 
     def close(self) -> None:
         self.drain()

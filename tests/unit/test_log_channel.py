@@ -114,3 +114,36 @@ def test_loggers_made_after_the_swap_write_through_the_batch(restored_structlog:
         channel.close()
         supervisor_end.setblocking(True)
         assert supervisor_end.recv(64) == b"one\ntwo\n"
+
+
+def test_a_line_logged_while_the_channel_drains_on_the_same_thread_neither_hangs_nor_splits() -> None:
+    """A garbage collector's finalizer or a signal handler can log on the thread that is inside ``drain``
+    (holding the channel's lock): with a plain lock that thread waited on itself for ever, and the runner
+    with it. The late line must go out after the batch being written, whole."""
+    import threading
+
+    class _Raw:
+        def __init__(self) -> None:
+            self.written = bytearray()
+            self.channel: BatchedLogChannel | None = None
+
+        def write(self, data: memoryview) -> int:
+            part = min(len(data), 5)  # a socket may take part of a batch
+            self.written += data[:part]
+            if self.channel is not None and len(self.written) == 5:
+                self.channel.write(b"late line\n")  # as a finalizer would, mid-batch
+            return part
+
+    raw = _Raw()
+    channel = BatchedLogChannel(raw, limit=10)
+    raw.channel = channel
+    done = threading.Event()
+
+    def log_and_drain() -> None:
+        channel.write(b"first line\n")  # over the limit: drains at once
+        channel.drain()
+        done.set()
+
+    threading.Thread(target=log_and_drain, daemon=True).start()
+    assert done.wait(5), "the channel's own thread waited on itself"
+    assert bytes(raw.written) == b"first line\nlate line\n"
