@@ -36,7 +36,8 @@ jobs:
   test [PYTEST ARGS...]
         ruff, mypy, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow processes);
         fails when no test ran or a test left a temporary directory behind. Extra arguments go to
-        pytest, e.g. `python3 dev.py test tests/unit -x`.
+        pytest, e.g. `python3 dev.py test tests/unit -x`. Tests run in one worker more than there are
+        cores (pytest-xdist); `-n 0` (or --pdb, -p no:xdist) runs them in this process.
 
 environment:
   SMART_TRIGGERER_DSN  a PostgreSQL server URL (postgresql://user@host:port/db) where the demo and the
@@ -152,19 +153,26 @@ def parallel(pytest_args: list[str]) -> list[str]:
     a third of the time. "load" hands tests out in collection order (the long e2e files first) as workers
     free up. `-n 0` (or any -n given) in the arguments runs it as asked.
     """
-    if any(arg == "-n" or arg.startswith(("-n", "--numprocesses", "--dist")) for arg in pytest_args):
+    given = [*pytest_args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    workers_given = any(arg == "-n" or arg.startswith(("-n", "--numprocesses")) for arg in given)
+    dist_given = any(arg.startswith("--dist") for arg in given)
+    # xdist off (-p no:xdist), or a debugger that needs the test in this process
+    serial = any(arg in ("no:xdist", "-pno:xdist", "--pdb", "--trace") for arg in given)
+    if workers_given or serial:
         return []
-    workers = min((os.cpu_count() or 1) + 1, 4)
-    return ["-n", str(workers), "--dist", "load"]
+    workers = ["-n", str(min((os.cpu_count() or 1) + 1, 4))]
+    return workers if dist_given else [*workers, "--dist", "load"]
 
 
 def test(pytest_args: list[str]) -> int:
     os.environ["SMART_TRIGGERER_CHROMIUM"] = ensure_chromium()
     step("ruff check")
     if run([str(BIN / "ruff"), "check", "."]) != 0:
+        print(f"total time {clock()}; ruff failed", flush=True)
         return 1
     step("mypy (strict on our packages)")
     if run([str(BIN / "mypy")]) != 0:
+        print(f"total time {clock()}; mypy failed", flush=True)
         return 1
     step("pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)")
     junit = VENV / "junit.xml"
@@ -178,7 +186,7 @@ def test(pytest_args: list[str]) -> int:
         print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
         code = code or 1
     if not junit.exists():
-        print(f"pytest wrote no report (exit {code}); failing", flush=True)
+        print(f"total time {clock()}; pytest wrote no report (exit {code}); failing", flush=True)
         return code or 1
     tests, bad, skipped, executed = count_tests(junit)
     print(f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "

@@ -376,3 +376,8 @@ def test_one_function_feeds_every_change(env: AirflowConfig, installed_by: str) 
     ids = sorted(seed(env, 2).trigger_ids)
     delete_triggers(dsn, ids[:1])
     assert changes(dsn, ids) == [(ids[0], True), (ids[1], True), (ids[0], False)]
+    with _session() as session:  # the next start of this version re-points them, once
+        assert Store(session).ensure_feed() is (installed_by == "the version before")
+    with _session() as session:
+        assert Store(session).ensure_feed() is False
+    assert set(feed_functions(dsn).values()) == {"feed_change"}

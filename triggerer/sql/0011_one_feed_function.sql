@@ -1,7 +1,9 @@
 -- smart_triggerer schema, version 11: the change feed's three trigger functions of version 5 (one per
--- statement kind, otherwise alike) become one. Store.ensure_feed installs every feed trigger with it from
--- this version on. The three old functions stay: during a rolling upgrade an instance of the previous version
--- may (re-)install the triggers with them at its start, and both write the same rows.
+-- statement kind, otherwise alike) become one. Store.ensure_feed (every start) installs the feed triggers
+-- with it, re-installing those an earlier version installed with the old functions. The three old functions
+-- stay: during a rolling upgrade an instance of the previous version may (re-)install triggers with them at
+-- its start, and both write the same rows. (A later migration that drops them must re-point such triggers
+-- first.)
 -- What a statement changed is in its transition table changed_rows:
 --   INSERT on trigger: created (read these rows);  DELETE on trigger: deleted (their waiters left);
 --   INSERT on asset_watcher: the trigger row it refers to is read again (it may be waited on only from now).

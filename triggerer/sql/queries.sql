@@ -334,10 +334,13 @@ ON CONFLICT DO NOTHING
 RETURNING asset_id;
 
 -- name: feed_triggers_present
--- How many of the change feed's three triggers exist (Airflow recreating a table would drop them).
-SELECT count(*) FROM pg_trigger
-WHERE tgname IN ('smart_triggerer_feed_created', 'smart_triggerer_feed_deleted', 'smart_triggerer_feed_watched')
-  AND NOT tgisinternal;
+-- How many of the change feed's three triggers exist with this version's function (Airflow recreating a
+-- table drops them; a database upgraded from schema version 10 has them with the old functions, which the
+-- next start re-installs with feed_change once).
+SELECT count(*) FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+WHERE t.tgname IN ('smart_triggerer_feed_created', 'smart_triggerer_feed_deleted',
+                   'smart_triggerer_feed_watched')
+  AND NOT t.tgisinternal AND p.proname = 'feed_change';
 
 -- name: install_feed_created
 -- New trigger rows go into the feed (statement level: one insert per Airflow statement).

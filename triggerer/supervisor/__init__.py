@@ -1,14 +1,15 @@
 """The smart supervisor: Airflow's ``TriggerRunnerSupervisor`` with identity groups and shard leases.
 
-Each loop it (1) renews its membership and the leases of the shards rendezvous hashing gives it,
-(2) computes the identity of new trigger rows once, (3) reads the waiters that arrived or left since the
-last loop from the change feed (``sql/0005_change_feed.sql``; every waiter only of a shard just taken),
-keeps them in identity groups and asks Airflow's runner subprocess for one coroutine per group (so a loop
-in which nothing changed reads no rows and costs nothing per waiter), (4) fans every event out to all
-members of the group in one transaction, holding it back for members that deferred too recently, and
-(5) fails every member when the group's trigger fails. Everything else (the runner, trigger logs,
-connections, the task-SDK comms) is Airflow's; trigger log files are written through a bounded pool of
-open descriptors (``trigger_logs.py``), as an instance may run more coroutines than it may open files.
+Each loop it (1) renews its membership and the leases of the shards rendezvous hashing gives it, (2)
+computes the identity of new trigger rows once, (3) reads the waiters that arrived or left since the last
+loop from the change feed (``sql/0005_change_feed.sql``, ``sql/0011_one_feed_function.sql``; every waiter
+only of a shard just taken), keeps them in identity groups and asks Airflow's runner subprocess for one
+coroutine per group (so a loop in which nothing changed reads no rows and costs nothing per waiter), (4)
+fans every event out to all members of the group in one transaction, holding it back for members that
+deferred too recently, and (5) fails every member when the group's trigger fails. Everything else (the
+runner, trigger logs, connections, the task-SDK comms) is Airflow's; trigger log files are written through a
+bounded pool of open descriptors (``trigger_logs.py``), as an instance may run more coroutines than it may
+open files.
 
 Every write for a member runs in a transaction that first share-locks the member's shard lease and
 checks it by the database clock (``Store.fence``): a process paused past its lease writes nothing for

@@ -4,16 +4,11 @@ coroutine) and rows whose kwargs cannot be read."""
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 import structlog
 from airflow.utils.session import create_session
 
 from triggerer import fanout
-
-if TYPE_CHECKING:
-    pass
-
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from airflow.jobs.triggerer_job_runner import (
@@ -21,10 +21,6 @@ from triggerer.db_errors import blames_event, cause, is_outage, is_transient
 from triggerer.dead_letters import DEAD_AFTER, payload_text
 from triggerer.groups import Group
 from triggerer.store import Store
-
-if TYPE_CHECKING:
-    pass
-
 from triggerer.supervisor.state import WATCHER_BACKOFF_MAX_SECONDS, Held, SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import TYPE_CHECKING
 
 import structlog
 from airflow.utils.session import create_session
 
 from triggerer.identities import compute_identities, group_key
 from triggerer.store import Store, WaitingTrigger
-
-if TYPE_CHECKING:
-    pass
-
 from triggerer.supervisor.state import MemberInfo, SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)

@@ -5,16 +5,12 @@ read."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from airflow.utils.session import create_session
 
 from triggerer.store import Store
-
-if TYPE_CHECKING:
-    pass
-
 from triggerer.supervisor.state import (
     FIRST_SAMPLE_SECONDS,
     SAMPLE_SECONDS,

@@ -4,7 +4,7 @@ hashing gives this instance, noticing a lapse by the database clock, dropping an
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from airflow.utils.net import get_hostname
@@ -15,10 +15,6 @@ from triggerer.config import ConfigError
 from triggerer.db_errors import cause, is_transient
 from triggerer.rendezvous import Member, assign, shards_of
 from triggerer.store import Store
-
-if TYPE_CHECKING:
-    pass
-
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import structlog
@@ -26,10 +26,6 @@ from triggerer.dead_letters import DeadLetters
 from triggerer.groups import Groups
 from triggerer.store import Store
 from triggerer.trigger_logs import LogFilePool, open_files_allowed
-
-if TYPE_CHECKING:
-    pass
-
 
 log = structlog.get_logger(logger_name=__name__)
 
