@@ -51,6 +51,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _remove_session_home()
 
 
+# The longest tests (seconds on a 2-core machine, November 2026), started first: pytest-xdist hands tests out
+# in collection order as workers free up, so none of these is left to run alone at the end. Ordering only:
+# a stale or missing entry costs time, never coverage.
+LONGEST_FIRST = (
+    "tests/e2e/test_chaos.py::test_short_chaos_run_loses_doubles_and_stalls_nothing",  # 113
+    "tests/e2e/test_demo_e2e.py::test_quick_demo_resumes_every_task_and_prints_its_summary",  # 93
+    "tests/e2e/test_smart_e2e.py::test_thirty_sensors_on_four_targets_share_four_groups",  # 93
+    "tests/e2e/test_cross_deployment_e2e.py::"
+    "test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_requests",  # 81
+    "tests/e2e/test_task_success_bridge_e2e.py::"
+    "test_task_success_becomes_exactly_one_event_through_crashes_and_races",  # 69
+    "tests/e2e/test_status_table_bridge_e2e.py::"
+    "test_status_rows_make_one_event_each_and_the_and_consumer_runs_once",  # 63
+    "tests/integration/test_takeover_at_scale.py::test_a_takeover_interrupted_halfway_still_loads_every_wait",
+    "tests/integration/test_takeover_at_scale.py::"
+    "test_a_takeover_of_thousands_of_waits_polls_every_one_within_lease_plus_5s",  # 59
+    "tests/e2e/test_sql_http_e2e.py::test_sql_and_http_sensors_defer_and_resume",  # 53
+    "tests/e2e/test_asset_event_e2e.py::test_mid_dag_wait_ends_on_the_asset_event",  # 52
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {nodeid: place for place, nodeid in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
     """A line when a file's first test starts, with the suite's elapsed time: e2e files run for minutes.
