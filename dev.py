@@ -150,8 +150,9 @@ def parallel(pytest_args: list[str]) -> list[str]:
     """pytest-xdist options: one worker more than there are cores (at most 4), tests spread over them.
 
     The suite is mostly waiting (on Airflow's loops, leases, polls): in one process it kept two cores busy
-    a third of the time. "load" hands tests out in collection order (the long e2e files first) as workers
-    free up. `-n 0` (or any -n given) in the arguments runs it as asked.
+    a third of the time. "load" with chunks of one hands tests out in collection order (the longest
+    first, tests/conftest.py) as workers free up. `-n 0` (or any -n given) in the arguments runs it as
+    asked.
     """
     given = [*pytest_args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
     workers_given = any(arg == "-n" or arg.startswith(("-n", "--numprocesses")) for arg in given)
@@ -161,7 +162,9 @@ def parallel(pytest_args: list[str]) -> list[str]:
     if workers_given or serial:
         return []
     workers = ["-n", str(min((os.cpu_count() or 1) + 1, 4))]
-    return workers if dist_given else [*workers, "--dist", "load"]
+    # one test at a time as workers free up (xdist's default hands each worker a run of consecutive tests
+    # up front, so one worker got all the longest tests collected first)
+    return workers if dist_given else [*workers, "--dist", "load", "--maxschedchunk", "1"]
 
 
 def test(pytest_args: list[str]) -> int:
