@@ -26,3 +26,45 @@ def test_no_part_is_over_500_lines_and_each_says_what_it_owns() -> None:
         text = module.read_text()
         assert len(text.splitlines()) <= 500, module.name
         assert text.startswith('"""'), f"{module.name} has no docstring saying what it owns"
+
+
+def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> None:
+    """Airflow's loop selects, then calls each ready socket's reader, whose ``recv`` blocks. A runner
+    request whose handling reads the log channel through (coroutines ended) emptied a socket the same
+    select had reported ready; the loop then blocked on it while the runner waited for its next answer."""
+    import selectors
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from triggerer.supervisor.starting import GroupStarting
+
+    runner_end, supervisor_end = socket.socketpair()
+    received = bytearray()
+
+    def read(sock: socket.socket) -> bool:  # as Airflow's reader: one blocking recv
+        data = sock.recv(4096)
+        received.extend(data)
+        return bool(data)
+
+    with runner_end, supervisor_end, selectors.DefaultSelector() as selector:
+        selector.register(supervisor_end, selectors.EVENT_READ, (read, lambda sock: None))
+        supervisor = SimpleNamespace(selector=selector, _open_sockets={supervisor_end: "logs"})
+        GroupStarting._guard_log_reads(supervisor)  # type: ignore[arg-type]  # what run_once does first
+        runner_end.sendall(b"Trigger fired event\n")
+        ready = selector.select(0)  # Airflow's select: the log channel is ready
+        GroupStarting._read_sent_log_lines(supervisor)  # type: ignore[arg-type]  # a request read it through
+        assert bytes(received) == b"Trigger fired event\n"
+        finished = threading.Event()
+
+        def stale_read() -> None:  # the loop goes on to the ready socket it selected before
+            for key, _ in ready:
+                key.data[0](key.fileobj)
+            finished.set()
+
+        threading.Thread(target=stale_read, daemon=True).start()
+        assert finished.wait(5), "the loop blocked on a log channel already read through"
+        runner_end.sendall(b"next line\n")  # later lines still arrive
+        for key, _ in selector.select(1):
+            key.data[0](key.fileobj)
+        assert bytes(received) == b"Trigger fired event\nnext line\n"

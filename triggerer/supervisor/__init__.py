@@ -63,6 +63,7 @@ class SmartTriggerRunnerSupervisor(Leases, FeedLoading, MemberDeadlines, GroupSt
         if not self._start_backlog():
             self.dag_cache.clear()  # the start is over
         self._pace_log_files()
+        self._guard_log_reads()  # before the select below (see starting.py)
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)

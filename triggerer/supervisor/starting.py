@@ -268,6 +268,21 @@ class GroupStarting(SupervisorState):
             for trigger_id in msg.finished or ():
                 self.user_cancels.discard(trigger_id)
 
+    def _guard_log_reads(self) -> None:
+        """Airflow's loop selects, then calls each ready socket's reader in turn; the reader's ``recv``
+        blocks. ``_read_sent_log_lines`` (run while a runner request is handled) may empty the log channel
+        that the same select reported ready, and Airflow would then block reading it: the runner, waiting
+        for the answer to its next request, sends no line, and both wait for ever (CI: every event fired
+        after that moment was never stored). Each log reader is wrapped once, before any select, to read
+        only what is there."""
+        for key in list(self.selector.get_map().values()):
+            if self._open_sockets.get(key.fileobj) != "logs":  # type: ignore[call-overload]
+                continue
+            read, on_close = key.data
+            if getattr(read, "reads_only_ready", False):
+                continue
+            self.selector.modify(key.fileobj, key.events, data=(_reading_only_ready(read), on_close))
+
     def _read_sent_log_lines(self) -> None:
         """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
         sync reports it ended, and reads the log channel 4 KB per loop pass: the runner sends its lines in
@@ -281,3 +296,14 @@ class GroupStarting(SupervisorState):
                 ready, _, _ = io_select.select([key.fileobj], [], [], 0)
                 if not ready or not read(key.fileobj):
                     break  # nothing more now, or the channel closed (the loop's next select handles that)
+
+
+def _reading_only_ready(read: Any) -> Any:
+    """``read`` (Airflow's log reader, a blocking ``recv``), called only when the socket has data now."""
+
+    def reading(sock: Any) -> bool:
+        ready, _, _ = io_select.select([sock], [], [], 0)
+        return bool(read(sock)) if ready else True  # True: keep the socket; nothing to read yet
+
+    reading.reads_only_ready = True  # type: ignore[attr-defined]
+    return reading
