@@ -80,11 +80,6 @@ class ExternalTarget:
         would hold every other wait's check behind it."""
         from airflow.sdk.execution_time.task_runner import SUPERVISOR_COMMS
 
-        if not hasattr(SUPERVISOR_COMMS, "asend"):  # not in a triggerer: a worker's synchronous comms
-            from asgiref.sync import sync_to_async
-
-            result: dict[str, Any] | None = await sync_to_async(self.check_sync, thread_sensitive=False)()
-            return result
         return self.verdict([await SUPERVISOR_COMMS.asend(request) for request in self.requests()])
 
     def judge(self, states: dict[str, str | None]) -> dict[str, Any] | None:

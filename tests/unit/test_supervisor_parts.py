@@ -50,6 +50,7 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
     with runner_end, supervisor_end, selectors.DefaultSelector() as selector:
         selector.register(supervisor_end, selectors.EVENT_READ, (read, lambda sock: None))
         supervisor = SimpleNamespace(selector=selector, _open_sockets={supervisor_end: "logs"})
+        supervisor._log_keys = lambda: GroupStarting._log_keys(supervisor)  # type: ignore[arg-type]
         GroupStarting._guard_log_reads(supervisor)  # type: ignore[arg-type]  # what run_once does first
         runner_end.sendall(b"Trigger fired event\n")
         ready = selector.select(0)  # Airflow's select: the log channel is ready

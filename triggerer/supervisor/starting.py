@@ -275,22 +275,22 @@ class GroupStarting(SupervisorState):
         for the answer to its next request, sends no line, and both wait for ever (CI: every event fired
         after that moment was never stored). Each log reader is wrapped once, before any select, to read
         only what is there."""
-        for key in list(self.selector.get_map().values()):
-            if self._open_sockets.get(key.fileobj) != "logs":  # type: ignore[call-overload]
-                continue
+        for key in self._log_keys():
             read, on_close = key.data
-            if getattr(read, "reads_only_ready", False):
-                continue
-            self.selector.modify(key.fileobj, key.events, data=(_reading_only_ready(read), on_close))
+            if not getattr(read, "reads_only_ready", False):
+                self.selector.modify(key.fileobj, key.events, data=(_reading_only_ready(read), on_close))
+
+    def _log_keys(self) -> list[Any]:
+        """The selector keys of the runner's log channel."""
+        return [key for key in self.selector.get_map().values()
+                if self._open_sockets.get(key.fileobj) == "logs"]  # type: ignore[call-overload]
 
     def _read_sent_log_lines(self) -> None:
         """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
         sync reports it ended, and reads the log channel 4 KB per loop pass: the runner sends its lines in
         batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
         files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
-        for key in list(self.selector.get_map().values()):
-            if self._open_sockets.get(key.fileobj) != "logs":  # type: ignore[call-overload]
-                continue
+        for key in self._log_keys():
             read, _on_close = key.data
             for _ in range(LOG_READS_BEFORE_FINISHING):
                 ready, _, _ = io_select.select([key.fileobj], [], [], 0)
