@@ -144,7 +144,7 @@ class Leases(SupervisorState):
             log.info("handing over shards", shards=sorted(lost))
             self._drop_shards(lost)
         if gained:
-            log.info("took shards", count=len(gained))
+            log.info("took shards", shards=sorted(gained))
         self.owned = claimed
         self.to_read = (self.to_read | gained) & claimed
 
