@@ -14,7 +14,6 @@ from triggerer.supervisor.state import SupervisorState
 log = structlog.get_logger(logger_name=__name__)
 
 
-
 class MemberDeadlines(SupervisorState):
     def _timeout_members(self) -> None:
         """Time out deferred members one by one (as the scheduler does) when one's trigger_timeout is due,
@@ -27,6 +26,8 @@ class MemberDeadlines(SupervisorState):
         with create_session() as session:
             fenced = self._fence(session)
             timed_out = fanout.timeout(session, sorted(fenced), self.queue_list) if fenced else []
+        if timed_out:
+            log.info("timed out deferred tasks", tasks=len(timed_out), trigger_ids=sorted(set(timed_out)))
         for trigger_id in timed_out:
             if trigger_id in self.member_info:
                 self._forget_member(trigger_id, user_action=True)

@@ -134,6 +134,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     def _db_step(self, name: str, step: Callable[[], None]) -> bool:
         """A step that fails must not stop the service: an outage is logged once, any other error when
         its cause changes; the loop goes on and the step runs again. True when the step succeeded."""
+        started = time.monotonic()
         try:
             step()
         except Exception as err:
@@ -146,6 +147,14 @@ class SupervisorState(TriggerRunnerSupervisor):
             return True
         finally:
             self._drop_lapsed()
+            self._note_slow_step(name, time.monotonic() - started)
+
+    def _note_slow_step(self, name: str, seconds: float) -> None:
+        """A step longer than a quarter of a lease delays every wait of this instance (timeouts, events,
+        takeovers wait for the next loop): say so, as Airflow does of a blocked trigger loop. The load
+        step runs the timeouts, unreadable and start steps: a slow one of those is named before it."""
+        if seconds > self.settings.lease_seconds / 4:
+            log.warning("a loop step was slow", step=name, seconds=round(seconds, 1))
 
     def _step_failed(self, name: str, err: Exception) -> None:
         self.last_error = cause(err)

@@ -444,9 +444,12 @@ def _describe(waiter: Waiter, outcome: Outcome, cond: dt.datetime | None, observ
     problems = "; ".join(outcome.problems)
     where = observed.stuck.get(waiter.ti_id, "")
     timeout = (f" timeout_at=t0+{waiter.timeout_at:.1f}s" if waiter.timeout_at is not None else "")
+    written = next((e for e in observed.audit.get(waiter.ti_id, []) if e["op"] != "deferred"), None)
+    by = (f" written at {written['at'].isoformat()} by {written.get('writer') or '?'} (trigger "
+          f"{written['old_trigger_id']}, shard {written.get('shard')})" if written else "")
     return (f"{outcome.verdict.upper()} {waiter.dag_id}[{waiter.map_index}] ti={waiter.ti_id} "
             f"identity={waiter.identity.key} poll={waiter.poll_interval:g}s push={waiter.push}{timeout} "
-            f"condition={cond.isoformat() if cond else None}: {problems} {where}".rstrip())
+            f"condition={cond.isoformat() if cond else None}: {problems}{by} {where}".rstrip())
 
 
 def _stall_by_fault(outcomes: dict[int, Outcome], faults: Sequence[FaultRecord],

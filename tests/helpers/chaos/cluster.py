@@ -161,7 +161,10 @@ class Cluster:
                     held = [pid for pid, state in states if state == "idle in transaction"]
                     if held:
                         self.frozen.add(slot)
-                        return True, f"backend {held[0]} idle in transaction ({len(states)} sessions)"
+                        cur.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", (held[0],))
+                        last = " ".join(str((cur.fetchone() or ("?",))[0]).split())[:120]
+                        return True, (f"backend {held[0]} idle in transaction ({len(states)} sessions) "
+                                      f"after {last!r}")
                     component.signal(signal.SIGCONT)
         finally:
             conn.close()

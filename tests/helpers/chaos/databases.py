@@ -47,12 +47,15 @@ CREATE TABLE chaos.ti_audit (
     old_state text, new_state text,
     old_trigger_id integer, new_trigger_id integer,
     next_method text, next_kwargs jsonb, trigger_timeout timestamptz,
-    txid bigint NOT NULL
+    txid bigint NOT NULL,
+    writer text,  -- the writing session's application name: the instance process (smart-3.13), or Airflow
+    shard integer  -- the shard of the trigger it left, when the write is a resume (for a failure's analysis)
 );
 CREATE INDEX ti_audit_ti ON chaos.ti_audit (ti_id);
 CREATE FUNCTION chaos.audit_ti() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     op text;
+    shard_of integer;
 BEGIN
     IF TG_OP = 'DELETE' THEN
         INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, old_trigger_id, txid)
@@ -69,10 +72,16 @@ BEGIN
     ELSE
         RETURN NEW;
     END IF;
+    -- the smart triggerer's schema exists once an instance has started (the seeding comes before)
+    IF OLD.trigger_id IS NOT NULL AND to_regclass('smart_triggerer.trigger_identity') IS NOT NULL THEN
+        EXECUTE 'SELECT shard FROM smart_triggerer.trigger_identity WHERE trigger_id = $1'
+            INTO shard_of USING OLD.trigger_id;
+    END IF;
     INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, new_state, old_trigger_id, new_trigger_id,
-                                next_method, next_kwargs, trigger_timeout, txid)
+                                next_method, next_kwargs, trigger_timeout, txid, writer, shard)
     VALUES (NEW.id, clock_timestamp(), op, OLD.state, NEW.state, OLD.trigger_id, NEW.trigger_id,
-            NEW.next_method, to_jsonb(NEW.next_kwargs), NEW.trigger_timeout, txid_current());
+            NEW.next_method, to_jsonb(NEW.next_kwargs), NEW.trigger_timeout, txid_current(),
+            current_setting('application_name'), shard_of);
     RETURN NEW;
 END $$;
 CREATE TRIGGER chaos_ti_audit AFTER UPDATE OR DELETE ON task_instance

@@ -47,6 +47,10 @@ from tests.helpers.chaos.source import KeySource
 from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, ensure_libfaketime
 from tests.helpers.tcp_proxy import Proxies
 
+# from seeding the first wave to the chaos start: the instances start and claim it meanwhile (4 s when
+# the machine is otherwise idle, more beside other tests)
+T0_LEAD = 10.0
+
 
 @dataclass(order=True)
 class Action:
@@ -107,9 +111,11 @@ class ChaosRun:
         self._sync_assets()
         self._bridge(routes)
         self._seed_wave(0)
+        self._set_timeouts()
         for n in range(self.profile.instances):
             cluster.start(f"smart-{n + 1}")
         self._wait_loaded()
+        self._wait_for_t0()
         self._chaos()
         self._finish()
         diagnostics, watchers = self._diagnostics()
@@ -228,8 +234,6 @@ class ChaosRun:
     # --- the timeline ---
 
     def _chaos(self) -> None:
-        self.t0_db = db_now(self.airflow_dsn)
-        self._set_timeouts()
         actions = self._actions()
         self.log(f"chaos phase: {self.profile.seconds:.0f}s, {len(actions)} actions")
         start = self.chaos_start = time.monotonic()
@@ -245,12 +249,28 @@ class ChaosRun:
         self.chaos_seconds = time.monotonic() - start
 
     def _set_timeouts(self) -> None:
+        """Deadlines are part of the deferral, as Airflow writes them: set with the seeding, before any
+        instance reads the waiters, relative to a chaos start ``T0_LEAD`` seconds ahead (the instances start
+        and claim the first wave meanwhile). Set later, an instance that had already read its members would
+        learn of them only by reading its shards again (Airflow never changes a deferred task's
+        trigger_timeout; its scheduler's own timeout check covers such a change in a deployment)."""
+        self.t0_db = db_now(self.airflow_dsn) + dt.timedelta(seconds=T0_LEAD)
         timed = [w for w in self.plan.waiters if w.timeout_at is not None]
         if timed:
             execute(self.airflow_dsn,
                     "UPDATE task_instance ti SET trigger_timeout = %s + make_interval(secs => v.offs) "
                     "FROM unnest(%s::uuid[], %s::float8[]) AS v(id, offs) WHERE ti.id = v.id",
                     (self.t0_db, [w.ti_id for w in timed], [w.timeout_at for w in timed]))
+
+    def _wait_for_t0(self) -> None:
+        """The chaos clock starts at the planned t0 (database clock, not stepped yet); an instance start
+        slower than ``T0_LEAD`` starts it late, which the timeline notes (deadlines stay where they were)."""
+        late = (db_now(self.airflow_dsn) - self.t0_db).total_seconds()
+        if late > 0:
+            self.log(f"the first wave was claimed {late:.1f}s after the planned chaos start; starting now")
+            return
+        self.log(f"first wave claimed {T0_LEAD + late:.1f}s after seeding; the chaos starts in {-late:.1f}s")
+        time.sleep(-late)
 
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
@@ -372,7 +392,7 @@ class ChaosRun:
         dsn = self.airflow_dsn
         audit: dict[str, list[dict[str, Any]]] = {}
         columns = ("ti_id", "at", "op", "new_state", "old_trigger_id", "next_method", "next_kwargs",
-                   "trigger_timeout", "txid")
+                   "trigger_timeout", "txid", "writer", "shard")
         for row in execute(dsn, f"SELECT {', '.join(columns)} FROM chaos.ti_audit ORDER BY seq", fetch=True):
             entry = dict(zip(columns, row, strict=True))
             audit.setdefault(str(entry["ti_id"]), []).append(entry)
