@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
 LIBFAKETIME_GLOBS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
@@ -36,16 +37,25 @@ class SetupError(RuntimeError):
 @contextlib.contextmanager
 def machine_lock() -> Iterator[None]:
     """Held while this process changes the machine; other processes of ours wait for it."""
-    folder = next((d for d in LOCK_DIRS if d.is_dir() and os.access(d, os.W_OK)), None)
-    if folder is None:  # nowhere to lock: nothing else of ours can either
+    handle = _lock_file()
+    if handle is None:  # nowhere to lock (another user's lock file): this user's runs still take turns
         yield
         return
-    with (folder / LOCK_NAME).open("a") as handle:
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_file() -> IO[str] | None:
+    for folder in LOCK_DIRS:
+        try:
+            return (folder / LOCK_NAME).open("a")
+        except OSError:
+            continue  # missing, read-only, or the file belongs to another user
+    return None
 
 
 def find_chromium() -> str | None:
