@@ -34,27 +34,50 @@ class SetupError(RuntimeError):
     """A package or user the tests need is missing and could not be added here."""
 
 
+_depth = [0]  # machine_lock's depth in this process: a nested call must not wait on its own lock
+
+
 @contextlib.contextmanager
 def machine_lock() -> Iterator[None]:
-    """Held while this process changes the machine; other processes of ours wait for it."""
-    handle = _lock_file()
-    if handle is None:  # nowhere to lock (another user's lock file): this user's runs still take turns
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
+    """Held while this process changes the machine; other processes of ours wait for it. Reentrant within
+    a process (flock on a second open of the file would wait on the first for ever)."""
+    if _depth[0]:
+        with _deeper():
             yield
+        return
+    handle = _lock_file()
+    if handle is None:
+        print(f"warning: no lock file could be opened ({', '.join(str(d / LOCK_NAME) for d in LOCK_DIRS)}): "
+              "changing the machine without a lock", file=sys.stderr)
+    with handle if handle is not None else contextlib.nullcontext():
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            with _deeper():
+                yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if handle is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _deeper() -> Iterator[None]:
+    _depth[0] += 1
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
 
 
 def _lock_file() -> IO[str] | None:
+    """The lock file, made when missing; one another user made is opened read-only (flock needs no write
+    access), so root, sudo and a user's runs all take turns on the same file."""
     for folder in LOCK_DIRS:
-        try:
-            return (folder / LOCK_NAME).open("a")
-        except OSError:
-            continue  # missing, read-only, or the file belongs to another user
+        for mode in ("a", "r"):
+            try:
+                return (folder / LOCK_NAME).open(mode)
+            except OSError:
+                continue  # missing folder, read-only, or the file is another user's
     return None
 
 
@@ -83,18 +106,24 @@ def apt_install(packages: list[str], why: str, log: Callable[[str], None]) -> No
     if apt is None or sudo is None:
         raise SetupError(f"{why}: install your system's {names} package(s) (Debian: apt-get install {names})")
     log(f"installing {names} ({why}): apt-get install {names}")
+    # sudo resets the environment: the non-interactive front end is passed through env
+    apt_env = [*sudo, "env", "DEBIAN_FRONTEND=noninteractive", apt] if sudo else [apt]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # apt's own lock (another apt run on this machine, not ours) is waited for rather than failed on
+    # dpkg's lock, held by an apt run that is not ours (ours take turns under machine_lock), is waited for
     wait = ["-o", "DPkg::Lock::Timeout=300"]
-    for command in ([*sudo, apt, *wait, "update"],
-                    [*sudo, apt, *wait, "install", "-y", "--no-install-recommends", *packages]):
+    for command in ([*apt_env, *wait, "update"],
+                    [*apt_env, *wait, "install", "-y", "--no-install-recommends", *packages]):
         result = subprocess.run(command, env=env, stdout=sys.stderr.fileno(), check=False)
         if result.returncode != 0:
-            raise SetupError(f"{' '.join(command)} failed ({result.returncode}); see its output above")
+            raise SetupError(f"{' '.join(command)} failed ({result.returncode}), see its output above; "
+                             f"{why}: install {names} by hand")
 
 
 def ensure_libfaketime(log: Callable[[str], None] = print) -> str:
     """The path of libfaketime.so.1, installing Debian's package first when it is missing."""
+    found = find_libfaketime()
+    if found:
+        return found  # without waiting on other workers' set-up
     with machine_lock():
         found = find_libfaketime()
         if not found:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,28 @@ def test_without_apt_the_error_names_the_packages(monkeypatch: pytest.MonkeyPatc
 def test_libfaketime_configured_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMART_TRIGGERER_LIBFAKETIME", "/opt/faketime/libfaketime.so.1")
     assert system.ensure_libfaketime() == "/opt/faketime/libfaketime.so.1"
+
+
+def test_the_machine_lock_is_reentrant_within_a_process() -> None:
+    with system.machine_lock(), system.machine_lock():  # would wait on itself for ever
+        assert system._depth[0] == 2
+    assert system._depth[0] == 0
+
+
+def test_a_lock_file_another_user_made_is_shared_read_only(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """flock needs no write access: a lock file this user may not append to is opened read-only, so
+    root's runs and a user's take turns on the same file instead of running unlocked."""
+    (tmp_path / system.LOCK_NAME).touch()
+    opened = Path.open
+
+    def not_ours(path: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "a":
+            raise PermissionError(13, "Permission denied", str(path))
+        return opened(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(system, "LOCK_DIRS", (tmp_path,))
+    monkeypatch.setattr(Path, "open", not_ours)
+    handle = system._lock_file()
+    assert handle is not None and handle.mode == "r"
+    handle.close()

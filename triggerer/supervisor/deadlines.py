@@ -27,7 +27,8 @@ class MemberDeadlines(SupervisorState):
             fenced = self._fence(session)
             timed_out = fanout.timeout(session, sorted(fenced), self.queue_list) if fenced else []
         if timed_out:
-            log.info("timed out deferred tasks", tasks=len(timed_out), trigger_ids=sorted(set(timed_out)))
+            # the first triggers by id (a shared deadline can time out thousands at once)
+            log.info("timed out deferred tasks", tasks=len(timed_out), trigger_ids=sorted(timed_out)[:50])
         for trigger_id in timed_out:
             if trigger_id in self.member_info:
                 self._forget_member(trigger_id, user_action=True)

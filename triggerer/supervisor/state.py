@@ -138,21 +138,22 @@ class SupervisorState(TriggerRunnerSupervisor):
         try:
             step()
         except Exception as err:
-            self._step_failed(name, err)
+            self._step_failed(name, err)  # logged there, once per cause: not again as slow
             return False
         else:
+            self._note_slow_step(name, time.monotonic() - started)
             if not self.db_ok and name == "load":
                 log.info("database reachable again")
                 self.db_ok = True
             return True
         finally:
             self._drop_lapsed()
-            self._note_slow_step(name, time.monotonic() - started)
 
     def _note_slow_step(self, name: str, seconds: float) -> None:
-        """A step longer than a quarter of a lease delays every wait of this instance (timeouts, events,
-        takeovers wait for the next loop): say so, as Airflow does of a blocked trigger loop. The load
-        step runs the timeouts, unreadable and start steps: a slow one of those is named before it."""
+        """A step that succeeded after more than a quarter of a lease delayed every wait of this instance
+        (timeouts, events, takeovers wait for the next loop): say so, as Airflow does of a blocked trigger
+        loop. The load step runs the timeouts, unreadable, start and heartbeat steps: a slow one of those is
+        named before it."""
         if seconds > self.settings.lease_seconds / 4:
             log.warning("a loop step was slow", step=name, seconds=round(seconds, 1))
 

@@ -58,8 +58,9 @@ DECLARE
     shard_of integer;
 BEGIN
     IF TG_OP = 'DELETE' THEN
-        INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, old_trigger_id, txid)
-        VALUES (OLD.id, clock_timestamp(), 'deleted', OLD.state, OLD.trigger_id, txid_current());
+        INSERT INTO chaos.ti_audit (ti_id, at, op, old_state, old_trigger_id, txid, writer)
+        VALUES (OLD.id, clock_timestamp(), 'deleted', OLD.state, OLD.trigger_id, txid_current(),
+                current_setting('application_name'));
         RETURN OLD;
     END IF;
     IF NEW.state = 'deferred' AND OLD.state IS DISTINCT FROM 'deferred' THEN

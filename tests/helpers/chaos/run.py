@@ -115,8 +115,7 @@ class ChaosRun:
         for n in range(self.profile.instances):
             cluster.start(f"smart-{n + 1}")
         self._wait_loaded()
-        self._wait_for_t0()
-        self._chaos()
+        self._chaos(self._wait_for_t0())
         self._finish()
         diagnostics, watchers = self._diagnostics()
         self._stop_everything()
@@ -233,10 +232,10 @@ class ChaosRun:
 
     # --- the timeline ---
 
-    def _chaos(self) -> None:
+    def _chaos(self, late: float) -> None:
         actions = self._actions()
         self.log(f"chaos phase: {self.profile.seconds:.0f}s, {len(actions)} actions")
-        start = self.chaos_start = time.monotonic()
+        start = self.chaos_start = time.monotonic() - late
         next_progress = 0.0
         for action in sorted(actions):
             while (now := time.monotonic() - start) < action.at:
@@ -262,15 +261,17 @@ class ChaosRun:
                     "FROM unnest(%s::uuid[], %s::float8[]) AS v(id, offs) WHERE ti.id = v.id",
                     (self.t0_db, [w.ti_id for w in timed], [w.timeout_at for w in timed]))
 
-    def _wait_for_t0(self) -> None:
-        """The chaos clock starts at the planned t0 (database clock, not stepped yet); an instance start
-        slower than ``T0_LEAD`` starts it late, which the timeline notes (deadlines stay where they were)."""
-        late = (db_now(self.airflow_dsn) - self.t0_db).total_seconds()
-        if late > 0:
-            self.log(f"the first wave was claimed {late:.1f}s after the planned chaos start; starting now")
-            return
-        self.log(f"first wave claimed {T0_LEAD + late:.1f}s after seeding; the chaos starts in {-late:.1f}s")
-        time.sleep(-late)
+    def _wait_for_t0(self) -> float:
+        """Wait for the planned t0 (database clock, not stepped yet), watching the instances meanwhile.
+        Returns how late the first wave's claims made it: the timeline then starts that far in, so flips
+        and faults keep their planned distance to the deadlines (the overdue ones run at once)."""
+        while (late := (db_now(self.airflow_dsn) - self.t0_db).total_seconds()) < 0:
+            self.cluster.watch()
+            time.sleep(min(0.2, -late))
+        if late > 1.0:
+            self.notes.append(f"the first wave was claimed {late:.1f}s after the planned chaos start "
+                              f"(T0_LEAD {T0_LEAD:g}s): the timeline's first {late:.1f}s ran at once")
+        return late
 
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
