@@ -101,29 +101,16 @@ def ensure_venv(extra: str) -> None:
     STAMP.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
 
 
-SYSTEM_PACKAGES = {"chromium": "SMART_TRIGGERER_CHROMIUM", "libfaketime": "SMART_TRIGGERER_LIBFAKETIME"}
-
-
-def missing_packages() -> list[str]:
-    found = {"chromium": system.find_chromium(), "libfaketime": system.find_libfaketime()}
-    return [name for name in SYSTEM_PACKAGES if not found[name]]
-
-
 def ensure_system_packages() -> None:
     """The tests drive a real Chromium (the UI test; Playwright's own browser download is never used) and
     step the database's clock with libfaketime: Debian's packages, installed here when missing (apt-get,
     as root or through sudo), in one apt run before the test workers start."""
-    if missing_packages():
-        with system.machine_lock():
-            if missing := missing_packages():  # another run may have installed them meanwhile
-                try:
-                    system.apt_install(missing, "the UI test and the database clock steps", step)
-                except system.SetupError as error:
-                    sys.exit(f"{error}; or set {' / '.join(SYSTEM_PACKAGES[name] for name in missing)}")
-    if still := missing_packages():
-        sys.exit(f"{' '.join(still)} installed but not found; set "
-                 f"{' / '.join(SYSTEM_PACKAGES[name] for name in still)}")
-    os.environ["SMART_TRIGGERER_CHROMIUM"] = str(system.find_chromium())
+    try:
+        found = system.ensure_packages(["chromium", "libfaketime"],
+                                       "the UI test and the database clock steps", step)
+    except system.SetupError as error:
+        sys.exit(str(error))
+    os.environ["SMART_TRIGGERER_CHROMIUM"] = found["chromium"]
 
 
 def count_tests(junit: Path) -> tuple[int, int, int, int]:

@@ -49,15 +49,13 @@ def machine_lock() -> Iterator[None]:
     if handle is None:
         print(f"warning: no lock file could be opened ({', '.join(str(d / LOCK_NAME) for d in LOCK_DIRS)}): "
               "changing the machine without a lock", file=sys.stderr)
-    with handle if handle is not None else contextlib.nullcontext():
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            with _deeper():
-                yield
-        finally:
-            if handle is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with _deeper():
+            yield
+        return
+    with handle:  # closing the file releases the lock
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        with _deeper():
+            yield
 
 
 @contextlib.contextmanager
@@ -119,16 +117,33 @@ def apt_install(packages: list[str], why: str, log: Callable[[str], None]) -> No
                              f"{why}: install {names} by hand")
 
 
+FINDERS: dict[str, Callable[[], str | None]] = {"chromium": find_chromium, "libfaketime": find_libfaketime}
+SETTINGS = {"chromium": "SMART_TRIGGERER_CHROMIUM", "libfaketime": "SMART_TRIGGERER_LIBFAKETIME"}
+
+
+def ensure_packages(packages: list[str], why: str, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Each package's path (``FINDERS``), the missing ones installed first in one apt run; looked for again
+    under the machine lock, as another worker may have installed them meanwhile. SetupError otherwise,
+    naming the settings that point at a copy installed elsewhere."""
+    def missing() -> list[str]:
+        return [name for name in packages if not FINDERS[name]()]
+
+    def settings(names: list[str]) -> str:
+        return " / ".join(SETTINGS[name] for name in names)
+
+    if missing():
+        with machine_lock():
+            if wanted := missing():
+                try:
+                    apt_install(wanted, why, log)
+                except SetupError as error:
+                    raise SetupError(f"{error}; or set {settings(wanted)}") from None
+    if still := missing():
+        raise SetupError(f"{' '.join(still)} installed but not found; set {settings(still)}")
+    return {name: str(FINDERS[name]()) for name in packages}
+
+
 def ensure_libfaketime(log: Callable[[str], None] = print) -> str:
     """The path of libfaketime.so.1, installing Debian's package first when it is missing."""
-    found = find_libfaketime()
-    if found:
-        return found  # without waiting on other workers' set-up
-    with machine_lock():
-        found = find_libfaketime()
-        if not found:
-            apt_install(["libfaketime"], "the chaos run steps the database's clock with libfaketime", log)
-            found = find_libfaketime()
-    if not found:
-        raise SetupError(f"libfaketime was installed but libfaketime.so.1 is not in {LIBFAKETIME_GLOBS}")
-    return found
+    return ensure_packages(["libfaketime"], "the chaos run steps the database's clock with libfaketime",
+                           log)["libfaketime"]

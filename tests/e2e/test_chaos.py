@@ -16,13 +16,14 @@ from urllib.parse import urlsplit
 import psycopg2
 import pytest
 
+from devkit.system import ensure_libfaketime
 from tests.helpers.chaos import run_chaos
 from tests.helpers.chaos.checker import Observed, downtime, judge, judge_assets, judge_bridge, on_host_clock
 from tests.helpers.chaos.cluster import FaultRecord
 from tests.helpers.chaos.constants import FAULT_KINDS, NUL_ASSET, ONCE, POISON
 from tests.helpers.chaos.plan import Identity, Profile, Waiter, make_plan
 from tests.helpers.chaos.run import fired_by
-from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous, ensure_libfaketime
+from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous
 from tests.helpers.tcp_proxy import Proxies
 from tests.helpers.waiting import rows, wait_for
 

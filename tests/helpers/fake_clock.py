@@ -23,9 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devkit.pgserver import EmbeddedPostgres
-from devkit.system import ensure_libfaketime
-
-__all__ = ["ClockStep", "FakeClockPostgres", "continuous", "ensure_libfaketime"]
 
 
 @contextlib.contextmanager

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from devkit.devstack import AirflowConfig, migrate
+from devkit.system import ensure_libfaketime
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.databases import create_database
-from tests.helpers.fake_clock import FakeClockPostgres, ensure_libfaketime
+from tests.helpers.fake_clock import FakeClockPostgres
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows
 from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor

@@ -62,3 +62,13 @@ def test_a_lock_file_another_user_made_is_shared_read_only(tmp_path: Path,
     handle = system._lock_file()
     assert handle is not None and handle.mode == "r"
     handle.close()
+
+
+def test_a_package_that_cannot_be_installed_names_the_setting_to_point_at_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(system.FINDERS, "libfaketime", lambda: None)
+    monkeypatch.setattr(system.shutil, "which", lambda _name: None)
+    with pytest.raises(system.SetupError) as raised:
+        system.ensure_libfaketime()
+    assert "apt-get install libfaketime" in str(raised.value)
+    assert str(raised.value).endswith("or set SMART_TRIGGERER_LIBFAKETIME")

@@ -22,6 +22,7 @@ import psycopg2
 
 from devkit.devstack import AirflowConfig, AirflowStack, migrate
 from devkit.pgserver import EmbeddedPostgres, create_database
+from devkit.system import ensure_libfaketime
 from tests.helpers.chaos.checker import Observed, Report, as_dict, check
 from tests.helpers.chaos.cluster import Cluster, FaultRecord, wall_clock
 from tests.helpers.chaos.constants import (
@@ -44,7 +45,7 @@ from tests.helpers.chaos.constants import (
 from tests.helpers.chaos.databases import ASSET_DAG_FILE, AUDIT_DDL, Warehouse, db_now, execute
 from tests.helpers.chaos.plan import FaultPlan, Profile, Waiter, make_plan
 from tests.helpers.chaos.source import KeySource
-from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, ensure_libfaketime
+from tests.helpers.fake_clock import ClockStep, FakeClockPostgres
 from tests.helpers.tcp_proxy import Proxies
 
 # from seeding the first wave to the chaos start: the instances start and claim it meanwhile (4 s when
