@@ -37,9 +37,12 @@ class Settings:
     health_host: str = "127.0.0.1"
     # required when health_host is not a loopback address: the endpoint then answers only to this bearer
     health_token: str = field(default="", repr=False)
-    # Airflow 3.3.2 fails a task resumed within ~5 s of its deferral (apache/airflow#71580 family):
-    # an event for a member that deferred more recently than this is held back until it is old enough.
-    resume_hold_seconds: float = 6.0
+    # Airflow 3.3.2 fails a task resumed before the scheduler has handled its deferring worker's exit
+    # (apache/airflow#71580 family): the worker's supervisor notices the exit up to a worker heartbeat
+    # (5 s) after the deferral, the scheduler reads it a loop or more later. An event for a member that
+    # deferred more recently than this is held back until it is old enough. (6 s was too short on a busy
+    # host: the report came 6.4 s after a deferral and failed the task.)
+    resume_hold_seconds: float = 10.0
     loop_seconds: float = 1.0
     # coroutines started (and rows hashed, times 4) per batch; batches go on while a loop's time budget
     # lasts, and between loads while groups wait for a coroutine (a takeover, a cold start)

@@ -48,11 +48,11 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "resume_hold_seconds": {
                         "description": "Hold events for tasks deferred more recently than this (seconds); "
-                        "Airflow 3.3.2 can fail a task resumed within ~5 s of its deferral.",
+                        "Airflow 3.3.2 can fail a task resumed within seconds of its deferral.",
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": None,
-                        "default": "6",
+                        "default": "10",
                     },
                     "health_port": {
                         "description": "Port of the health/metrics endpoint (GET /health, GET /metrics); 0 "

@@ -49,7 +49,7 @@ def test_airflow_lists_the_provider_and_runs_status_through_it(airflow_config: A
     # Airflow knows our settings' defaults (the provider declares them)
     listed = run([airflow_config.airflow_bin(), "config", "list", "--section", "smart_triggerer",
                   "--show-values"], env)
-    for line in ("shards = 64", "lease_seconds = 8", "health_host = 127.0.0.1", "resume_hold_seconds = 6"):
+    for line in ("shards = 64", "lease_seconds = 8", "health_host = 127.0.0.1", "resume_hold_seconds = 10"):
         assert line in listed.stdout.splitlines(), listed.stdout
 
 
