@@ -572,7 +572,7 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     threading.Thread(target=note_exit, daemon=True).start()
     spies = (start_profiles(survivors[0][0], waits.timeout, Path(bench.args.profile_takeover),
                             f"{bench.mode}-{how.name.lower()}")
-             if bench.args.profile_takeover and how == signal.SIGKILL else [])
+             if bench.args.profile_takeover else [])
     signalled = time.time()
     os.killpg(victim[0].pid, how)
     flipped_at = 0.0

@@ -27,6 +27,9 @@ class DagCache:
     def __init__(self, limit: int = DAGS_KEPT) -> None:
         self.limit = limit
         self._dags: OrderedDict[tuple[Any, str], Any] = OrderedDict()
+        # (version, hash, task id) -> the task starts from the trigger, or why its DAG cannot be read
+        # here (workloads.StartFromTrigger)
+        self.flags: dict[tuple[Any, str, str], bool | Exception] = {}
 
     def __len__(self) -> int:
         return len(self._dags)
@@ -43,6 +46,7 @@ class DagCache:
 
     def clear(self) -> None:
         self._dags.clear()
+        self.flags.clear()
 
 
 class _SharedModel:

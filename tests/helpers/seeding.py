@@ -27,6 +27,7 @@ from airflow.sdk import DAG, BaseOperator
 
 
 class Waiter(BaseOperator):
+{starts}
     def __init__(self, *, target, **kwargs):
         super().__init__(**kwargs)
         self.target = target
@@ -53,10 +54,22 @@ class Seeded:
     trigger_ids: list[int]
 
 
-def write_seed_dag(dags_folder: Path, dag_id: str, count: int) -> Path:
+# a Waiter whose deferral starts in the triggerer (its workload carries the DAG and the run)
+_STARTS_FROM_TRIGGER = """
+    from airflow.triggers.base import StartTriggerArgs
+
+    start_trigger_args = StartTriggerArgs(trigger_cls="tests.helpers.triggers.AtTimeTrigger",
+                                          trigger_kwargs={}, next_method="execute_complete",
+                                          next_kwargs=None, timeout=None)
+    start_from_trigger = True
+"""
+
+
+def write_seed_dag(dags_folder: Path, dag_id: str, count: int, *, start_from_trigger: bool = False) -> Path:
     dags_folder.mkdir(parents=True, exist_ok=True)
     path = dags_folder / f"{dag_id}.py"
-    path.write_text(textwrap.dedent(_DAG_FILE.format(dag_id=dag_id, count=count)))
+    starts = textwrap.indent(textwrap.dedent(_STARTS_FROM_TRIGGER), "    ") if start_from_trigger else ""
+    path.write_text(textwrap.dedent(_DAG_FILE).format(dag_id=dag_id, count=count, starts=starts))
     return path
 
 
@@ -176,13 +189,14 @@ def seed_deferred(
     kwargs_for: KwargsFor,
     trigger_timeout: dt.timedelta | None = None,
     dag_id: str | None = None,
+    start_from_trigger: bool = False,
 ) -> Seeded:
     """Create ``count`` deferred task instances, waiter ``i`` waiting on ``classpath(**kwargs_for(i))``."""
     from airflow.utils.session import create_session
 
     use_airflow_db(dsn)
     dag_id = dag_id or f"seeded_{uuid.uuid4().hex[:8]}"
-    path = write_seed_dag(dags_folder, dag_id, count)
+    path = write_seed_dag(dags_folder, dag_id, count, start_from_trigger=start_from_trigger)
     _sync_dag(path, dags_folder)
     with create_session() as session:
         run_id, ti_ids = _create_run(dag_id, session)

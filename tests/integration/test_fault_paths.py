@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg2
 import pytest
+import structlog.testing
 
 from devkit.devstack import AirflowConfig
 from tests.helpers.waiting import rows, ti_states, wait_for
@@ -324,29 +325,36 @@ def test_one_locked_task_row_holds_back_only_its_own_event(env: AirflowConfig,
 
 def test_a_workload_that_cannot_be_built_never_kills_the_instance(
         env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A DAG that cannot be deserialized on the triggerer host (a timetable or class not installed there),
-    a template error in the log file name...: the exception leaves load_triggers, _db_step does not catch
-    it, run_once ends, the instance exits; the shard's next owner builds the same workload."""
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    """A DAG that cannot be deserialized on the triggerer host (a timetable or class not installed there):
+    the exception left load_triggers, _db_step did not catch it, run_once ended, the instance exited; the
+    shard's next owner built the same workload. Now that row cannot lead here, and the others start."""
+    from airflow.serialization.serialized_objects import DagSerialization
 
     supervisor = make_supervisor()
-    seeded = seed(env, 2)
+    broken = seed(env, 2)
+    fine = seed(env, 1, moment=other_time(4))
     load(supervisor)
-    original = SmartTriggerRunnerSupervisor._create_workload
+    original = DagSerialization.from_dict.__func__  # type: ignore[attr-defined]
 
-    def failing(self: Any, trigger: Any, *args: Any, **kwargs: Any) -> Any:
-        if trigger.id in seeded.trigger_ids:
+    def failing(cls: Any, data: dict[str, Any]) -> Any:
+        if data["dag"]["dag_id"] == broken.dag_id:
             raise ImportError("timetable 'plugins.BusinessDays' is not registered")
-        return original(self, trigger, *args, **kwargs)
+        return original(cls, data)
 
-    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_create_workload", failing)
+    monkeypatch.setattr(DagSerialization, "from_dict", classmethod(failing))
     try:
-        supervisor._db_step("load", supervisor.load_triggers)
+        with structlog.testing.capture_logs() as logs:
+            supervisor._db_step("load", supervisor.load_triggers)
         escaped = None
     except Exception as err:
         escaped = f"{type(err).__name__}: {err}"
     print("\nescaped _db_step:", escaped)
     assert escaped is None
+    started = {w.id for w in supervisor.creating_triggers}
+    assert set(fine.trigger_ids) <= started and not started & set(broken.trigger_ids)
+    cannot = [e for e in logs if e["event"] == "a trigger's workload cannot be built on this host"]
+    assert {e["trigger_id"] for e in cannot} <= set(broken.trigger_ids) and cannot
+    assert "BusinessDays" in cannot[0]["error"]
 
 
 # --- 7. a deterministic refusal psycopg2 files under OperationalError ----------------------------------
@@ -606,9 +614,12 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
         env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deterministic database error building one row's workload (here a real DataError in the build's
     transaction) was re-raised like an outage: the load step failed on it every loop and no group started
-    on that instance again."""
+    on that instance again. The batch's one statement refused (workloads.py) is read again row by row,
+    where the row is named."""
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
     from sqlalchemy import text
+
+    from triggerer.supervisor import starting
 
     supervisor = make_supervisor()
     bad = seed(env, 1)
@@ -622,6 +633,14 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
         return original(self, trigger, dag_bag, render_log_fname, session)
 
     monkeypatch.setattr(TriggerRunnerSupervisor, "_create_workload", refusing)
+    read_in_one = starting.task_rows
+
+    def refusing_the_batch(session: Any, trigger_ids: Any) -> Any:
+        if set(trigger_ids) & set(bad.trigger_ids):  # the batch's one statement, refused by that row
+            session.execute(text("SELECT CAST('not a number' AS integer)"))
+        return read_in_one(session, trigger_ids)
+
+    monkeypatch.setattr(starting, "task_rows", refusing_the_batch)
     for _ in range(2):
         supervisor._db_step("load", supervisor.load_triggers)
     started = {w.id for w in supervisor.creating_triggers}

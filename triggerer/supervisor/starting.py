@@ -7,15 +7,17 @@ from __future__ import annotations
 import math
 import select as io_select
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import structlog
 from airflow.jobs.triggerer_job_runner import (
     TriggerLoggingFactory,
     messages,
 )
+from airflow.models.dagbag import DBDagBag
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
+from airflow.utils.session import create_session
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
@@ -24,12 +26,9 @@ from triggerer.dagbag import OneBuildDagBag
 from triggerer.db_errors import cause, is_outage, is_transient
 from triggerer.groups import Group
 from triggerer.store import Store
-from triggerer.trigger_logs import PooledTriggerLoggingFactory
-
-if TYPE_CHECKING:
-    from airflow.models.dagbag import DBDagBag
-
 from triggerer.supervisor.state import SupervisorState
+from triggerer.trigger_logs import PooledTriggerLoggingFactory
+from triggerer.workloads import StartFromTrigger, log_renderer, plain_workload, task_rows
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -207,8 +206,55 @@ class GroupStarting(SupervisorState):
                 .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger)))
         return {trigger.id: trigger for trigger in session.scalars(stmt)}
 
+    def build_trigger_workloads(self, new_trigger_ids: set[int]) -> list[Any]:
+        """Task triggers' workloads from one statement per batch (workloads.py); the rest Airflow's way."""
+        render_log_fname = log_renderer()
+        if render_log_fname is None:
+            return super().build_trigger_workloads(new_trigger_ids)
+        built, airflow_way = self._build_task_workloads(new_trigger_ids, render_log_fname)
+        if airflow_way:
+            built.extend(super().build_trigger_workloads(airflow_way))
+        return built
+
+    def _build_task_workloads(self, trigger_ids: set[int],
+                              render_log_fname: Any) -> tuple[list[Any], set[int]]:
+        """(workloads built, ids left to Airflow's builder). A row whose DAG cannot be read on this host
+        is in neither: another member leads its group (``_next_leader``)."""
+        try:
+            with create_session() as session:
+                Store(session).unbound_idle()  # deserializing a big DAG may take a while (see below)
+                rows = task_rows(session, trigger_ids)
+                flags = StartFromTrigger(session, self.dag_cache, DBDagBag()).of(list(rows.values()))
+        except Exception as err:
+            if isinstance(err, SQLAlchemyError) and (is_outage(err) or is_transient(err)):
+                raise
+            # a row the batch cannot read: Airflow's builder reads row by row and names the row it cannot load
+            log.warning("could not read a batch of workloads in one statement; reading them one by one",
+                        error=cause(err))
+            return [], set(trigger_ids)
+        built: list[Any] = []
+        airflow_way = set(trigger_ids) - set(rows)  # watchers, callbacks, rows gone (Airflow says which)
+        log_id = self.job.id if self.job is not None else self.id
+        for trigger_id, row in rows.items():
+            flag = flags[trigger_id]
+            if isinstance(flag, Exception):
+                log.error("a trigger's workload cannot be built on this host", trigger_id=trigger_id,
+                          error=cause(flag))
+                continue
+            made = None if flag or row.ti["dag_version_id"] is None else plain_workload(row, render_log_fname,
+                                                                                       log_id)
+            if made is None:  # starts from the trigger, no DAG version, or values only Airflow can explain
+                airflow_way.add(trigger_id)
+                continue
+            workload, ti, log_path = made
+            self.logger_cache[trigger_id] = PooledTriggerLoggingFactory(
+                log_path=log_path, ti=ti, pool=self.log_pool)  # type: ignore[arg-type]  # as Airflow's
+            built.append(self._for_group(workload, row.encrypted_kwargs))
+        return built, airflow_way
+
     def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
                          session: Session) -> Any:
+        """Airflow's, for the rows ``build_trigger_workloads`` leaves to it."""
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
             self.build_bag = OneBuildDagBag(dag_bag, self.dag_cache)
             # Airflow's build transaction locks nothing, and deserializing a big DAG may sit longer than
@@ -231,15 +277,20 @@ class GroupStarting(SupervisorState):
                       error=cause(err))
             return None
         self._pool_log_file(trigger.id)
-        group = self.groups.by_runner(trigger.id)
-        if workload is None or group is None:
+        return None if workload is None else self._for_group(workload, trigger.encrypted_kwargs)
+
+    def _for_group(self, workload: Any, encrypted_kwargs: str) -> Any:
+        """A dedupable group's coroutine runs with its members' merged settings and no timeout of its own."""
+        group = self.groups.by_runner(workload.id)
+        info = self.member_info.get(workload.id)
+        if group is None or info is None or not info.dedupable or not self.settings.dedup:
             return workload
-        info = self.member_info.get(trigger.id)
-        if info is not None and info.dedupable and self.settings.dedup:
+        if workload.timeout_after is not None:
             # Members time out one by one (see _timeout_members); the shared coroutine must not.
             workload = workload.model_copy(update={"timeout_after": None})
-            workload = self._with_group_settings(workload, trigger, group)
-        return workload
+        if len(group.members) == 1:
+            return workload  # its own kwargs are what it asked for (and decrypting them costs)
+        return self._with_group_settings(workload, encrypted_kwargs, group)
 
     def _pool_log_file(self, trigger_id: int) -> None:
         """The coroutine's log file through the bounded pool, not one descriptor per coroutine."""
@@ -247,9 +298,11 @@ class GroupStarting(SupervisorState):
         if type(factory) is TriggerLoggingFactory:
             self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(factory, self.log_pool)
 
-    def _with_group_settings(self, workload: Any, trigger: Trigger, group: Group) -> Any:
+    def _with_group_settings(self, workload: Any, encrypted_kwargs: str, group: Group) -> Any:
         """Run the group with its members' merged settings (shortest interval, every channel...)."""
-        kwargs = trigger.kwargs
+        if not group.settings:
+            return workload
+        kwargs = Trigger._decrypt_kwargs(encrypted_kwargs)
         changed = {k: v for k, v in group.settings.items()
                    if k in kwargs and kwargs[k] != v and [kwargs[k]] != v}
         if not changed:
