@@ -50,6 +50,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 _HOME = Path(tempfile.mkdtemp(prefix="smart-triggerer-bench-"))
 atexit.register(shutil.rmtree, _HOME, ignore_errors=True)  # homes, DAG files and component logs of the run
+
+
+def keep_logs(folder: str | None) -> None:
+    """``--keep-logs``: the components' logs of every mode, copied before the run's home is removed."""
+    if folder:
+        for logs in _HOME.rglob("component-logs"):
+            shutil.copytree(logs, Path(folder) / logs.relative_to(_HOME), dirs_exist_ok=True)
 os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
@@ -749,6 +756,7 @@ def main() -> int:
     parser.add_argument("--modes", default="stock,smart")
     parser.add_argument("--max-new-per-loop", type=int, default=0,
                         help="[smart_triggerer] max_new_per_loop of the smart instances (0: its default)")
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy the instances' logs here at the end")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json", action="store_true", help="print each mode's figures as JSON at the end")
     args = parser.parse_args()
@@ -770,6 +778,7 @@ def main() -> int:
                     console.print(f"[red]{mode} did not get through: {err}[/]")
                     broke[mode] = str(err)
         finally:
+            keep_logs(args.keep_logs)
             drop_database(server_dsn, template)
     markdown = report(results, args) if results else ""
     markdown += "".join(f"\n\n{mode} did not get through: {why}" for mode, why in broke.items())

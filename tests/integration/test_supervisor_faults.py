@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import socket
 import threading
 import time
@@ -62,6 +63,7 @@ def make_supervisor(**settings: Any) -> Any:
         capacity=100, settings=Settings(**{"shards": 4, "lease_seconds": 6.0, "resume_hold_seconds": 0,
                                            **settings}),
     )
+    supervisor.runner_end = _right  # the runner's end of the socket, open while the supervisor answers
     supervisor.register()
     return supervisor
 
@@ -702,3 +704,43 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
     supervisor._db_step("events", supervisor.handle_events)
     assert rows(dsn, "SELECT count(*) FROM asset_event") == [(1,)]
     assert list(supervisor.persisted_event_seqs) == [3, 4]
+
+
+def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_time(
+        env: AirflowConfig, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handover of 13,000 coroutines at 50,000 waiters ended them all in one runner message; Airflow
+    closed (and made, their first lines still held) every log file while handling it, and the loop stood
+    for seconds past the lease: the instance's other shards were taken by its peer and taken back (a flap
+    seen in the bench's logs). The files are closed a budget per loop pass instead, each with its lines."""
+    from pathlib import Path
+
+    from airflow.jobs.triggerer_job_runner import messages
+
+    from triggerer.supervisor import starting
+    from triggerer.trigger_logs import PooledTriggerLoggingFactory
+
+    monkeypatch.setattr(starting, "WRITE_HELD_SECONDS", 0.0)  # one file per pass: the budget is what counts
+    supervisor = make_supervisor()
+    ids = list(range(1_000_000, 1_000_300))
+    supervisor.log_pool.holding = True  # a takeover's start: first lines held, files not made yet
+    for trigger_id in ids:
+        factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / f"{trigger_id}.log"), ti=None,
+                                              pool=supervisor.log_pool)
+        factory([lambda _l, _m, event: str(event['event']).encode()]).log(20, "trigger starting")
+        supervisor.logger_cache[trigger_id] = factory
+        supervisor.running_triggers.add(trigger_id)
+
+    supervisor._handle_request(messages.TriggerStateChanges(finished=ids), structlog.get_logger(), 1)
+    files = [tmp_path / f"{trigger_id}.log" for trigger_id in ids]
+    assert not any(f.exists() for f in files) and list(supervisor.ended_logs) == ids
+    assert not supervisor.running_triggers & set(ids)  # Airflow's own bookkeeping went on
+
+    supervisor._pool_log_file(ids[-1])  # the id starts again here: its ended file is closed first
+    assert files[-1].exists() and ids[-1] not in supervisor.ended_logs
+    passes = 0
+    while supervisor.ended_logs:
+        supervisor.held_written_at = -math.inf  # a pass is due (the test does not wait for the interval)
+        supervisor._pace_log_files()
+        passes += 1
+    assert passes == len(ids) - 1
+    assert all(Path(f).read_text() == "trigger starting\n" for f in files)

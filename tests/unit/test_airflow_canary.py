@@ -21,6 +21,7 @@ RELIED_ON: dict[str, dict[str, list[str]]] = {
         "handle_failed_triggers": ["self"],
         "load_triggers": ["self"],
         "_create_workload": ["self", "trigger", "dag_bag", "render_log_fname", "session"],
+        "build_trigger_workloads": ["self", "new_trigger_ids"],
         "_handle_request": ["self", "msg", "log", "req_id"],
         "fetch_trigger_details": ["self", "trigger_ids", "session"],
     },
@@ -58,6 +59,23 @@ def test_the_span_function_we_replace_when_untraced_is_unchanged() -> None:
     found = getattr(triggerer_job_runner, "_make_trigger_span", None)
     assert found is not None, "Airflow's triggerer_job_runner._make_trigger_span is gone"
     assert list(inspect.signature(found).parameters) == ["ti", "trigger_id", "name"]
+
+
+def test_the_task_instance_dto_is_what_the_one_statement_build_fills() -> None:
+    """triggerer.workloads builds each task's TaskInstanceDTO from the task instance columns it names: a
+    field Airflow adds would make every row go Airflow's slower way (or a required one, fail validation)."""
+    from airflow.executors.workloads.task import TaskInstanceDTO
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+
+    from triggerer.workloads import DTO_FIELDS
+
+    executor_only = {"external_executor_id", "executor_config"}  # excluded from what the runner gets
+    assert set(TaskInstanceDTO.model_fields) - executor_only == set(DTO_FIELDS)
+    for name in (*DTO_FIELDS, "trigger_id", "trigger_timeout"):
+        assert hasattr(TaskInstance, name), f"Airflow's TaskInstance.{name} is gone"
+    for name in ("bundle_version", "created_dag_version_id"):
+        assert hasattr(DagRun, name), f"Airflow's DagRun.{name} is gone"
 
 
 def test_every_override_of_ours_is_in_the_canary() -> None:

@@ -105,17 +105,57 @@ class GroupStarting(SupervisorState):
                 self.handing_out_until = max(self.handing_out_until,
                                              self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
         self.log_pool.holding = now < self.handing_out_until
-        if (not self.log_pool.holding and self.log_pool.held
-                and now - self.held_written_at >= WRITE_HELD_EVERY_SECONDS):
+        if now - self.held_written_at < WRITE_HELD_EVERY_SECONDS:
+            return
+        if self.ended_logs or (not self.log_pool.holding and self.log_pool.held):
             self.held_written_at = now
-            self.log_pool.write_held(WRITE_HELD_SECONDS)
+            # ended coroutines' files first: they are complete, and closing one may upload it
+            left = self._close_ended(WRITE_HELD_SECONDS)
+            if not self.log_pool.holding:
+                self.log_pool.write_held(left)
 
     def write_held_log_lines(self) -> None:
-        """On the way out: the held first lines of coroutines started in the last seconds, for at most a
-        second (an exit must stay prompt); what is left is said, not silently lost."""
+        """On the way out: ended coroutines' files and the held first lines of coroutines started in the
+        last seconds, for at most a second (an exit must stay prompt); what is left is said, not silently
+        lost."""
         self.log_pool.holding = False
-        if self.log_pool.write_held(HELD_LOG_LINES_SECONDS / 2):
+        left = self._close_ended(HELD_LOG_LINES_SECONDS / 2)
+        if self.ended_logs:
+            log.warning("ended triggers' log files not closed at exit", files=len(self.ended_logs))
+        if self.log_pool.write_held(left):
             log.warning("trigger log lines not written at exit", files=len(self.log_pool.held))
+
+    def _close_later(self, finished: Any) -> None:
+        """Airflow closes (and uploads) an ended coroutine's log file while it handles the runner's
+        message. A handover of thousands ends thousands at once, each file made then if its lines were
+        still held: the loop stood for seconds, past the lease (bench/RESULTS.md). Their files are taken
+        out of Airflow's way here and closed a time budget per loop (``_close_ended``)."""
+        for trigger_id in finished:
+            if (factory := self.logger_cache.pop(trigger_id, None)) is not None:
+                self._close_now(trigger_id)  # an older file of the same id first (it ended before)
+                self.ended_logs[trigger_id] = factory
+
+    def _close_ended(self, budget_seconds: float) -> float:
+        """Close ended coroutines' log files, oldest first, for up to ``budget_seconds`` (one at least);
+        returns the budget left."""
+        deadline = time.monotonic() + budget_seconds
+        while self.ended_logs:
+            self._close_now(next(iter(self.ended_logs)))  # one at least: every pass makes progress
+            if time.monotonic() >= deadline:
+                break
+        return max(deadline - time.monotonic(), 0.0)
+
+    def _close_now(self, trigger_id: int) -> None:
+        """As Airflow does when a coroutine ends: upload its file (when remote logging is set), close it."""
+        factory = self.ended_logs.pop(trigger_id, None)
+        if factory is None:
+            return
+        try:
+            factory.upload_to_remote()
+        except Exception:
+            log.exception("Failed to upload trigger logs to remote", trigger_id=trigger_id)
+        finally:
+            factory.close()
 
     def _start_backlog(self) -> bool:
         """Groups wait for a coroutine, or started groups for their workload to be built."""
@@ -247,6 +287,7 @@ class GroupStarting(SupervisorState):
                 airflow_way.add(trigger_id)
                 continue
             workload, ti, log_path = made
+            self._close_now(trigger_id)  # its previous coroutine's file, if not closed yet: before this one
             self.logger_cache[trigger_id] = PooledTriggerLoggingFactory(
                 log_path=log_path, ti=ti, pool=self.log_pool)  # type: ignore[arg-type]  # as Airflow's
             built.append(self._for_group(workload, row.encrypted_kwargs))
@@ -294,6 +335,7 @@ class GroupStarting(SupervisorState):
 
     def _pool_log_file(self, trigger_id: int) -> None:
         """The coroutine's log file through the bounded pool, not one descriptor per coroutine."""
+        self._close_now(trigger_id)  # its previous coroutine's file, if not closed yet: before this one
         factory = self.logger_cache.get(trigger_id)
         if type(factory) is TriggerLoggingFactory:
             self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(factory, self.log_pool)
@@ -314,6 +356,7 @@ class GroupStarting(SupervisorState):
         handing_out = bool(self.creating_triggers)
         if isinstance(msg, messages.TriggerStateChanges) and msg.finished:
             self._read_sent_log_lines()
+            self._close_later(msg.finished)
         super()._handle_request(msg, log, req_id)
         if isinstance(msg, messages.TriggerStateChanges):
             if msg.finished or msg.events or msg.failures or handing_out:

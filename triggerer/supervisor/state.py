@@ -117,6 +117,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
     holding_since: float = attrs.field(default=-math.inf, init=False)
     held_written_at: float = attrs.field(default=-math.inf, init=False)
+    # ended coroutines' log files, closed a time budget per loop (starting.py, ``_close_ended``)
+    ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
 
     @property
     def job_id(self) -> int:
