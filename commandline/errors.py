@@ -23,6 +23,7 @@ class ExitCode(IntEnum):
     DATABASE_UNSUPPORTED = 4  # the metadata database is not PostgreSQL
     SHARD_COUNT = 5  # [smart_triggerer] shards differs from the deployment's
     DATABASE_PRIVILEGE = 6  # the database role lacks a privilege (e.g. CREATE on the database)
+    AIRFLOW_UNSUPPORTED = 7  # the installed Airflow is outside the range this release is tested with
 
 
 class UserError(Exception):
@@ -37,6 +38,45 @@ class UnsupportedDatabase(UserError):
 
 class DatabaseUnreachable(UserError):
     exit_code = ExitCode.DATABASE_UNREACHABLE
+
+
+class UnsupportedAirflow(UserError):
+    exit_code = ExitCode.AIRFLOW_UNSUPPORTED
+
+
+def supported_airflow() -> str:
+    """The Airflow versions this release declares (its ``apache-airflow`` requirement, one place:
+    pyproject.toml), e.g. ``>=3.3.2,<3.4``; empty when the package is not installed."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+
+    try:
+        wanted = requires("airflow-smart-triggerer") or []
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return ""
+    found = (Requirement(r) for r in wanted)
+    specifier = next((r.specifier for r in found if r.name == "apache-airflow" and not r.marker), None)
+    # lower bounds first, as people write them
+    return ",".join(sorted((str(s) for s in specifier or ()), key=lambda s: s.startswith("<")))
+
+
+def require_airflow(installed: str | None = None) -> None:
+    """Refuse to start on an Airflow outside the tested range: the supervisor builds on the internals of
+    exactly these releases (a pip install with --no-deps, or Airflow upgraded after us, gets here)."""
+    from packaging.specifiers import SpecifierSet
+
+    if installed is None:
+        from airflow import __version__
+
+        installed = str(__version__)
+    supported = supported_airflow()
+    if supported and installed not in SpecifierSet(supported, prereleases=True):
+        raise UnsupportedAirflow(
+            f"Apache Airflow {installed} is installed, but this release of airflow-smart-triggerer is built "
+            f"and tested for apache-airflow{supported}: install a supported Airflow, or the release of "
+            "airflow-smart-triggerer made for yours"
+        )
 
 
 def require_postgres() -> None:

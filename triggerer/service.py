@@ -77,9 +77,10 @@ def preflight(settings: Settings) -> None:
     """Before anything starts: PostgreSQL, reachable, and the deployment's shard count."""
     from airflow.utils.session import create_session
 
-    from commandline.errors import require_postgres
+    from commandline.errors import require_airflow, require_postgres
     from triggerer.store import Store
 
+    require_airflow()
     require_postgres()
     with create_session() as session:
         Store(session).check_shards(settings.shards)

@@ -158,3 +158,14 @@ def test_a_misspelled_flag_or_command_suggests_the_right_one(argv: list[str], su
     assert suggestion in last, result.stderr
     if argv[1] == "rn":
         assert last.endswith("did you mean 'run'?")
+
+
+def test_an_airflow_outside_the_tested_range_is_refused(config: AirflowConfig, tmp_path: Path) -> None:
+    """As if Airflow were upgraded under us (or we were installed with --no-deps): the supervisor builds
+    on the internals of the releases it is tested with, so it does not start on another."""
+    shim = tmp_path / "another_airflow"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import airflow\nairflow.__version__ = '3.4.0'\n")
+    env = env_with(config, PYTHONPATH=str(shim))
+    one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.AIRFLOW_UNSUPPORTED,
+             "Apache Airflow 3.4.0 is installed", "apache-airflow>=3.3.2,<3.4")
