@@ -50,13 +50,15 @@ def supported_airflow() -> str:
     from importlib.metadata import PackageNotFoundError, requires
 
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     try:
         wanted = requires("airflow-smart-triggerer") or []
     except PackageNotFoundError:  # run from a source tree that was never installed
         return ""
     found = (Requirement(r) for r in wanted)
-    specifier = next((r.specifier for r in found if r.name == "apache-airflow" and not r.marker), None)
+    specifier = next((r.specifier for r in found if canonicalize_name(r.name) == "apache-airflow"
+                      and (r.marker is None or r.marker.evaluate({"extra": ""}))), None)
     # lower bounds first, as people write them
     return ",".join(sorted((str(s) for s in specifier or ()), key=lambda s: s.startswith("<")))
 

@@ -27,9 +27,8 @@ class DagCache:
     def __init__(self, limit: int = DAGS_KEPT) -> None:
         self.limit = limit
         self._dags: OrderedDict[tuple[Any, str], Any] = OrderedDict()
-        # (version, hash, task id) -> the task starts from the trigger, or why its DAG cannot be read
-        # here (workloads.StartFromTrigger)
-        self.flags: dict[tuple[Any, str, str], bool | Exception] = {}
+        # (version, hash, task id) -> the task starts from the trigger (workloads.StartFromTrigger)
+        self.flags: dict[tuple[Any, str, str], bool] = {}
 
     def __len__(self) -> int:
         return len(self._dags)

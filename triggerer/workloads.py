@@ -73,7 +73,7 @@ def log_renderer() -> Callable[..., str] | None:
     template = conf.get("logging", "log_filename_template")
     if "{{" not in template:
         return None  # Airflow's str.format templates read ti.logical_date
-    if not _reads_only(template, set(TaskInstanceDTO.model_fields)):
+    if not _reads_only(template, set(DTO_FIELDS)):  # the DTO's executor-only fields are not read here
         return None
     return log_filename_template_renderer()
 
@@ -159,9 +159,12 @@ class StartFromTrigger:
 
     def _flag(self, version: Any, dag_hash: str, task_id: str) -> bool | Exception:
         key = (version, dag_hash, task_id)
-        if key not in self.cache.flags:
-            self.cache.flags[key] = self._read_flag(version, task_id)
-        return self.cache.flags[key]
+        if key in self.cache.flags:
+            return self.cache.flags[key]
+        flag = self._read_flag(version, task_id)
+        if not isinstance(flag, Exception):  # a failure is tried again by the next build (it may pass)
+            self.cache.flags[key] = flag
+        return flag
 
     def _read_flag(self, version: Any, task_id: str) -> bool | Exception:
         from airflow.exceptions import TaskNotFound

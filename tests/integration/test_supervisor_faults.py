@@ -17,6 +17,7 @@ from typing import Any
 import psycopg2
 import pytest
 import structlog
+import structlog.testing
 
 from devkit.devstack import AirflowConfig
 from tests.helpers.seeding import Seeded, seed_deferred
@@ -744,3 +745,27 @@ def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_
         passes += 1
     assert passes == len(ids) - 1
     assert all(Path(f).read_text() == "trigger starting\n" for f in files)
+
+
+def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(env: AirflowConfig) -> None:
+    """Closing an ended coroutine's file runs in the loop, outside Airflow's request handling (which
+    caught any error): a full disk or a stale network mount must cost a warning, not the supervisor."""
+    from airflow.jobs.triggerer_job_runner import messages
+
+    class Unclosable:
+        def upload_to_remote(self) -> None:
+            raise RuntimeError("remote log store unreachable")
+
+        def close(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    supervisor = make_supervisor()
+    supervisor.logger_cache[7] = Unclosable()
+    supervisor.running_triggers.add(7)
+    supervisor._handle_request(messages.TriggerStateChanges(finished=[7]), structlog.get_logger(), 1)
+    supervisor.held_written_at = -math.inf
+    with structlog.testing.capture_logs() as logs:
+        supervisor._pace_log_files()
+    assert not supervisor.ended_logs
+    events = {e["event"] for e in logs}
+    assert {"Failed to upload trigger logs to remote", "could not close a trigger's log file"} <= events

@@ -154,8 +154,10 @@ class GroupStarting(SupervisorState):
             factory.upload_to_remote()
         except Exception:
             log.exception("Failed to upload trigger logs to remote", trigger_id=trigger_id)
-        finally:
+        try:
             factory.close()
+        except Exception as err:  # a full disk, a stale network mount: the loop goes on (as in Airflow's)
+            log.warning("could not close a trigger's log file", trigger_id=trigger_id, error=cause(err))
 
     def _start_backlog(self) -> bool:
         """Groups wait for a coroutine, or started groups for their workload to be built."""
@@ -268,8 +270,9 @@ class GroupStarting(SupervisorState):
         except Exception as err:
             if isinstance(err, SQLAlchemyError) and (is_outage(err) or is_transient(err)):
                 raise
-            # a row the batch cannot read: Airflow's builder reads row by row and names the row it cannot load
-            log.warning("could not read a batch of workloads in one statement; reading them one by one",
+            # a row the batch cannot read: Airflow's builder names the row it cannot build, and another
+            # member of its group leads
+            log.warning("could not read a batch of workloads in one statement; building them Airflow's way",
                         error=cause(err))
             return [], set(trigger_ids)
         built: list[Any] = []
@@ -329,8 +332,8 @@ class GroupStarting(SupervisorState):
         if workload.timeout_after is not None:
             # Members time out one by one (see _timeout_members); the shared coroutine must not.
             workload = workload.model_copy(update={"timeout_after": None})
-        if len(group.members) == 1:
-            return workload  # its own kwargs are what it asked for (and decrypting them costs)
+        # the merged settings, also for a single member: they are what running_settings records, and a
+        # group's merges only grow (members that left still count until the group ends)
         return self._with_group_settings(workload, encrypted_kwargs, group)
 
     def _pool_log_file(self, trigger_id: int) -> None:
