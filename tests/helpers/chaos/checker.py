@@ -36,6 +36,8 @@ class Observed:
     # its watcher first fired the row's event (host clock, its log's "Trigger fired event" line)
     fired_by: dict[int, dict[str, dt.datetime]] = field(default_factory=dict)
     stored_by: dict[int, str] = field(default_factory=dict)  # asset event id -> the process that stored it
+    # shard -> (when, instance process) of every "took shards" line naming it (host clock, its logs)
+    took: dict[int, list[tuple[dt.datetime, str]]] = field(default_factory=dict)
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -81,6 +83,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)  # doubled, wrong, premature, early, stalled
     stall: float | None = None
     window: tuple[dt.datetime, dt.datetime] | None = None
+    struck: int = 0  # other instances that took its shard while it waited (struck_holders)
 
 
 def payload_matches(ident: Identity, payload: Any) -> bool:
@@ -278,6 +281,25 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
     return result
 
 
+def struck_holders(entries: list[dict[str, Any]], condition: dt.datetime | None,
+                   took: dict[int, list[tuple[dt.datetime, str]]]) -> int:
+    """Instance processes other than the one that resumed a wait which took the wait's shard while it
+    waited (after its condition held and it deferred, before the resume): each was struck before it
+    stored the event (killed, frozen, cut off, stopped), or handed the shard on, and the next owner had to
+    take the shard again. Faults stack (a PostgreSQL restart, then the instance that took the shard back
+    killed a second later): the bound is for one holder struck, and as for asset events, a lease and a
+    loop are allowed for each other one."""
+    writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
+    deferred = [e["at"] for e in entries if e["op"] == "deferred"]
+    if not writes or condition is None or writes[0].get("shard") is None or not writes[0].get("writer"):
+        return 0
+    first = writes[0]
+    start = max([condition, *deferred[:1]])
+    takers = {process for at, process in took.get(int(first["shard"]), [])
+              if start < at < first["at"] and process != first["writer"]}
+    return len(takers)
+
+
 def _struck_holders(observed: Observed, row_id: int,
                     events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]) -> int:
     """Instance processes that fired the row's event before another one stored it (none known: 0)."""
@@ -395,7 +417,10 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
         cond = condition_time(waiter.identity, observed.conditions)
         due = (None if waiter.timeout_at is None else
                continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
-        outcome = judge(waiter, entries, cond, profile.bound(waiter.poll_interval), due, down=down)
+        struck = struck_holders(entries, cond, observed.took)
+        bound = profile.bound(waiter.poll_interval) + struck * profile.retake
+        outcome = judge(waiter, entries, cond, bound, due, down=down)
+        outcome.struck = struck
         outcomes[waiter.index] = outcome
         if outcome.verdict in ("lost", "failed") or outcome.problems:
             trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
@@ -500,7 +525,10 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
          str(problems["wrong"] + problems["premature"] + problems["early"])),
         ("stalled over bound", str(problems["stalled"])),
         ("max stall / bound (s)", f"{stalls[-1] if stalls else 0:.2f} / "
-                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3)"),
+                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3, plus "
+                                  f"{p.retake:g} per other instance that took its shard meanwhile)"),
+        ("waits whose shard another instance took while they waited",
+         str(sum(1 for o in outcomes.values() if o.struck))),
         ("stall p50 / p99 (s)", f"{_pct(stalls, 0.5):.2f} / {_pct(stalls, 0.99):.2f}"),
         ("max stall by fault kind (s)", ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_fault.items()))),
         ("status rows SUCCESS / asset events", f"{assets.success_rows} / {assets.events}"),

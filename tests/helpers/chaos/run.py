@@ -414,7 +414,7 @@ class ChaosRun:
                         self.warehouse.asset_rows(), events, self.t0_db, diagnostics,
                         clock_steps=list(self.clock_steps), outbox=outbox,
                         delivered=Counter(self.source.received), fired_by=fired_by(self.stack.log_dir),
-                        stored_by=stored_by)
+                        stored_by=stored_by, took=took_shards(self.stack.log_dir))
 
     def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
@@ -491,6 +491,20 @@ class ChaosRun:
 
 
 FIRED_LINE = re.compile(r"^(\S+Z) .*Trigger fired event.*'row_id': (\d+)")
+TOOK_LINE = re.compile(r"^(\S+Z) .*took shards .*shards=\[([\d, ]*)\]")
+
+
+def took_shards(log_dir: Path) -> dict[int, list[tuple[dt.datetime, str]]]:
+    """When each instance process took each shard (their logs' "took shards" lines)."""
+    took: dict[int, list[tuple[dt.datetime, str]]] = {}
+    for log_file in sorted(log_dir.glob("smart-*.log")):
+        for line in log_file.read_text(errors="replace").splitlines():
+            found = TOOK_LINE.search(line)
+            if found:
+                at = dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00"))
+                for shard in filter(None, (s.strip() for s in found.group(2).split(","))):
+                    took.setdefault(int(shard), []).append((at, log_file.stem))
+    return took
 
 
 def fired_by(log_dir: Path) -> dict[int, dict[str, dt.datetime]]:
