@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     SHARD_COUNT = 5  # [smart_triggerer] shards differs from the deployment's
     DATABASE_PRIVILEGE = 6  # the database role lacks a privilege (e.g. CREATE on the database)
     AIRFLOW_UNSUPPORTED = 7  # the installed Airflow is outside the range this release is tested with
+    SCHEMA_TOO_NEW = 8  # a newer release changed the smart_triggerer schema in a way this one cannot run on
 
 
 class UserError(Exception):

@@ -54,7 +54,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             if not supervisor.stop:
                 log.error("the trigger runner subprocess died; exiting", exit_code=supervisor._exit_code)
                 return 1
-            return 0
+            return supervisor.stop_code
         finally:
             self._shutdown(supervisor, health)
 

@@ -25,6 +25,24 @@ SCHEMA = "smart_triggerer"
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
+# a migration file with this line cannot be run on by instances that do not know it: when it is applied,
+# older instances stop (one line, exit code 8) instead of working on a schema they would misread
+BREAKS_OLDER = "-- breaks-older-instances"
+
+
+class SchemaTooNew(UserError, RuntimeError):
+    """A newer release applied a migration that instances of this release cannot run on."""
+
+    exit_code = ExitCode.SCHEMA_TOO_NEW
+
+    def __init__(self, needed: int, known: int) -> None:
+        super().__init__(
+            f"the smart_triggerer schema needs instances that know its version {needed} (a newer release "
+            f"changed it incompatibly); this release knows up to version {known}: run the newer release "
+            "here too, or see README 'Upgrade and rollback' to go back"
+        )
+
+
 class ShardCountMismatch(UserError, RuntimeError):
     """The configured number of shards differs from the one this deployment was created with."""
 
@@ -125,7 +143,10 @@ class Store:
                 continue
             self.session.connection().exec_driver_sql(sql)
             self._run("record_migration", version=version, name=name)
+            if BREAKS_OLDER in sql.splitlines():
+                self._run("raise_setting", key="oldest_reader", value=str(version))
             done.append(version)
+        self.refuse_newer_schema()
         self._pin_shards(shards)
         self.ensure_feed()
         return done
@@ -134,6 +155,19 @@ class Store:
         self._run("put_setting", key="shards", value=str(shards))
         self.check_shards(shards)
         self._run("create_shards", shards=shards, queues="")
+
+    def refuse_newer_schema(self) -> None:
+        """Newer releases' migrations this one does not know are fine unless one of them breaks older
+        instances (``BREAKS_OLDER``): then this instance must not run on the schema."""
+        needed = self.oldest_reader()
+        known = max((version for version, _name, _sql in migrations()), default=0)
+        if needed > known:
+            raise SchemaTooNew(needed, known)
+
+    def oldest_reader(self) -> int:
+        """The lowest schema version an instance must know to run here (0: any)."""
+        stored = self._run("get_setting", key="oldest_reader").scalar()
+        return int(stored) if stored is not None else 0
 
     def schema_version(self) -> int:
         return max((row[0] for row in self._run("applied_migrations")), default=0)

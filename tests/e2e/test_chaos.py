@@ -292,6 +292,7 @@ def test_the_database_clock_steps_forward_while_the_server_runs(tmp_path: Path) 
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @pytest.mark.timeout(600)
 def test_short_chaos_run_loses_doubles_and_stalls_nothing(tmp_path: Path) -> None:
     logs = tmp_path / "instance-logs"  # kept by pytest with the test's tmp_path, for a failure's analysis

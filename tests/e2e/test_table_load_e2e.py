@@ -50,6 +50,7 @@ async def _execute(dsn: str, *statements: str) -> None:
     await conn.close()
 
 
+@pytest.mark.alone  # asserts a time bound: runs with no other test beside it (dev.py)
 def test_notify_resumes_the_waiting_sensor_within_seconds(airflow_stack: AirflowStack, pg_db: str) -> None:
     asyncio.run(_execute(pg_db, STATUS_DDL, "INSERT INTO meta.detail_process_table_status "
                                             "(table_name, status) VALUES ('dds.h_user', 'START')"))

@@ -150,6 +150,7 @@ conn.commit()
 """
 
 
+@pytest.mark.alone  # asserts a time bound: runs with no other test beside it (dev.py)
 def test_a_frozen_holder_with_a_result_in_flight_is_taken_over_within_lease_plus_3s(
         env: AirflowConfig) -> None:
     dsn = env.database_dsn

@@ -64,6 +64,7 @@ def all_polling_after(source: ControlledServer, since: float, keys: set[str], ti
     return max(polled[k] for k in keys) - since
 
 
+@pytest.mark.alone  # asserts a time bound: runs with no other test beside it (dev.py)
 def test_a_takeover_of_thousands_of_waits_polls_every_one_within_lease_plus_5s(
         audited: AirflowStack) -> None:
     dsn = audited.config.database_dsn

@@ -18,6 +18,11 @@ SELECT value FROM smart_triggerer.setting WHERE key = :key;
 -- Stores a deployment-wide setting the first time it is seen.
 INSERT INTO smart_triggerer.setting (key, value) VALUES (:key, :value) ON CONFLICT (key) DO NOTHING;
 
+-- name: raise_setting
+-- A deployment-wide integer setting that only ever grows (the oldest release that can run on the schema).
+INSERT INTO smart_triggerer.setting (key, value) VALUES (:key, :value)
+ON CONFLICT (key) DO UPDATE SET value = GREATEST(setting.value::integer, EXCLUDED.value::integer)::text;
+
 -- name: create_shards
 -- One lease row per virtual shard of a queue set's shard space.
 INSERT INTO smart_triggerer.shard_lease (queues, shard)

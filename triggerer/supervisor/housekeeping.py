@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 from airflow.utils.session import create_session
 
-from triggerer.store import Store
+from triggerer.store import SchemaTooNew, Store
 from triggerer.supervisor.state import (
     FIRST_SAMPLE_SECONDS,
     SAMPLE_SECONDS,
@@ -27,10 +27,24 @@ CLEANUP_SECONDS = 5.0
 
 PRUNE_SECONDS = 30.0
 
+SCHEMA_CHECK_SECONDS = 5.0  # how soon a running instance stops after a newer release broke the schema for it
+
 LINGERING_SECONDS = 60.0
 
 
 class Housekeeping(SupervisorState):
+    def _stop_if_schema_too_new(self) -> None:
+        """During a rolling upgrade a newer instance may apply a migration that breaks this release (one
+        marked ``BREAKS_OLDER``): stop gracefully (leases released, the newer instances take the shards)
+        and exit with code 8, rather than run on a schema this code would misread."""
+        try:
+            with create_session() as session:
+                Store(session).refuse_newer_schema()
+        except SchemaTooNew as err:
+            log.error("stopping: the schema is newer than this release can run on", error=str(err))
+            self.stop = True
+            self.stop_code = int(err.exit_code)
+
     def _housekeeping(self) -> None:
         """Airflow's clean_unused (its deletions are how waiters leave) and pruning the change feed, each
         every few seconds rather than every loop, and clean_unused by one instance only: neither is
@@ -49,6 +63,9 @@ class Housekeeping(SupervisorState):
             if not present:
                 self.load_xmin = self.hash_xmin = None  # the next loop installs it and reads everything
             self.last_prune = now
+        if now - self.last_schema_check >= SCHEMA_CHECK_SECONDS:
+            self._stop_if_schema_too_new()
+            self.last_schema_check = now
         if now - self.last_lingering >= LINGERING_SECONDS:
             self._forget_watcher_failures(now)
             self._forget_lingering()

@@ -119,6 +119,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     held_written_at: float = attrs.field(default=-math.inf, init=False)
     # ended coroutines' log files, closed a time budget per loop (starting.py, ``_close_ended``)
     ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
+    last_schema_check: float = attrs.field(default=-math.inf, init=False)
+    stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
 
     @property
     def job_id(self) -> int:
