@@ -36,6 +36,10 @@ def write_dag(folder: Path, dag_id: str, targets: list[str], start_from_trigger:
     (folder / f"{dag_id}.py").write_text(textwrap.dedent(body))
 
 
+# every one of 30 tasks must defer (20 through a LocalExecutor worker each) before a fixed time: beside two
+# other Airflow stacks on a slow 2-core CI host, task starts failed on the execution API (connection
+# refused, twice in four runs), so it runs alone
+@pytest.mark.alone
 def test_thirty_sensors_on_four_targets_share_four_groups(airflow_stack: AirflowStack) -> None:
     # the targets must come after all 30 tasks deferred: 20 of them through a worker each. On a loaded
     # 2-core CI host (three e2e stacks at once, a slow day) 21 had deferred after 75 s; the fire time is the
