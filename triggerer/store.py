@@ -61,14 +61,16 @@ def queries() -> dict[str, str]:
     return found
 
 
-def migrations() -> list[tuple[int, str, str]]:
-    """(version, name, sql) of every migration shipped, in order."""
+@cache
+def migrations() -> tuple[tuple[int, str, str], ...]:
+    """(version, name, sql) of every migration shipped, in order (read once: a running instance compares
+    the schema with them every few seconds)."""
     found = []
     for entry in resources.files("triggerer").joinpath("sql").iterdir():
         match = _MIGRATION_FILE.match(entry.name)
         if match:
             found.append((int(match.group(1)), match.group(2), entry.read_text()))
-    return sorted(found)
+    return tuple(sorted(found))
 
 
 # the change feed's triggers (queries.sql, install_*): created, deleted trigger rows; new asset watchers

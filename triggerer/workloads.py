@@ -9,7 +9,7 @@ DTO is validated from a plain dict.
 
 The result is the workload Airflow would build: same fields, same log file name, same DAG version
 resolution (``DBDagBag.get_serialized_dag_model_for_run``, else the task instance's own version) to read
-the task's ``start_from_trigger``. What this path does not cover goes Airflow's way, row by row: triggers
+the task's ``start_from_trigger``. What this path does not cover goes through Airflow's own builder: triggers
 without a task instance (asset watchers, callbacks), tasks that start from the trigger (their workload
 carries the DAG and the run), rows this statement did not return, and every row when the log file name
 template reads more than a ``TaskInstanceDTO`` has (``log_renderer``).
@@ -115,8 +115,9 @@ def task_rows(session: Session, trigger_ids: Iterable[int]) -> dict[int, TaskRow
 
 class StartFromTrigger:
     """Which task rows' tasks start from the trigger, with Airflow's DAG version resolution: per batch
-    one statement for the DAGs' latest versions, one for the versions' hashes; a task's flag is read
-    from its deserialized DAG once per (version, hash) for the whole start (``DagCache``)."""
+    one statement per DAG whose runs resolve to its latest version, one for the versions' hashes; a
+    task's flag is read from its deserialized DAG once per (version, hash) for the whole start
+    (``DagCache``)."""
 
     def __init__(self, session: Session, cache: DagCache, dag_bag: Any) -> None:
         self.session = session

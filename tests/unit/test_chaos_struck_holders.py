@@ -1,13 +1,13 @@
 """The chaos checker's allowance for stacked faults: a lease and a loop per other instance that took a
-wait's shard while the wait waited (``tests/helpers/chaos/checker.py``, ``struck_holders``), read from the
-instances' "took shards" log lines (``run.took_shards``)."""
+wait's shard while the wait waited (``tests/helpers/chaos/checker.py``, ``other_shard_holders``), read
+from the instances' "took shards" log lines (``run.took_shards``)."""
 
 from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
 
-from tests.helpers.chaos.checker import struck_holders
+from tests.helpers.chaos.checker import other_shard_holders
 from tests.helpers.chaos.run import took_shards
 
 T0 = dt.datetime(2026, 11, 26, 12, 31, tzinfo=dt.UTC)
@@ -26,14 +26,14 @@ def test_a_shard_retaken_by_an_instance_struck_before_it_stored_counts_once() ->
     # the CI run's case: the condition held at 16 s, PostgreSQL restarted, smart-2 took the shard at 21.9 s
     # and was killed, smart-1 took it again at 29.1 s and resumed the wait at 31.6 s
     took = {9: [(at(11.5), "smart-1"), (at(21.9), "smart-2"), (at(29.1), "smart-1")]}
-    assert struck_holders(resumed(31.6), at(16), took) == 1
+    assert other_shard_holders(resumed(31.6), at(16), took) == 1
 
 
 def test_no_other_taker_inside_the_wait_allows_nothing_more() -> None:
     took = {9: [(at(11.5), "smart-2"), (at(40), "smart-3")], 3: [(at(20), "smart-2")]}
-    assert struck_holders(resumed(31.6), at(16), took) == 0  # before the condition, after, other shard
-    assert struck_holders(resumed(31.6), None, took) == 0
-    assert struck_holders([{"op": "deferred", "at": at(0)}], at(16), took) == 0  # never resumed
+    assert other_shard_holders(resumed(31.6), at(16), took) == 0  # before the condition, after, other shard
+    assert other_shard_holders(resumed(31.6), None, took) == 0
+    assert other_shard_holders([{"op": "deferred", "at": at(0)}], at(16), took) == 0  # never resumed
 
 
 def test_took_lines_are_read_per_instance_process(tmp_path: Path) -> None:

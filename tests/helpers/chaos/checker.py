@@ -83,7 +83,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)  # doubled, wrong, premature, early, stalled
     stall: float | None = None
     window: tuple[dt.datetime, dt.datetime] | None = None
-    struck: int = 0  # other instances that took its shard while it waited (struck_holders)
+    struck: int = 0  # other instances that took its shard while it waited (other_shard_holders)
 
 
 def payload_matches(ident: Identity, payload: Any) -> bool:
@@ -281,7 +281,7 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
     return result
 
 
-def struck_holders(entries: list[dict[str, Any]], condition: dt.datetime | None,
+def other_shard_holders(entries: list[dict[str, Any]], condition: dt.datetime | None,
                    took: dict[int, list[tuple[dt.datetime, str]]]) -> int:
     """Instance processes other than the one that resumed a wait which took the wait's shard while it
     waited (after its condition held and it deferred, before the resume): each was struck before it
@@ -417,7 +417,7 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
         cond = condition_time(waiter.identity, observed.conditions)
         due = (None if waiter.timeout_at is None else
                continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
-        struck = struck_holders(entries, cond, observed.took)
+        struck = other_shard_holders(entries, cond, observed.took)
         bound = profile.bound(waiter.poll_interval) + struck * profile.retake
         outcome = judge(waiter, entries, cond, bound, due, down=down)
         outcome.struck = struck

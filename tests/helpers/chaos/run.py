@@ -12,7 +12,7 @@ import tempfile
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -494,29 +494,32 @@ FIRED_LINE = re.compile(r"^(\S+Z) .*Trigger fired event.*'row_id': (\d+)")
 TOOK_LINE = re.compile(r"^(\S+Z) .*took shards .*shards=\[([\d, ]*)\]")
 
 
+def _matching_lines(log_dir: Path,
+                    pattern: re.Pattern[str]) -> Iterator[tuple[str, dt.datetime, re.Match[str]]]:
+    """(instance process, the line's time, the match) of every instance log line ``pattern`` matches; the
+    pattern's first group is the line's timestamp."""
+    for log_file in sorted(log_dir.glob("smart-*.log")):
+        for line in log_file.read_text(errors="replace").splitlines():
+            found = pattern.search(line)
+            if found:
+                yield log_file.stem, dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00")), found
+
+
 def took_shards(log_dir: Path) -> dict[int, list[tuple[dt.datetime, str]]]:
     """When each instance process took each shard (their logs' "took shards" lines)."""
     took: dict[int, list[tuple[dt.datetime, str]]] = {}
-    for log_file in sorted(log_dir.glob("smart-*.log")):
-        for line in log_file.read_text(errors="replace").splitlines():
-            found = TOOK_LINE.search(line)
-            if found:
-                at = dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00"))
-                for shard in filter(None, (s.strip() for s in found.group(2).split(","))):
-                    took.setdefault(int(shard), []).append((at, log_file.stem))
+    for process, at, found in _matching_lines(log_dir, TOOK_LINE):
+        for shard in filter(None, (s.strip() for s in found.group(2).split(","))):
+            took.setdefault(int(shard), []).append((at, process))
     return took
 
 
 def fired_by(log_dir: Path) -> dict[int, dict[str, dt.datetime]]:
     """Which instance processes fired each status row's event, and when first (their logs' lines)."""
     fired: dict[int, dict[str, dt.datetime]] = {}
-    for log_file in sorted(log_dir.glob("smart-*.log")):
-        for line in log_file.read_text(errors="replace").splitlines():
-            found = FIRED_LINE.search(line)
-            if found:
-                at = dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00"))
-                by_process = fired.setdefault(int(found.group(2)), {})
-                by_process[log_file.stem] = min(at, by_process.get(log_file.stem, at))
+    for process, at, found in _matching_lines(log_dir, FIRED_LINE):
+        by_process = fired.setdefault(int(found.group(2)), {})
+        by_process[process] = min(at, by_process.get(process, at))
     return fired
 
 
