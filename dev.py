@@ -16,8 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import venv
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 from devkit import system  # standard library only
@@ -35,13 +37,15 @@ jobs:
         --quick         a smaller scenario (40 tasks, for CI)
         --json          stdout is exactly the summary as one JSON object; progress goes to stderr
         --keep-running  leave the stack up and print the UI URL and the environment for the CLIs
-  test [PYTEST ARGS...]
+  test [--airflow VERSION] [PYTEST ARGS...]
         ruff, mypy, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow processes);
         fails when no test ran or a test left a temporary directory behind. Extra arguments go to
         pytest, e.g. `python3 dev.py test tests/unit -x`. Tests marked `alone` (they assert time
         bounds) run first, one at a time; the rest in one worker more than there are cores
         (pytest-xdist); `-n 0` (or --pdb, -p no:xdist) runs them in this process; a `-m` of yours
-        runs as one phase.
+        runs as one phase. --airflow 3.3.1 runs them against that Airflow release instead of the
+        newest the requirement allows, in a virtualenv of its own (.venv/airflow-3.3.1);
+        --airflow lowest takes the requirement's lower bound (CI runs the suite so as well).
 
 environment:
   SMART_TRIGGERER_DSN  a PostgreSQL server URL (postgresql://user@host:port/db) where the demo and the
@@ -56,9 +60,44 @@ environment:
 
 STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-STAMP = VENV / ".installed-from"
+@dataclass
+class Venv:
+    """Where the jobs run: .venv, or for --airflow X a virtualenv of its own inside it (ignored by git
+    and ruff) with that Airflow release."""
+
+    path: Path
+    airflow: str | None = None  # the Airflow release pinned (--airflow), else the newest allowed
+
+    @property
+    def bin(self) -> Path:
+        return self.path / ("Scripts" if os.name == "nt" else "bin")
+
+    @property
+    def stamp(self) -> Path:
+        return self.path / ".installed-from"
+
+
+VENV = Venv(ROOT / ".venv")
+
+
+def use_airflow(version: str) -> None:
+    """Test against Airflow ``version``, or ``lowest``: the lower bound of the package's own requirement
+    (CI runs the lowest supported release so; the newest is what a plain install resolves)."""
+    if version == "lowest":
+        version = lowest_airflow()
+    if not version or not all(part.isdigit() for part in version.split(".")):
+        sys.exit(f"--airflow wants a release number such as 3.3.1 (or lowest), got {version!r}")
+    VENV.path, VENV.airflow = ROOT / ".venv" / f"airflow-{version}", version
+
+
+def lowest_airflow() -> str:
+    """``3.3.1`` of pyproject.toml's ``apache-airflow>=3.3.1,<3.4``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        name, _, specifiers = requirement.partition(">=")
+        if name.strip() == "apache-airflow":
+            return specifiers.split(",")[0].strip()
+    sys.exit("pyproject.toml has no apache-airflow>=... requirement")
 
 
 def clock() -> str:
@@ -83,24 +122,27 @@ EXTRAS = {"demo": "demo", "test": "dev"}
 def ensure_venv(extra: str) -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py runs on whatever python3 the user has)
         sys.exit(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
-    if not (BIN / "python").exists():
-        step(f"creating virtualenv {VENV}")
-        venv.EnvBuilder(with_pip=True).create(VENV)
+    if not (VENV.bin / "python").exists():
+        step(f"creating virtualenv {VENV.path}")
+        venv.EnvBuilder(with_pip=True).create(VENV.path)
     pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    installed = STAMP.read_text().split() if STAMP.exists() else []
+    installed = VENV.stamp.read_text().split() if VENV.stamp.exists() else []
     if installed[:1] == [pyproject] and extra in installed[1:] + (["demo"] if "dev" in installed else []):
         return
-    step(f"installing airflow-smart-triggerer[{extra}] into .venv (first run takes a few minutes)")
-    pip = [str(BIN / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    pinned = [f"apache-airflow=={VENV.airflow}"] if VENV.airflow else []
+    step(f"installing airflow-smart-triggerer[{extra}] {' '.join(pinned)} into {VENV.path.relative_to(ROOT)} "
+         "(first run takes a few minutes)")
+    pip = [str(VENV.bin / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
     quiet = {"stdout": sys.stderr.fileno()}
-    if run([*pip, "--upgrade", "pip"], **quiet) != 0 or run([*pip, "-e", f".[{extra}]"], **quiet) != 0:
+    if (run([*pip, "--upgrade", "pip"], **quiet) != 0
+            or run([*pip, "-e", f".[{extra}]", *pinned], **quiet) != 0):
         sys.exit("pip install failed; see the output above")
     # setuptools leaves the project's metadata beside the sources too: with the project root on sys.path
     # (the tests' processes) Airflow would see every entry-point plugin twice ("already registered")
     for stale in ROOT.glob("*.egg-info"):
         shutil.rmtree(stale, ignore_errors=True)
     kept = installed[1:] if installed[:1] == [pyproject] else []
-    STAMP.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
+    VENV.stamp.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
 
 
 def ensure_system_packages() -> None:
@@ -154,12 +196,16 @@ def parallel(pytest_args: list[str]) -> list[str]:
 
 def test(pytest_args: list[str]) -> int:
     ensure_system_packages()
+    airflow = subprocess.run([str(VENV.bin / "python"), "-c", "from importlib import metadata; "
+                              "print(metadata.version('apache-airflow'))"],
+                             capture_output=True, text=True, check=False).stdout.strip()
+    step(f"testing against apache-airflow {airflow or '(not found)'}")
     step("ruff check")
-    if run([str(BIN / "ruff"), "check", "."]) != 0:
+    if run([str(VENV.bin / "ruff"), "check", "."]) != 0:
         print(f"total time {clock()}; ruff failed", flush=True)
         return 1
     step("mypy (strict on our packages)")
-    if run([str(BIN / "mypy")]) != 0:
+    if run([str(VENV.bin / "mypy")]) != 0:
         print(f"total time {clock()}; mypy failed", flush=True)
         return 1
     before = leftovers()
@@ -169,9 +215,9 @@ def test(pytest_args: list[str]) -> int:
         step(title)
         junit.unlink(missing_ok=True)
         # tmp_path directories live under .venv (a failed test's stay there as evidence), not the temp dir
-        phase = run([str(BIN / "python"), "-m", "pytest", f"--junitxml={junit}",
-                     f"--basetemp={VENV / 'pytest-tmp'}", *parallel([*selection, *pytest_args]), *selection,
-                     *pytest_args])
+        phase = run([str(VENV.bin / "python"), "-m", "pytest", f"--junitxml={junit}",
+                     f"--basetemp={VENV.path / 'pytest-tmp'}", *parallel([*selection, *pytest_args]),
+                     *selection, *pytest_args])
         if phase == NO_TESTS_COLLECTED and selection:
             continue  # the paths asked for hold no test of this phase; the total is checked below
         if not junit.exists():
@@ -202,11 +248,11 @@ def pytest_phases(pytest_args: list[str]) -> list[tuple[str, list[str], Path]]:
     Airflow stacks at once made the chaos run's stalls, not the product's, exceed their bounds. A ``-m``
     of the caller's own runs as asked, in one phase."""
     if any(arg == "-m" or arg.startswith("-m") for arg in pytest_args):
-        return [("pytest", [], VENV / "junit.xml")]
+        return [("pytest", [], VENV.path / "junit.xml")]
     return [("pytest: tests that assert time bounds, one at a time", ["-m", "alone", "-n", "0"],
-             VENV / "junit-alone.xml"),
+             VENV.path / "junit-alone.xml"),
             ("pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)", ["-m", "not alone"],
-             VENV / "junit.xml")]
+             VENV.path / "junit.xml")]
 
 
 def demo(demo_args: list[str]) -> int:
@@ -214,7 +260,7 @@ def demo(demo_args: list[str]) -> int:
     step("smart-triggerer demo " + " ".join(demo_args))
     # exec, not a child: Ctrl-C must reach the demo alone, so it can stop every process it started
     os.chdir(ROOT)
-    os.execv(BIN / "smart-triggerer", [str(BIN / "smart-triggerer"), "demo", *demo_args])  # noqa: S606
+    os.execv(VENV.bin / "smart-triggerer", [str(VENV.bin / "smart-triggerer"), "demo", *demo_args])  # noqa: S606
 
 
 def main(argv: list[str]) -> int:
@@ -225,8 +271,15 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in jobs:
         print(USAGE, end="", file=sys.stderr)
         return 2
-    ensure_venv(EXTRAS[argv[0]])
-    return jobs[argv[0]](argv[1:])
+    job, args = argv[0], argv[1:]
+    if job == "test" and args and args[0] == "--airflow":
+        use_airflow(args[1] if len(args) > 1 else "")
+        args = args[2:]
+    elif job == "test" and args and args[0].startswith("--airflow="):
+        use_airflow(args[0].partition("=")[2])
+        args = args[1:]
+    ensure_venv(EXTRAS[job])
+    return jobs[job](args)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -736,6 +736,23 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def migrated_template(prefix: str, keep_logs_in: str | None) -> Iterator[tuple[str, str]]:
+    """A PostgreSQL server and a metadata database migrated once for the run, which each mode clones;
+    dropped at the end, after the components' logs were copied (``--keep-logs``)."""
+    with postgres_dsn() as server_dsn:
+        template = unique_name(prefix)
+        dsn = create_database(server_dsn, template)
+        try:
+            console.print("migrating a template metadata database")
+            migrate(AirflowConfig(home=_HOME / "template", database_dsn=dsn, dags_folder=_HOME / "dags",
+                                  fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+            yield server_dsn, template
+        finally:
+            keep_logs(keep_logs_in)
+            drop_database(server_dsn, template)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiters", type=int, default=5000)
@@ -764,22 +781,13 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, Result] = {}
     broke: dict[str, str] = {}
-    with postgres_dsn() as server_dsn:
-        template = unique_name("st_bench_template")
-        dsn = create_database(server_dsn, template)
-        try:
-            console.print("migrating a template metadata database")
-            migrate(AirflowConfig(home=_HOME / "template", database_dsn=dsn, dags_folder=_HOME / "dags",
-                                  fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
-            for mode in args.modes.split(","):
-                try:
-                    results[mode] = run_mode(mode, args, server_dsn, template)
-                except TimeoutError as err:  # where a mode breaks at this size is a result too
-                    console.print(f"[red]{mode} did not get through: {err}[/]")
-                    broke[mode] = str(err)
-        finally:
-            keep_logs(args.keep_logs)
-            drop_database(server_dsn, template)
+    with migrated_template("st_bench_template", args.keep_logs) as (server_dsn, template):
+        for mode in args.modes.split(","):
+            try:
+                results[mode] = run_mode(mode, args, server_dsn, template)
+            except TimeoutError as err:  # where a mode breaks at this size is a result too
+                console.print(f"[red]{mode} did not get through: {err}[/]")
+                broke[mode] = str(err)
     markdown = report(results, args) if results else ""
     markdown += "".join(f"\n\n{mode} did not get through: {why}" for mode, why in broke.items())
     if args.write:

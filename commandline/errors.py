@@ -47,7 +47,7 @@ class UnsupportedAirflow(UserError):
 
 def supported_airflow() -> str:
     """The Airflow versions this release declares (its ``apache-airflow`` requirement, one place:
-    pyproject.toml), e.g. ``>=3.3.2,<3.4``; empty when the package is not installed."""
+    pyproject.toml), e.g. ``>=3.3.1,<3.4``; empty when the package is not installed."""
     from importlib.metadata import PackageNotFoundError, requires
 
     from packaging.requirements import Requirement

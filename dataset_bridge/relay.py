@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import random
@@ -339,12 +340,13 @@ class _Listener:
             return True  # the pool took the lost connection back already
 
     async def close(self) -> None:
-        try:
+        # Any error here means the connection is gone or broken (asyncpg raises InternalClientError on
+        # one that read a restart's FATAL): the pool replaces it. Raising would end the relay's loop.
+        with contextlib.suppress(Exception):
             if not self.closed():
                 await self.conn.remove_listener(CHANNEL, self.callback)
+        with contextlib.suppress(Exception):
             await self.pool.release(self.conn)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-            pass  # the connection is gone already: the pool replaces it
 
 
 def _prune_blocking(retention: Retention) -> None:

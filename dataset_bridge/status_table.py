@@ -35,6 +35,7 @@ import structlog
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import AdvanceItem, SharedStreamProducer
 
+from triggers.connections import CONNECTION_PATIENCE
 from triggers.identity import DeclaresIdentity
 from triggers.pg import backoff_seconds, is_permanent, shared_pool, target_for
 from triggers.polling import listening
@@ -217,11 +218,12 @@ class StatusRowProducer(SharedStreamProducer):
 
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         trigger = self.trigger
-        source = await target_for(trigger.conn_id)
+        source = await target_for(trigger.conn_id, patience=CONNECTION_PATIENCE)
         data = await shared_pool(source)
-        marks = await target_for(trigger.watermark_conn_id) if trigger.watermark_conn_id else source
+        marks = (await target_for(trigger.watermark_conn_id, patience=CONNECTION_PATIENCE)
+                 if trigger.watermark_conn_id else source)
         self.watermarks = Watermarks(await shared_pool(marks), trigger.source)
-        await self.watermarks.ensure_schema()
+        await self._ensure_schema()
         wake = subscribers.wake[self.key]
         async with listening(source, trigger.notify_channel) as hint:
             failures = 0
@@ -231,18 +233,35 @@ class StatusRowProducer(SharedStreamProducer):
                 try:
                     rows = await self._read(data)
                 except Exception as err:
-                    if is_permanent(err):
-                        raise
                     failures += 1
-                    log.warning("status table unreachable; backing off", error=type(err).__name__,
-                                attempt=failures)
-                    await asyncio.sleep(backoff_seconds(failures, cap=trigger.poll_interval))
+                    await self._back_off(err, failures, "status table unreachable; backing off")
                     continue
                 failures = 0
                 for row in rows:
                     yield row, (row["table_name"], row["id"])
                 if len(rows) < BATCH:
                     await _wait_any(hint.event, wake, trigger.poll_interval)
+
+    async def _ensure_schema(self) -> None:
+        """The watermark table, created if missing: a database away at the stream's start is waited for
+        as in the loop below, not the failure of every watcher of this status table."""
+        assert self.watermarks is not None
+        failures = 0
+        while True:
+            try:
+                await self.watermarks.ensure_schema()
+                return
+            except Exception as err:
+                failures += 1
+                await self._back_off(err, failures, "watermark table unreachable; backing off")
+
+    async def _back_off(self, err: Exception, failures: int, message: str) -> None:
+        """After the ``failures``-th error in a row: the check's own fault ends the stream (raised), any
+        other is logged and waited out with jittered backoff capped at the poll interval."""
+        if is_permanent(err):
+            raise err
+        log.warning(message, error=type(err).__name__, attempt=failures)
+        await asyncio.sleep(backoff_seconds(failures, cap=self.trigger.poll_interval))
 
     async def _read(self, data: asyncpg.Pool) -> list[dict[str, Any]]:
         assert self.watermarks is not None

@@ -151,6 +151,24 @@ class Component:
             return "(no log)"
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def health_url(self, timeout: float = 30.0) -> str:
+        """A smart triggerer's health endpoint, from the line it logs once the port is bound."""
+        line = self.wait_for_log("health endpoint listening", timeout)
+        return line.split("url=")[1].split()[0]
+
+    def wait_for_log(self, text: str, timeout: float = 60.0) -> str:
+        """The first line of this component's log that contains ``text``, once it is there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log_tail(50_000).splitlines():
+                if text in line:
+                    return line
+            if not self.running():
+                raise StackError(f"{self.name} exited before logging {text!r}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name} logged no {text!r} in {timeout:.0f}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
 
 def stop_components(components: Sequence[Component], grace: float = 20.0) -> None:
     """SIGTERM every group, wait up to ``grace`` seconds, then SIGKILL every leftover process."""
@@ -240,6 +258,14 @@ class AirflowStack:
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "run", *args]
         return self.add(name, argv, env)
 
+    def start_bridge_ready(self, name: str = "dataset-bridge", args: Sequence[str] = (),
+                           env: dict[str, str] | None = None) -> Component:
+        """``start_bridge``, then wait until it runs: a mapped task's successes count from the moment its
+        bridge first registers it (its horizon), so a run triggered before that makes no event."""
+        bridge = self.start_bridge(name, args, env)
+        bridge.wait_for_log("dataset bridge running", timeout=120)
+        return bridge
+
     def add_relay(self, args: Sequence[str], env: dict[str, str] | None = None,
                   name: str = "relay") -> Component:
         """One ``dataset-bridge relay`` process (this deployment's outbox -> other deployments)."""
@@ -251,6 +277,8 @@ class AirflowStack:
         self.start_core()
         triggerer = self.start_smart_triggerer(env=env)
         self.wait_for_dags(dag_ids)
+        # its schema is migrated and it is registered: a test may read smart_triggerer's tables from now on
+        triggerer.wait_for_log("smart triggerer started", timeout=120)
         for dag_id in dag_ids:
             self.unpause(dag_id)
         return triggerer
@@ -302,9 +330,20 @@ class AirflowStack:
                     if isinstance(last, dict) and all(
                         last.get(p, {}).get("status") == "healthy" for p in parts
                     ):
+                        self.warm_execution_api(deadline - time.monotonic())
                         return last
                 time.sleep(0.5)
         raise StackError(f"stack not healthy after {timeout:.0f}s (wanted {parts}): {last}")
+
+    def warm_execution_api(self, timeout: float) -> None:
+        """Send the api-server's first Execution API request before any task does.
+
+        The Execution API (a Cadwyn app) builds its versioned routers on its first request, on the
+        server's event loop: 3-5 s of CPU here, during which every request to that api-server waits. On a
+        loaded machine that took over 30 s, the first task's PATCH /run timed out and the task failed.
+        """
+        with httpx.Client(base_url=self.config.api_url, timeout=max(timeout, 30.0)) as client:
+            client.get("/execution/health").raise_for_status()
 
     def wait_for_dags(self, dag_ids: Sequence[str], timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

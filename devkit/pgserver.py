@@ -146,6 +146,7 @@ class EmbeddedPostgres:
     data_dir: Path
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # more -c options (shared_preload_libraries)
     _run_as: str | None = None
 
     @property
@@ -161,12 +162,14 @@ class EmbeddedPostgres:
             self._run([str(bin_dir / "initdb"), "-D", str(self.data_dir), "--auth=trust",
                        "--encoding=utf8", "-U", "postgres"])
         options: list[str] = []
-        for key, value in _FAST_SETTINGS.items():
+        for key, value in {**_FAST_SETTINGS, **self.settings}.items():
             options += ["-c", f"{key}={value}"]
         log = (self.data_dir / "server.log").open("ab")
         self.process = subprocess.Popen(
             [str(bin_dir / "postgres"), "-D", str(self.data_dir), "-p", str(self.port),
-             "-h", "127.0.0.1", "-k", str(self.data_dir), *options],
+             # TCP only: a Unix socket's path must stay under 108 bytes, which a deep data directory
+             # (a CI checkout's pytest temp folder) passes, and nothing here connects through one
+             "-h", "127.0.0.1", "-k", "", *options],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self._run_as,
         )
         self._wait_ready(timeout)

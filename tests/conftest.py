@@ -55,6 +55,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # in collection order as workers free up, so none of these is left to run alone at the end. Ordering only:
 # a stale or missing entry costs time, never coverage.
 LONGEST_FIRST = (
+    "tests/e2e/test_rolling_upgrade.py::test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait",  # 159
     "tests/e2e/test_chaos.py::test_short_chaos_run_loses_doubles_and_stalls_nothing",  # 113
     "tests/e2e/test_demo_e2e.py::test_quick_demo_resumes_every_task_and_prints_its_summary",  # 93
     "tests/e2e/test_smart_e2e.py::test_thirty_sensors_on_four_targets_share_four_groups",  # 93

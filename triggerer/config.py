@@ -51,6 +51,14 @@ class Settings:
     max_resumes_per_transaction: int = 2000
     # the runner subprocess's asyncio event loop: uvloop (libuv) or Python's own
     event_loop: str = "uvloop"
+    # placement (placement.py): no instance holds more than (1 + epsilon) times its capacity-weighted
+    # share of the groups while another has room
+    placement_epsilon: float = 0.25
+    # an instance whose runner's event loop lags more than this (p99 over the last 10 s) takes no new
+    # shards and hands shards over until it is back under half of it (0: off)
+    max_loop_lag_ms: float = 3000.0
+    # the same for the instance's memory (supervisor and runner, RSS; 0: off)
+    max_rss_mb: int = 0
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -70,6 +78,14 @@ class Settings:
             )
         if self.resume_hold_seconds < 0:
             raise ConfigError("[smart_triggerer] resume_hold_seconds must be >= 0")
+        if not 0 < self.placement_epsilon <= 10:
+            raise ConfigError(f"[smart_triggerer] placement_epsilon must be > 0 and <= 10, "
+                              f"got {self.placement_epsilon}")
+        if self.max_loop_lag_ms < 0:
+            raise ConfigError(
+                f"[smart_triggerer] max_loop_lag_ms must be >= 0 (0: off), got {self.max_loop_lag_ms}")
+        if self.max_rss_mb < 0:
+            raise ConfigError(f"[smart_triggerer] max_rss_mb must be >= 0 (0: off), got {self.max_rss_mb}")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
                               f"got {self.event_loop!r}")
@@ -88,6 +104,9 @@ class Settings:
             resume_hold_seconds=_option("resume_hold_seconds", float, cls.resume_hold_seconds),
             loop_seconds=_option("loop_seconds", float, cls.loop_seconds),
             event_loop=_option("event_loop", str, cls.event_loop).strip().lower(),
+            placement_epsilon=_option("placement_epsilon", float, cls.placement_epsilon),
+            max_loop_lag_ms=_option("max_loop_lag_ms", float, cls.max_loop_lag_ms),
+            max_rss_mb=_option("max_rss_mb", int, cls.max_rss_mb),
         )
 
 

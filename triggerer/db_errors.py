@@ -22,8 +22,9 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 OUTAGE_STATES = frozenset({"57P01", "57P02", "57P03"})  # admin shutdown, crash shutdown, cannot connect now
-TRANSIENT_STATES = frozenset({"55P03", "40001", "40P01", "57014"})  # lock timeout, serialization, deadlock,
-# query cancelled
+TRANSIENT_STATES = frozenset({"55P03", "40001", "40P01", "57014", "25P02"})  # lock timeout, serialization,
+# deadlock, query cancelled, and a transaction an earlier statement aborted (a workload build that goes on
+# after one row's refusal: the next row is not to blame, the build is tried again)
 CONNECTION_CLASSES = ("OperationalError", "InterfaceError")
 # data exception, integrity constraint violation, program limit exceeded: what one statement carried
 EVENT_CLASSES = ("22", "23", "54")
@@ -41,12 +42,22 @@ def is_outage(err: BaseException) -> bool:
         return False
     if isinstance(err, DBAPIError) and err.connection_invalidated:
         return True
+    if lost_earlier(err):
+        return True
     state = sqlstate(err)
     if state is None:
         # no answer from the server at all: the driver's connection-level errors
         orig = getattr(err, "orig", None)
         return isinstance(err, DBAPIError) and type(orig).__name__ in CONNECTION_CLASSES
     return state.startswith("08") or state in OUTAGE_STATES
+
+
+def lost_earlier(err: BaseException) -> bool:
+    """The transaction's connection was lost at an earlier statement whose error someone caught (a
+    savepoint's handler, Airflow's job heartbeat): SQLAlchemy refuses the next one with
+    ``PendingRollbackError: Can't reconnect until invalid (savepoint) transaction is rolled back``, its
+    error code 8s2b. (7s2a, a flush that failed earlier, is not that: its cause may be an event's.)"""
+    return isinstance(err, sa_exc.PendingRollbackError) and getattr(err, "code", None) == "8s2b"
 
 
 def is_transient(err: BaseException) -> bool:
@@ -62,6 +73,10 @@ def blames_event(err: BaseException) -> bool:
         return True  # a listener, a callback, the asset manager: code of this event's path
     if isinstance(err, (sa_exc.TimeoutError, sa_exc.DisconnectionError)):
         return False  # no connection to be had from the pool: nobody's fault but the database's
+    if lost_earlier(err):
+        # an earlier statement of this transaction lost its connection and that error was caught: the
+        # database's fault, not the event's; it is stored again with the others
+        return False
     if not isinstance(err, DBAPIError):
         return True  # SQLAlchemy refused the values before sending them, or the path misused a session
     state = sqlstate(err)

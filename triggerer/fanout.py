@@ -14,14 +14,18 @@ from collections.abc import Sequence
 from traceback import format_exception
 from typing import Any
 
+import structlog
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import TriggerFailureReason, handle_event_submit
 from airflow.triggers.base import TriggerEvent
 from sqlalchemy import select, text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from triggerer.db_errors import storable
-from triggerer.store import queries
+from triggerer.db_errors import is_outage, storable
+from triggerer.store import Store, queries
+
+log = structlog.get_logger(logger_name=__name__)
 
 Batch = tuple[Sequence[int], TriggerEvent]
 
@@ -71,7 +75,27 @@ def resume(session: Session, batches: Sequence[Batch]) -> int:
             .with_for_update(of=TaskInstance)
         ).all()
         resumed += _resume_through_airflow(session, [(ti.id, event) for ti in tis])
+    delete_unused(session, [tid for ids, _event in batches for tid in ids])
     return resumed
+
+
+def delete_unused(session: Session, trigger_ids: Sequence[int]) -> None:
+    """The trigger rows these tasks no longer need go in the same transaction (their deletion is how the
+    change feed tells their owners that the waits left), so Airflow's clean_unused, which reads every
+    trigger row, need not run every few seconds. In a savepoint: a lock it cannot get in time or any
+    other error leaves those rows to the sweep, never fails or delays the resume itself."""
+    if not trigger_ids:
+        return
+    try:
+        with session.begin_nested():
+            Store(session).delete_unused_triggers(trigger_ids)
+    except SQLAlchemyError as err:
+        if is_outage(err):
+            # the connection is gone and the whole transaction with it: the caller must see the outage
+            # (events kept, retried), not a PendingRollbackError at its commit that blames an event
+            raise
+        log.warning("unused trigger rows left to the sweep", triggers=len(set(trigger_ids)),
+                    error=str(err).splitlines()[0])
 
 
 def _resume_through_airflow(session: Session, items: Sequence[tuple[Any, TriggerEvent]]) -> int:
@@ -95,6 +119,7 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_FAILURE.value, "traceback": traceback})
     session.execute(text(queries()["fail_task_instances"]),
                     {"ids": [str(row[0]) for row in locked], "next_kwargs": next_kwargs})
+    delete_unused(session, trigger_ids)
     return len(locked)
 
 
@@ -107,7 +132,9 @@ def timeout(session: Session, shards: Sequence[int], queues: Sequence[str] | Non
     result = session.execute(text(queries()["timeout_members"]),
                              {"shards": list(shards), "queues": list(queues) if queues else None,
                               "next_kwargs": next_kwargs})
-    return [int(row[0]) for row in result]
+    timed_out = [int(row[0]) for row in result]
+    delete_unused(session, timed_out)
+    return timed_out
 
 
 def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent) -> None:

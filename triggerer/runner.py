@@ -53,6 +53,10 @@ from airflow.triggers.base import TriggerEvent
 
 from triggerer.config import Settings
 from triggerer.heap import tune_collector
+from triggerer.loop_lag import LagBoard, LagMeter
+
+# made in the supervisor before Airflow forks the runner: the runner writes its event-loop lag here
+LAG_BOARD = LagBoard()
 
 HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
@@ -234,6 +238,12 @@ class SmartTriggerRunner(TriggerRunner):
         self.triggers = _WatchedTriggers(self._ended.append)
         self.log = _TriggerLog(self.log, self.triggers, self._send_log_lines)  # type: ignore[assignment]
         self.log_channel: BatchedLogChannel | None = None
+        self.lag_meter = LagMeter(LAG_BOARD)
+
+    async def create_triggers(self) -> None:
+        coming = len(self.to_create)
+        await super().create_triggers()
+        self.lag_meter.started(coming)
 
     def _on_event(self) -> None:
         if self._wake is not None:
@@ -333,6 +343,7 @@ class SmartTriggerRunner(TriggerRunner):
         self.log.info("trigger runner started", event_loop=type(asyncio.get_running_loop()).__module__)
         self._wake = asyncio.Event()
         watchdog = asyncio.create_task(self.block_watchdog())
+        lag_meter = asyncio.create_task(self.lag_meter.run())
         self._stop_event = anyio.Event()
         last_status = time.monotonic()
         try:
@@ -360,6 +371,7 @@ class SmartTriggerRunner(TriggerRunner):
             self.stop = True
             raise
         finally:
+            lag_meter.cancel()
             if (reader_task := self.comms_decoder._reader_task) is not None:
                 reader_task.cancel()
                 with suppress(asyncio.CancelledError):

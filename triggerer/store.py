@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -19,9 +19,13 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from commandline.errors import ExitCode, UserError
-from triggerer.rendezvous import Member
+from triggerer.placement import Candidate
 
 SCHEMA = "smart_triggerer"
+
+# the placement this release computes (instance.placement, 0012_placement.sql): 1 rendezvous by capacity,
+# 2 filters and bounded loads (placement.py)
+PLACEMENT = 2
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
@@ -99,6 +103,20 @@ class FeedPosition:
 
     xmin: str
     unhashed: int
+
+
+@dataclass(frozen=True, slots=True)
+class LiveMember:
+    candidate: Candidate
+    placement: int  # the placement this member computes (PLACEMENT)
+    lapses_in: float  # seconds until its membership lapses unless renewed
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLoad:
+    shard: int
+    owner: int | None  # by the database clock
+    groups: int | None  # as its owner last published (None: no owner has loaded it yet)
 
 
 @dataclass(frozen=True)
@@ -201,7 +219,7 @@ class Store:
                  health_url: str | None, shards: int) -> None:
         self._run("create_shards", shards=shards, queues=queues or "")
         self._run("register_instance", job_id=job_id, hostname=hostname, capacity=capacity,
-                  queues=queues, health_url=health_url)
+                  queues=queues, health_url=health_url, placement=PLACEMENT)
 
     def live_queue_sets(self, lease_seconds: float) -> list[str]:
         """The ``--queues`` sets of live instances ('' for none)."""
@@ -219,18 +237,25 @@ class Store:
             return False, float(self._run("db_clock").scalar_one())
         return bool(row.was_live), float(row.db_now)
 
-    def live_members(self, lease_seconds: float, queues: str | None) -> list[Member]:
-        return [member for member, _lapses_in in self.live_members_lapsing(lease_seconds, queues)]
-
-    def live_members_lapsing(self, lease_seconds: float, queues: str | None) -> list[tuple[Member, float]]:
-        """Live members and the seconds until each one's membership lapses unless it is renewed."""
+    def live_candidates(self, lease_seconds: float, queues: str | None) -> list[LiveMember]:
+        """Live members as the placement sees them (placement.py), with the placement each computes."""
         rows = self._run("live_instances", lease_seconds=lease_seconds, queues=queues)
-        return [(Member(job_id=r.job_id, capacity=r.capacity), float(r.lapses_in)) for r in rows]
+        return [LiveMember(Candidate(r.job_id, r.capacity, accepting=r.accepting, limit=r.limit_groups),
+                           r.placement, float(r.lapses_in)) for r in rows]
+
+    def shard_loads(self, queues: str | None) -> list[ShardLoad]:
+        """Each shard's live owner (None: none) and the groups its owner last published."""
+        return [ShardLoad(r.shard, r.owner_job_id, r.groups)
+                for r in self._run("shard_loads", queues=queues or "")]
 
     def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float,
-                     queues: str | None) -> set[int]:
+                     queues: str | None, loads: Mapping[int, int] | None = None) -> set[int]:
+        """Renew and take leases; ``loads``: groups this instance holds per shard it has loaded, published
+        with the renewal."""
+        published = sorted((loads or {}).items())
         rows = self._run("claim_shards", job_id=job_id, shards=sorted(shards), lease_seconds=lease_seconds,
-                         queues=queues or "")
+                         queues=queues or "", load_shards=[s for s, _ in published],
+                         load_groups=[g for _, g in published])
         return {r.shard for r in rows}
 
     def held_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> set[int]:
@@ -263,6 +288,25 @@ class Store:
 
     def feed_present(self) -> bool:
         return bool(self._run("feed_triggers_present").scalar_one() == len(FEED_TRIGGERS))
+
+    def delete_unused_triggers(self, trigger_ids: Iterable[int]) -> set[int]:
+        """Delete those of these trigger rows nothing refers to any more; the ids deleted."""
+        ids = sorted(set(trigger_ids))
+        if not ids:
+            return set()
+        return {int(r[0]) for r in self._run("delete_unused_triggers", trigger_ids=ids)}
+
+    def release_left_waits(self) -> list[int]:
+        """Clear the trigger of task rows that are no longer deferred; the triggers they named."""
+        return [int(r[0]) for r in self._run("release_left_waits")]
+
+    def left_index_state(self) -> str:
+        """``valid``, ``building``, ``invalid`` (a failed build) or ``missing``."""
+        row = self._run("left_index_state").first()
+        if row is None:
+            return "missing"
+        valid, building = row
+        return "valid" if valid else "building" if building else "invalid"
 
     def not_waited_on(self, shards: Iterable[int]) -> set[int]:
         """Triggers of these shards whose row exists although nothing waits on it."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from triggers.coalesce import KeyedBatch, coalescing, shared_batch
 from triggers.identity import DedupableTrigger
 from triggers.polling import poll_until
 
@@ -138,5 +139,67 @@ class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        check = self.target().check
-        yield TriggerEvent(await poll_until(check, poll_interval=self.poll_interval, log=self.log))
+        target = self.target()
+        if not target.task_ids or not coalescing():
+            # a whole run's state is a count per wait (GetDRCount answers one selector, not several)
+            yield TriggerEvent(await poll_until(target.check, poll_interval=self.poll_interval, log=self.log))
+            return
+        yield TriggerEvent(await self._wait_in_batch(target))
+
+    async def _wait_in_batch(self, target: ExternalTarget) -> dict[str, Any]:
+        """The waits on tasks of one DAG (at one logical date, or at any run ids) share one
+        ``GetTaskStates`` per tick, over the union of their tasks and runs."""
+        batch = task_states_batch(target)
+        async with batch.join(member_keys(target), self.poll_interval) as member:
+            while True:
+                answer = await member.next()
+                if answer.error is not None:
+                    return {"status": "error", "message": answer.error}
+                verdict = target.judge({task: state for _run, task, state in answer.rows})
+                if verdict is not None:
+                    return verdict
+
+
+_SEP = "\x1f"  # between a run id and a task id in a batch key (neither holds a control character)
+
+
+def member_keys(target: ExternalTarget) -> list[str]:
+    """A wait's keys in its batch: its tasks (one logical date per batch), or (run, task) pairs."""
+    if target.run_id:
+        return [f"{target.run_id}{_SEP}{task}" for task in target.task_ids]
+    return list(target.task_ids)
+
+
+def task_states_batch(target: ExternalTarget) -> KeyedBatch:
+    """The running loop's batch for the tasks of ``target``'s DAG at its logical date, or at run ids:
+    states come back keyed by run id, so waits at different logical dates cannot share a call."""
+    from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
+
+    by_run = target.run_id is not None
+    logical_date = None if by_run else dt.datetime.fromisoformat(str(target.logical_date))
+
+    async def fetch(keys: Sequence[str]) -> Sequence[tuple[str, str, str | None]]:
+        from airflow.sdk.execution_time.task_runner import SUPERVISOR_COMMS
+
+        if not keys:
+            return []
+        if by_run:
+            pairs = [key.rsplit(_SEP, 1) for key in keys]  # a task id holds no control character
+            request = GetTaskStates(dag_id=target.dag_id, task_ids=sorted({t for _r, t in pairs}),
+                                    run_ids=sorted({r for r, _t in pairs}))
+        else:
+            assert logical_date is not None
+            request = GetTaskStates(dag_id=target.dag_id, task_ids=sorted(keys), logical_dates=[logical_date])
+        response = await SUPERVISOR_COMMS.asend(request)
+        if not isinstance(response, TaskStatesResult):
+            raise TypeError(f"GetTaskStates answered {type(response).__name__}")
+        return [(run, task, state) for run, tasks in response.task_states.items()
+                for task, state in tasks.items()]
+
+    def key_of(row: tuple[str, str, str | None]) -> str:
+        return f"{row[0]}{_SEP}{row[1]}" if by_run else row[1]
+
+    def make() -> KeyedBatch:
+        return KeyedBatch(f"task states of {target.dag_id}", fetch, key_of)
+
+    return shared_batch(("external_dag", target.dag_id, "runs" if by_run else target.logical_date), make)

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from triggers.connections import CONNECTION_PATIENCE, aget_connection
 from triggers.identity import DedupableTrigger
 from triggers.pg import SourceError
 from triggers.polling import poll_until
@@ -46,10 +47,10 @@ class HttpTarget:
         return f"HttpTarget(base_url={self.base_url!r})"
 
 
-async def http_target(conn_id: str) -> HttpTarget:
-    from airflow.sdk import BaseHook
-
-    conn = await BaseHook.aget_connection(conn_id)
+async def http_target(conn_id: str, *, patience: float = 0.0) -> HttpTarget:
+    """The connection's base URL, auth and headers; a trigger passes ``patience`` (triggers/connections.py:
+    a failed lookup looks like a missing one)."""
+    conn = await aget_connection(conn_id, patience=patience)
     host = conn.host or ""
     if "://" not in host:
         host = f"{conn.schema or 'http'}://{host}"
@@ -97,14 +98,14 @@ class HttpCondition:
     async def check(self, session: aiohttp.ClientSession, target: HttpTarget) -> dict[str, Any] | None:
         url = f"{target.base_url}/{self.endpoint.lstrip('/')}"
         try:
-            request = session.request(
+            # aiohttp builds the request lazily: an invalid URL is raised entering the block, not above
+            async with session.request(
                 self.method.upper(), url, auth=target.auth, headers={**target.headers, **self.headers},
                 json=self.data if self.data is not None else None, ssl=self.verify_ssl,
-            )
-        except (aiohttp.InvalidURL, ValueError) as err:
+            ) as response:
+                return await self._judge(response, url)
+        except aiohttp.InvalidURL as err:
             raise SourceError(f"invalid URL {url!r}: {err}") from err
-        async with request as response:
-            return await self._judge(response, url)
 
     async def _judge(self, response: aiohttp.ClientResponse, url: str) -> dict[str, Any] | None:
         status = response.status
@@ -168,7 +169,7 @@ class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        target = await http_target(self.http_conn_id)
+        target = await http_target(self.http_conn_id, patience=CONNECTION_PATIENCE)
         condition = self.validate()
 
         async def check() -> dict[str, Any] | None:

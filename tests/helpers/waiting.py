@@ -19,6 +19,13 @@ def rows(dsn: str, query: str, *params: object) -> list[tuple[Any, ...]]:
     return result
 
 
+def execute(dsn: str, statement: str, *params: object) -> None:
+    """One statement, committed."""
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute(statement, params)
+    conn.close()
+
+
 def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, what: str,
              interval: float = 0.2) -> T:
     deadline = time.monotonic() + timeout

@@ -84,8 +84,9 @@ def test_a_loop_in_which_nothing_changed_reads_no_waiter(env: AirflowConfig, mon
     for _ in range(5):
         load(supervisor)
     assert (reads.full, reads.changed) == (0, 0)
-    # renewal (heartbeat, live members, leases) and one probe of the feed: nothing per waiter
-    assert len(statements) == 5 * 4, statements
+    # renewal (heartbeat, live members, the shards' owners and loads for placement, leases) and one probe
+    # of the feed: nothing per waiter
+    assert len(statements) == 5 * 5, statements
     more = seed(env, 3)
     load(supervisor)
     assert (reads.full, reads.changed) == (0, 3)

@@ -28,7 +28,8 @@ def test_version_and_help() -> None:
     assert "SMART_TRIGGERER_DSN is read only by `demo`" in helped.stdout
     dev = run([sys.executable, str(Path(__file__).parents[2] / "dev.py"), "--help"])
     assert dev.returncode == 0
-    for job in ("demo [--quick] [--json] [--keep-running]", "test [PYTEST ARGS...]", "SMART_TRIGGERER_DSN"):
+    for job in ("demo [--quick] [--json] [--keep-running]", "test [--airflow VERSION] [PYTEST ARGS...]",
+                "--airflow lowest", "SMART_TRIGGERER_DSN"):
         assert job in dev.stdout, dev.stdout
 
 

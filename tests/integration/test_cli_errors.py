@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from commandline.errors import ExitCode
+from commandline.errors import ExitCode, supported_airflow
 from devkit.devstack import AirflowConfig
 from devkit.pgserver import free_port
 
@@ -168,4 +168,4 @@ def test_an_airflow_outside_the_tested_range_is_refused(config: AirflowConfig, t
     (shim / "sitecustomize.py").write_text("import airflow\nairflow.__version__ = '3.4.0'\n")
     env = env_with(config, PYTHONPATH=str(shim))
     one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.AIRFLOW_UNSUPPORTED,
-             "Apache Airflow 3.4.0 is installed", "apache-airflow>=3.3.2,<3.4")
+             "Apache Airflow 3.4.0 is installed", f"apache-airflow{supported_airflow()}")

@@ -458,14 +458,14 @@ def test_a_slow_but_successful_renewal_keeps_the_shards(
     seeded = seed(env, 3)
     load(supervisor)
     lease = supervisor.settings.lease_seconds
-    original = Store.live_members_lapsing
+    original = Store.live_candidates
 
     def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
         time.sleep(lease * 0.62)
         return original(self, *args, **kwargs)
 
     time.sleep(lease * 0.62)  # the slow loop
-    monkeypatch.setattr(Store, "live_members_lapsing", slow)
+    monkeypatch.setattr(Store, "live_candidates", slow)
     with capture_logs() as logs:
         supervisor._guard_leases()
     stopped = [e for e in logs if "stopping all shards" in e["event"]]

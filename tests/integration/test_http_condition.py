@@ -53,6 +53,15 @@ async def test_an_unexpected_4xx_fails_with_the_cause(server: ControlledServer) 
     assert "s3cret" not in event["message"]
 
 
+@pytest.mark.parametrize("connection", ['{"conn_type": "http", "host": "127.0.0.1", "port": 99999}',
+                                        '{"conn_type": "http", "host": "http://[::1"}'])
+async def test_an_invalid_url_fails_with_the_cause(monkeypatch: pytest.MonkeyPatch, connection: str) -> None:
+    """aiohttp builds a request lazily: the invalid URL is raised entering it, and must end the wait."""
+    monkeypatch.setenv("AIRFLOW_CONN_BROKEN", connection)
+    event = await first_event(HttpConditionTrigger("broken", "/x", poll_interval=0.1))
+    assert event["status"] == "error" and "invalid URL" in event["message"], event
+
+
 async def test_an_unreachable_host_backs_off_instead_of_failing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_DOWN", "http://127.0.0.1:9")  # discard port: connection refused
     with pytest.raises(TimeoutError):

@@ -11,8 +11,9 @@ import pytest
 import structlog.testing
 
 from commandline.errors import ExitCode
-from devkit.devstack import AirflowConfig
+from devkit.devstack import AirflowConfig, AirflowStack
 from tests.helpers.airflow_orm import use_airflow_db
+from tests.helpers.waiting import lease_owners, wait_for
 from tests.integration.test_cli_errors import SMART, one_line, run
 from tests.integration.test_supervisor_faults import make_supervisor
 
@@ -98,3 +99,20 @@ def test_a_migration_marked_as_breaking_raises_the_oldest_reader(airflow_config:
     monkeypatch.setattr(store_module, "migrations", lambda: shipped)  # the release before it
     with pytest.raises(SchemaTooNew), create_session() as session:
         Store(session).migrate(SHARDS)
+
+
+def test_a_running_instance_process_exits_8_and_hands_its_shards_back(airflow_stack: AirflowStack) -> None:
+    """The real process, as an operator sees it: one line, exit code 8 within the check interval, and its
+    leases released on the way out (not left to expire), so the newer instances take its shards at once."""
+    dsn = airflow_stack.config.database_dsn
+    instance = airflow_stack.start_smart_triggerer(
+        "older", env={"AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS)})
+    instance.wait_for_log("smart triggerer started", timeout=120)
+    wait_for(lambda: lease_owners(dsn), lambda owners: len(owners) == SHARDS and None not in owners.values(),
+             60, "the instance to own every shard")
+    newer_release(dsn, breaks_older=True)
+    code = wait_for(lambda: instance.process.poll() if instance.process else None,
+                    lambda c: c is not None, 60, "the older instance to stop")
+    assert code == ExitCode.SCHEMA_TOO_NEW == 8, instance.log_tail(4000)
+    assert set(lease_owners(dsn).values()) == {None}, "leases left to expire instead of released"
+    assert instance.log_tail(200_000).count("stopping: the schema is newer") == 1

@@ -55,10 +55,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def health_url(component: Component) -> str:
-    found = wait_for(lambda: component.log_tail(20_000), lambda t: "health endpoint listening" in t,
-                     30, "the health endpoint")
-    line = next(line for line in found.splitlines() if "health endpoint listening" in line)
-    return line.split("url=")[1].split()[0]
+    return component.health_url(30)
 
 
 @pytest.fixture

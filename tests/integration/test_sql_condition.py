@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 from airflow.sdk.exceptions import AirflowException, TaskDeferred
 
 from deferrables import SqlConditionSensor
+from tests.helpers.tcp_proxy import Proxies
 from triggers import SqlConditionTrigger
 
 
@@ -110,3 +112,52 @@ async def test_failure_sql_cannot_open_the_way_for_a_write(warehouse: str, first
         assert await conn.fetchval("SELECT count(*) FROM loads") == 0
     finally:
         await conn.close()
+
+
+async def test_sessions_dying_as_postgresql_restarts_do_not_end_a_wait(
+        warehouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart's FATAL read between two statements leaves asyncpg's connection in a broken state
+    (``InternalClientError``, not a PostgresError): met by the LISTEN of a wait's notify channel, it once
+    ended the wait with "Trigger failure" (chaos seed 20261123). Every session dies right after start-up
+    here until a few have; the wait keeps polling and ends on its condition."""
+    url = urlsplit(warehouse)
+    with Proxies((url.hostname or "127.0.0.1", url.port or 5432)).running() as proxies:
+        proxy = proxies.get("warehouse")
+        proxies.doom("warehouse", 4)
+        proxied = url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE_PROXIED", f"{urlunsplit(proxied)}?sslmode=disable")
+        trigger = SqlConditionTrigger("warehouse_proxied", DONE, parameters=["x"], poll_interval=0.2,
+                                      notify_channel="loads_done")
+        waiting = asyncio.create_task(first_event(trigger, timeout=60))
+        await wait_until(lambda: proxy.doomed_served >= 4 or waiting.done(), "four sessions to die")
+        await execute(warehouse, "INSERT INTO loads (name, done) VALUES ('x', true)")
+        assert (await waiting)["status"] == "success"
+
+
+async def wait_until(ready: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not ready():
+        assert asyncio.get_running_loop().time() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_silent_source_holds_a_listener_only_for_its_timeout(
+        warehouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every wait on a channel arms the shared listener before its check, under one lock: a source that
+    accepts connections and then says nothing must give the hint up within LISTEN_TIMEOUT, not hold every
+    wait on the channel until TCP gives up."""
+    from triggers import pg
+
+    monkeypatch.setattr(pg, "LISTEN_TIMEOUT", 0.5)
+    url = urlsplit(warehouse)
+    with Proxies((url.hostname or "127.0.0.1", url.port or 5432)).running() as proxies:
+        proxy = proxies.get("silent")
+        proxies.partition("silent")  # the kernel accepts; nothing reaches the server or comes back
+        target = pg.PgTarget(host="127.0.0.1", port=proxy.port, user=url.username, password=None,
+                             database=url.path.lstrip("/"), ssl="disable")
+        listener = pg.ChannelListener(target, "loads_done")
+        assert await asyncio.wait_for(listener.ensure(), 10) is False
+        proxies.heal("silent")
+        assert await asyncio.wait_for(listener.ensure(), 10) is True  # and listens once it answers
+        assert listener.conn is not None
+        await listener.conn.close()

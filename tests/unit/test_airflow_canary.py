@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 
-# Airflow's class -> method -> its parameters as of 3.3.2 (our overrides and the methods we call on it)
+# Airflow's class -> method -> its parameters as of 3.3.1 and 3.3.2 (our overrides and the methods we call)
 RELIED_ON: dict[str, dict[str, list[str]]] = {
     "TriggerRunnerSupervisor": {
         "run_in_process": [],
@@ -90,3 +90,34 @@ def test_every_override_of_ours_is_in_the_canary() -> None:
         overrides = {name for cls in ours.__mro__ if cls.__module__.startswith("triggerer")
                      for name in vars(cls) if not name.startswith("__") and hasattr(base, name)}
         assert overrides <= set(RELIED_ON[base.__name__]), overrides - set(RELIED_ON[base.__name__])
+
+
+# Airflow's module functions we call -> their parameters as of 3.3.1 and 3.3.2 (3.3.0 has no
+# _decode_next_kwargs, and its handle_event_submit raises on a payload it cannot store: refused)
+FUNCTIONS: dict[str, dict[str, list[str]]] = {
+    "airflow.models.trigger": {
+        "handle_event_submit": ["event", "task_instance", "session"],  # triggerer/fanout.py
+        "_decode_next_kwargs": ["next_kwargs_raw"],  # triggerer/fanout.py
+    },
+    "airflow.serialization.decoders": {"smart_decode_trigger_kwargs": ["d"]},  # triggerer/identities.py
+    "airflow.utils.helpers": {"log_filename_template_renderer": []},  # triggerer/workloads.py
+}
+
+
+@pytest.mark.parametrize(("module", "function"),
+                         [(m, f) for m, functions in FUNCTIONS.items() for f in functions])
+def test_the_airflow_functions_we_call_are_unchanged(module: str, function: str) -> None:
+    import importlib
+
+    found = getattr(importlib.import_module(module), function, None)
+    assert found is not None, f"Airflow's {module}.{function} is gone: our call of it fails"
+    params = list(inspect.signature(found).parameters)
+    assert params == FUNCTIONS[module][function], (
+        f"Airflow's {module}.{function} now takes {params}, not {FUNCTIONS[module][function]}")
+
+
+def test_the_trigger_failure_reasons_we_write_are_unchanged() -> None:
+    """triggerer/fanout.py writes these values into next_kwargs, as Airflow's own failure path does."""
+    from airflow.models.trigger import TriggerFailureReason
+
+    assert {reason.name for reason in TriggerFailureReason} >= {"TRIGGER_FAILURE", "TRIGGER_TIMEOUT"}

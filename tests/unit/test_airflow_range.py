@@ -8,15 +8,15 @@ from commandline.errors import ExitCode, UnsupportedAirflow, require_airflow, su
 
 
 def test_the_range_is_the_package_requirement() -> None:
-    assert supported_airflow() == ">=3.3.2,<3.4"
+    assert supported_airflow() == ">=3.3.1,<3.4"
 
 
-@pytest.mark.parametrize("version", ["3.3.2", "3.3.10"])
+@pytest.mark.parametrize("version", ["3.3.1", "3.3.2", "3.3.10"])
 def test_releases_in_the_range_start(version: str) -> None:
     require_airflow(version)
 
 
-@pytest.mark.parametrize("version", ["3.3.1", "3.3.0", "3.4.0", "3.4.0rc1", "3.2.2"])
+@pytest.mark.parametrize("version", ["3.3.0", "3.4.0", "3.4.0rc1", "3.2.2"])
 def test_releases_outside_it_are_refused_with_their_exit_code(version: str) -> None:
     with pytest.raises(UnsupportedAirflow) as refused:
         require_airflow(version)

@@ -99,3 +99,51 @@ def test_in_a_worker_the_check_sends_synchronously(monkeypatch: pytest.MonkeyPat
     verdict = TARGET.check_sync()
     assert verdict is not None and verdict["status"] == "success"
     assert [type(m).__name__ for m in sent] == ["GetTaskStates"]
+
+
+async def test_waits_on_tasks_of_one_dag_share_one_call_per_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28.1: three waits on different tasks of one DAG at one logical date, and two at run ids, are
+    answered by one GetTaskStates each per tick; each judges its own tasks."""
+    import asyncio
+
+    from airflow.sdk.execution_time import task_runner
+    from airflow.sdk.execution_time.comms import GetTaskStates, TaskStatesResult
+
+    from triggers import ExternalDagTrigger
+
+    sent: list[Any] = []
+
+    class _Comms:
+        async def asend(self, msg: Any) -> Any:
+            sent.append(msg)
+            await asyncio.sleep(0)
+            if msg.run_ids:
+                return TaskStatesResult(task_states={"r1": {"a": "success", "b": "running"},
+                                                     "r2": {"a": "failed", "b": "success"}})
+            return TaskStatesResult(task_states={"scheduled__x": {"a": "success", "b": "skipped",
+                                                                  "c": "running"}})
+
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", _Comms(), raising=False)
+    monkeypatch.delenv("AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS", raising=False)
+    date = "2026-11-22T00:00:00+00:00"
+    waits = [ExternalDagTrigger("producer", external_task_ids=tasks, logical_date=date, poll_interval=0.1)
+             for tasks in (["a"], ["a", "b"], ["c"])]
+    waits += [ExternalDagTrigger("producer", external_task_ids=["a"], run_id=run, poll_interval=0.1)
+              for run in ("r1", "r2")]
+
+    async def first(trigger: ExternalDagTrigger) -> dict[str, Any]:
+        event = await trigger.run().__anext__()
+        return dict(event.payload)
+
+    tasks = [asyncio.create_task(first(w)) for w in waits]
+    done = await asyncio.wait_for(asyncio.gather(tasks[0], tasks[1], tasks[3], tasks[4]), 10)
+    assert [e["status"] for e in done] == ["success", "skipped", "success", "failed"]
+    assert not tasks[2].done()  # c is still running
+    by_date = [m for m in sent if m.logical_dates]
+    by_run = [m for m in sent if m.run_ids]
+    assert all(isinstance(m, GetTaskStates) for m in sent)
+    assert by_date[0].task_ids == ["a", "b", "c"] and by_run[0].run_ids == ["r1", "r2"]
+    assert len(by_date) == 1 or by_date[1].task_ids == ["c"]  # the waits that ended leave the batch
+    assert len(by_run) == 1  # both ended on the first answer
+    tasks[2].cancel()
+    await asyncio.gather(tasks[2], return_exceptions=True)

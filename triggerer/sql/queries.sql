@@ -32,11 +32,12 @@ ON CONFLICT (queues, shard) DO NOTHING;
 -- name: register_instance
 -- Joins the membership (a restarted job id starts afresh). feed_xmin: from here on the change feed is kept
 -- for this instance (it reads everything before that once, when it starts).
-INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url, feed_xmin)
-VALUES (:job_id, :hostname, :capacity, :queues, :health_url, pg_snapshot_xmin(pg_current_snapshot()))
+INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url, feed_xmin, placement)
+VALUES (:job_id, :hostname, :capacity, :queues, :health_url, pg_snapshot_xmin(pg_current_snapshot()),
+        :placement)
 ON CONFLICT (job_id) DO UPDATE SET hostname = EXCLUDED.hostname, capacity = EXCLUDED.capacity,
     queues = EXCLUDED.queues, health_url = EXCLUDED.health_url, heartbeat_at = now(), stopped_at = NULL,
-    feed_xmin = EXCLUDED.feed_xmin;
+    feed_xmin = EXCLUDED.feed_xmin, placement = EXCLUDED.placement;
 
 -- name: heartbeat_instance
 -- Renews membership on the database clock and publishes this instance's counters. was_live: the membership
@@ -50,7 +51,9 @@ UPDATE smart_triggerer.instance
 SET heartbeat_at = now(), runner_alive = :runner_alive, waiters = :waiters, groups = :groups,
     events_total = :events_total, resumed_total = :resumed_total, failures_total = :failures_total,
     watchers_failing = :watchers_failing, watcher_restarts_total = :watcher_restarts_total,
-    health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin)
+    health_url = :health_url, feed_xmin = coalesce(CAST(:feed_xmin AS xid8), feed_xmin),
+    lag_p99_ms = :lag_p99_ms, rss_mb = :rss_mb, accepting = :accepting, limit_groups = :limit_groups,
+    shedding = :shedding, fleet_full = :fleet_full
 FROM previous
 WHERE job_id = :job_id
 RETURNING previous.live AS was_live, extract(epoch FROM clock_timestamp()) AS db_now;
@@ -60,9 +63,9 @@ RETURNING previous.live AS was_live, extract(epoch FROM clock_timestamp()) AS db
 SELECT extract(epoch FROM clock_timestamp());
 
 -- name: live_instances
--- Instances whose membership has not lapsed: the rendezvous hashing input; lapses_in: seconds until each
--- one's membership lapses unless renewed (a crashed instance's shards are free from then on).
-SELECT job_id, capacity,
+-- Instances whose membership has not lapsed, as placement reads them (placement.py); lapses_in: seconds
+-- until each one's membership lapses unless renewed (a crashed instance's shards are free from then on).
+SELECT job_id, capacity, placement, accepting, limit_groups,
        extract(epoch FROM heartbeat_at + make_interval(secs => :lease_seconds) - now()) AS lapses_in
 FROM smart_triggerer.instance
 WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => :lease_seconds)
@@ -87,10 +90,21 @@ WITH candidates AS (
 )
 UPDATE smart_triggerer.shard_lease AS l
 SET owner_job_id = :job_id, expires_at = clock_timestamp() + make_interval(secs => :lease_seconds),
-    acquired_at = CASE WHEN l.owner_job_id = :job_id THEN l.acquired_at ELSE clock_timestamp() END
+    acquired_at = CASE WHEN l.owner_job_id = :job_id THEN l.acquired_at ELSE clock_timestamp() END,
+    -- the groups the owner holds in each shard it has loaded (placement.py weighs shards by them); a shard
+    -- just taken keeps the count its last owner published until it is loaded here
+    groups = coalesce(
+        (CAST(:load_groups AS integer[]))[array_position(CAST(:load_shards AS integer[]), l.shard)], l.groups)
 FROM candidates c
 WHERE l.queues = :queues AND l.shard = c.shard
 RETURNING l.shard;
+
+-- name: shard_loads
+-- Every shard of a queue set's space: its owner by the database clock (NULL when the lease lapsed or was
+-- released) and the groups its owner last published: with live_instances, the placement's input.
+SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END AS owner_job_id, groups
+FROM smart_triggerer.shard_lease
+WHERE queues = :queues;
 
 -- name: fence_shards
 -- The shards among :shards whose lease this instance still holds by the database clock, share-locked
@@ -277,7 +291,8 @@ WHERE id = ANY(:ids) AND triggerer_id IS DISTINCT FROM :job_id;
 -- Every known instance and what it owns, for `smart-triggerer status`.
 SELECT i.job_id, i.hostname, i.capacity, i.queues, i.health_url, i.started_at, i.heartbeat_at,
        i.stopped_at, i.runner_alive, i.waiters, i.groups, i.events_total, i.resumed_total,
-       i.failures_total, i.watchers_failing, i.watcher_restarts_total,
+       i.failures_total, i.watchers_failing, i.watcher_restarts_total, i.lag_p99_ms, i.rss_mb,
+       i.accepting, i.limit_groups, i.shedding, i.fleet_full,
        (i.stopped_at IS NULL AND i.heartbeat_at > now() - make_interval(secs => :lease_seconds)
         AND i.runner_alive) AS healthy,
        (SELECT count(*) FROM smart_triggerer.shard_lease l
@@ -495,3 +510,59 @@ FROM smart_triggerer.sample s
 LEFT JOIN smart_triggerer.instance i ON i.job_id = s.job_id
 WHERE s.at > now() - interval '1 hour 150 seconds'
 ORDER BY s.job_id, date_trunc('minute', s.at), s.at DESC;
+
+-- name: delete_unused_triggers
+-- Trigger rows among these that nothing refers to any more (their tasks resumed, failed or timed out in
+-- this transaction, or released by release_left_waits): deleted now, as Airflow's clean_unused would a few
+-- seconds later by reading every trigger row. Rows someone else holds are left to the sweep.
+DELETE FROM trigger WHERE id IN (
+    SELECT t.id FROM trigger t
+    WHERE t.id = ANY(:trigger_ids)
+      AND NOT EXISTS (SELECT 1 FROM task_instance ti WHERE ti.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
+      AND NOT EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id)
+    ORDER BY t.id
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id;
+
+-- name: release_left_waits
+-- Task instances no longer deferred (cleared, marked by hand, a state NULL included: Airflow's clean_unused
+-- misses those) that still name a trigger: the name is cleared and the trigger ids returned. The WHERE is
+-- the predicate of the partial index smart_triggerer_ti_left, which holds only such rows: this reads a
+-- handful of rows, not every waiting task.
+WITH left_rows AS (
+    SELECT id, trigger_id FROM task_instance
+    WHERE trigger_id IS NOT NULL AND state IS DISTINCT FROM 'deferred'
+    ORDER BY id
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE task_instance AS ti SET trigger_id = NULL
+FROM left_rows l
+WHERE ti.id = l.id
+RETURNING l.trigger_id;
+
+-- name: left_index_state
+-- The partial index behind release_left_waits: valid, still being built (or failed: invalid), or missing.
+SELECT i.indisvalid,
+       EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = c.oid) AS building
+FROM pg_class c JOIN pg_index i ON i.indexrelid = c.oid
+WHERE c.relname = 'smart_triggerer_ti_left' AND c.relnamespace = 'public'::regnamespace;
+
+-- name: try_lock_left_index
+-- One builder of the index at a time, across instances (a session lock: the build runs outside any
+-- transaction).
+SELECT pg_try_advisory_lock(7405412772);
+
+-- name: unlock_left_index
+SELECT pg_advisory_unlock(7405412772);
+
+-- name: drop_left_index
+-- A build that failed leaves an invalid index behind: dropped before building again.
+DROP INDEX CONCURRENTLY IF EXISTS public.smart_triggerer_ti_left;
+
+-- name: create_left_index
+-- Only task rows that left deferred but still name a trigger (normally none or a few): tiny, and built
+-- without blocking Airflow's writes. Kept when instances stop (docs/reference.md, uninstall).
+CREATE INDEX CONCURRENTLY IF NOT EXISTS smart_triggerer_ti_left ON public.task_instance (id)
+WHERE trigger_id IS NOT NULL AND state IS DISTINCT FROM 'deferred';

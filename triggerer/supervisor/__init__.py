@@ -16,7 +16,7 @@ checks it by the database clock (``Store.fence``): a process paused past its lea
 shards another instance took over. An event is acknowledged to the runner (``persisted_event_seqs``)
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
-The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``feed``,
+The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``load``, ``feed``,
 ``deadlines``, ``starting``, ``events``, ``housekeeping``; ``state`` holds their shared fields. The
 class here is the conductor: ``run_once`` calls them in order."""
 
@@ -34,14 +34,15 @@ from triggerer.supervisor.events import EventFanout
 from triggerer.supervisor.feed import FeedLoading
 from triggerer.supervisor.housekeeping import Housekeeping
 from triggerer.supervisor.leases import Leases
+from triggerer.supervisor.load import LoadFilters
 from triggerer.supervisor.starting import GroupStarting
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, FeedLoading, MemberDeadlines, GroupStarting, EventFanout,
-                                   Housekeeping, SupervisorState):
+class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadlines, GroupStarting,
+                                   EventFanout, Housekeeping, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod

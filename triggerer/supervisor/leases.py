@@ -1,5 +1,6 @@
-"""Membership and shard leases: joining (migrations first), renewing the leases rendezvous
-hashing gives this instance, noticing a lapse by the database clock, dropping and releasing shards."""
+"""Membership and shard leases: joining (migrations first), renewing the leases the placement gives this
+instance (placement.py; rendezvous hashing while an instance of an earlier release is live), noticing a
+lapse by the database clock, dropping and releasing shards."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from triggerer.config import ConfigError
 from triggerer.db_errors import cause, is_transient
+from triggerer.placement import Candidate, place
 from triggerer.rendezvous import Member, assign, shards_of
-from triggerer.store import Store
+from triggerer.store import PLACEMENT, LiveMember, Store
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
@@ -23,6 +25,11 @@ log = structlog.get_logger(logger_name=__name__)
 LAPSE_MARGIN_SECONDS = 0.05
 
 MIGRATE_WAIT_SECONDS = 60.0  # start-up: how long migrations are tried again while their locks are busy
+
+# a shard's group count is published again when it moved by this many groups and by a tenth
+LOAD_STEP = 5
+
+LOADS_EVERY_SECONDS = 5.0  # groups per shard are counted this often (a pass over every group)
 
 
 class Leases(SupervisorState):
@@ -120,26 +127,31 @@ class Leases(SupervisorState):
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
+        self._update_filters()
         with create_session() as session:
             store = Store(session)
             counters = self._counters()
             self._renew_membership(store, counters)
             self.published_counters = counters
-            lapsing = store.live_members_lapsing(self.settings.lease_seconds, self.queues_key)
-            members = [member for member, _ in lapsing]
-            self._wake_at_lapse([left for member, left in lapsing if member.job_id != self.job_id])
-            if all(m.job_id != self.job_id for m in members):
-                members.append(Member(self.job_id, self.capacity))
-            desired = shards_of(self.job_id, assign(self.settings.shards, members))
+            live = store.live_candidates(self.settings.lease_seconds, self.queues_key)
+            self._wake_at_lapse([m.lapses_in for m in live if m.candidate.job_id != self.job_id])
+            desired = self._desired_shards(store, live)
             released = self.owned - desired
             if released:
                 store.release_shards(self.job_id, released, self.queues_key)
-            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key)
+            loads = self._loads_to_publish()
+            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key,
+                                         loads)
+            written = claimed.copy()  # the shards whose group counts this statement published
             if skipped := (desired - claimed) & self.owned:
                 # still ours, locked by a session of ours whose client is gone: kept, renewed later
                 claimed |= store.held_shards(self.job_id, skipped, self.queues_key)
+        published = self.published_loads | {s: loads[s] for s in written & loads.keys()}
+        self.published_loads = {s: g for s, g in published.items() if s in claimed}
         self.last_renewal = started
         lost, gained = self.owned - claimed, claimed - self.owned
+        self.shards_moved_in += len(gained)
+        self.shards_moved_out += len(lost)
         if lost:
             log.info("handing over shards", shards=sorted(lost))
             self._drop_shards(lost)
@@ -147,6 +159,42 @@ class Leases(SupervisorState):
             log.info("took shards", shards=sorted(gained))
         self.owned = claimed
         self.to_read = (self.to_read | gained) & claimed
+
+    def _desired_shards(self, store: Store, live: list[LiveMember]) -> set[int]:
+        """The shards this instance should hold, by the placement every live instance computes alike."""
+        if all(m.candidate.job_id != self.job_id for m in live):
+            live = [*live, LiveMember(self._candidate(), PLACEMENT, self.settings.lease_seconds)]
+        if any(m.placement < PLACEMENT for m in live):
+            # an instance of an earlier release is live (a rolling upgrade): all compute its placement,
+            # so that the fleet agrees on one map; load-following placement resumes once it has left
+            members = [Member(m.candidate.job_id, m.candidate.capacity) for m in live]
+            self._note_fleet(False)  # capacity is only a weight in that placement
+            return shards_of(self.job_id, assign(self.settings.shards, members))
+        shards = store.shard_loads(self.queues_key)
+        placement = place(self.settings.shards, [m.candidate for m in live],
+                          {s.shard: s.groups for s in shards if s.groups is not None},
+                          {s.shard: s.owner for s in shards},
+                          self.settings.placement_epsilon)
+        self._note_fleet(placement.full)
+        return placement.shards_of(self.job_id)
+
+    def _candidate(self) -> Candidate:
+        return Candidate(self.job_id, self.capacity, accepting=self.shedding is None, limit=self.limit_groups)
+
+    def _loads_to_publish(self) -> dict[int, int]:
+        """Groups per owned and loaded shard, where they changed enough since last published: placement
+        weighs shards by these, and inputs that stay still while little changes keep shards still."""
+        now = time.monotonic()
+        if now - self.loads_counted_at < LOADS_EVERY_SECONDS:
+            return {}
+        self.loads_counted_at = now
+        counts = {shard: 0 for shard in self.owned - self.to_read}
+        for group in self.groups.waiting():
+            info = self.member_info.get(next(iter(group.members)))
+            if info is not None and info.shard in counts:
+                counts[info.shard] += 1
+        return {shard: groups for shard, groups in counts.items()
+                if abs(groups - self.published_loads.get(shard, -LOAD_STEP)) >= max(LOAD_STEP, 0.1 * groups)}
 
     def _lost_the_feed(self) -> None:
         """Our membership lapsed by the database clock (a pause, a very slow loop), and with it our claim on

@@ -5,6 +5,7 @@ implements its own, the conductor inherits them all)."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -85,8 +86,17 @@ class SupervisorState(TriggerRunnerSupervisor):
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
+    last_sweep: float = attrs.field(default=-math.inf, init=False)  # Airflow's full clean_unused
+    # the partial index release_left_waits reads (see housekeeping.py): its state, when last looked at, and
+    # the thread building it
+    left_index: str = attrs.field(default="missing", init=False)
+    left_index_checked: float = attrs.field(default=-math.inf, init=False)
+    left_index_builder: threading.Thread | None = attrs.field(default=None, init=False)
+    left_index_outcome: str | None = attrs.field(default=None, init=False)  # of the last build
+    left_pending: set[int] = attrs.field(factory=set, init=False)  # released, trigger row not deleted yet
     last_prune: float = attrs.field(default=-math.inf, init=False)
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
+    last_watcher_check: float = attrs.field(factory=time.monotonic, init=False)
     last_sample: float = attrs.field(factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS,
                                      init=False)
     # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved" card
@@ -121,6 +131,21 @@ class SupervisorState(TriggerRunnerSupervisor):
     ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
     last_schema_check: float = attrs.field(default=-math.inf, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
+    # load and filters (load.py)
+    lag_p99_ms: float = attrs.field(default=0.0, init=False)
+    lag_recent_ms: float = attrs.field(default=0.0, init=False)
+    rss_mb: int = attrs.field(default=0, init=False)
+    rss_read_at: float = attrs.field(default=-math.inf, init=False)
+    shedding: str | None = attrs.field(default=None, init=False)  # why it takes no new shards
+    limit_groups: int | None = attrs.field(default=None, init=False)
+    shed_step_at: float = attrs.field(default=-math.inf, init=False)
+    calm_since: float | None = attrs.field(default=None, init=False)
+    fleet_full: bool = attrs.field(default=False, init=False)
+    # groups per owned shard as last published with the leases (published again when it changes enough)
+    published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
+    loads_counted_at: float = attrs.field(default=-math.inf, init=False)
+    shards_moved_in: int = attrs.field(default=0, init=False)  # shards taken since start
+    shards_moved_out: int = attrs.field(default=0, init=False)  # shards handed over (or dropped) since start
 
     @property
     def job_id(self) -> int:
@@ -230,6 +255,15 @@ class SupervisorState(TriggerRunnerSupervisor):
     def _renew_leases(self) -> None:
         raise NotImplementedError  # implemented by a part
 
+    def _update_filters(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _note_fleet(self, full: bool) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _load_counters(self) -> dict[str, object]:
+        raise NotImplementedError  # implemented by a part
+
     def _guard_leases(self) -> None:
         raise NotImplementedError  # implemented by a part
 
@@ -240,6 +274,9 @@ class SupervisorState(TriggerRunnerSupervisor):
         raise NotImplementedError  # implemented by a part
 
     def _start_groups(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _start_backlog(self) -> bool:
         raise NotImplementedError  # implemented by a part
 
     def _drop_lapsed(self) -> None:

@@ -1,0 +1,229 @@
+"""Placement that follows load (``triggerer/placement.py``, ``supervisor/load.py``) on real ``smart-triggerer
+run`` processes and a real PostgreSQL: capacity as a cap, a full fleet that keeps every wait, and an
+instance whose runner lags shedding shards and taking them again once calm, without flapping."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from devkit.devstack import AirflowStack, Component
+from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.waiting import execute, lease_owners, ti_states, wait_for
+from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
+from triggerer.rendezvous import Member, assign, shards_of
+
+
+@pytest.fixture
+def stack(airflow_stack: AirflowStack) -> Iterator[AirflowStack]:
+    yield airflow_stack
+
+
+def start(stack: AirflowStack, name: str, capacity: int | None = None, **settings: str) -> Component:
+    extra = {f"AIRFLOW__SMART_TRIGGERER__{k}": v for k, v in settings.items()}
+    return stack.start_smart_triggerer(name, capacity=capacity, env={**ENV, **extra})
+
+
+def seed_flag_waits(stack: AirflowStack, flag: Path, count: int) -> Seeded:
+    """``count`` waits, each its own group, all firing once ``flag`` exists."""
+    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
+                         classpath=FLAG_FILE, kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)})
+
+
+def instances(stack: AirflowStack) -> dict[int, dict[str, object]]:
+    return {i["job_id"]: i for i in stack.smart_status()["instances"] if i["healthy"]}
+
+
+def resume_all_once(stack: AirflowStack, flag: Path, seeded: Seeded, urls: list[str]) -> None:
+    """Every wait fires and its task is resumed, exactly once (the instances' resumed counters and the
+    task instances agree)."""
+    flag.touch()
+    dsn = stack.config.database_dsn
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 120,
+             "every wait resumed")
+    resumed = wait_for(lambda: sum(metrics(u)["smart_triggerer_resumed_total"] for u in urls),
+                       lambda n: n >= len(seeded.ti_ids), 30, "the resumes counted")
+    assert resumed == len(seeded.ti_ids)
+
+
+def test_a_full_fleet_keeps_every_wait_and_a_join_brings_each_under_its_capacity(
+        stack: AirflowStack, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 60)
+    small = start(stack, "small", capacity=20)
+    small_url = health_url(small)
+    # alone with 60 groups and a capacity of 20: it runs them all (no wait is left without an instance)
+    # and says the fleet is full
+    wait_for(lambda: metrics(small_url), lambda m: m.get("smart_triggerer_groups") == 60
+             and m.get("smart_triggerer_coroutines") == 60, 60, "all 60 groups running on the small one")
+    full = wait_for(stack.smart_status, lambda s: s["totals"]["fleet_full"], 30, "fleet full")
+    assert full["totals"]["groups"] == 60
+    assert metrics(small_url)["smart_triggerer_fleet_full"] == 1
+    assert small.log_tail(200_000).count("the fleet is full") == 1
+
+    big = start(stack, "big", capacity=100)
+    big_url = health_url(big)
+    # with room in the fleet, capacity is a cap: the small one hands over until it holds at most 20
+    settled = wait_for(lambda: (metrics(small_url), metrics(big_url)),
+                       lambda ms: ms[0]["smart_triggerer_groups"] <= 20 and
+                       ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 60
+                       and ms[0]["smart_triggerer_coroutines"] + ms[1]["smart_triggerer_coroutines"] == 60,
+                       60, "the small one at or under its capacity, every group running once")
+    assert settled[0]["smart_triggerer_groups"] > 0  # its share (60 x 20/120 = 10), not nothing
+    wait_for(stack.smart_status, lambda s: not s["totals"]["fleet_full"], 30, "room again")
+    assert "the fleet has room again" in small.log_tail(200_000) + big.log_tail(200_000)
+    resume_all_once(stack, flag, seeded, [small_url, big_url])
+
+
+class RunnerThrottle:
+    """A CPU quota for one instance's runner, from outside: stopped ``stopped`` of every ``period``
+    seconds (what a cgroup's cpu.max does to a process over its quota), until ``stop()``."""
+
+    def __init__(self, runner: psutil.Process, stopped: float, period: float) -> None:
+        self.runner, self.stopped, self.period = runner, stopped, period
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RunnerThrottle:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            self.runner.send_signal(signal.SIGSTOP)
+            self.done.wait(self.stopped)
+            self.runner.send_signal(signal.SIGCONT)
+            self.done.wait(self.period - self.stopped)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        self.runner.send_signal(signal.SIGCONT)
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def test_a_lagging_instance_sheds_shards_and_takes_them_again_once_calm(
+        stack: AirflowStack, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 64)
+    limits = {"MAX_LOOP_LAG_MS": "400"}
+    slow, other = start(stack, "slow", **limits), start(stack, "other", **limits)
+    slow_url, other_url = health_url(slow), health_url(other)
+    both = wait_for(lambda: (metrics(slow_url), metrics(other_url)),
+                    lambda ms: ms[0]["smart_triggerer_groups"] >= 20 and ms[1]["smart_triggerer_groups"] >= 20
+                    and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64,
+                    60, "the groups spread over both")
+    before = int(both[0]["smart_triggerer_groups"])
+    runner = slow.tree()[1]
+
+    with RunnerThrottle(runner, stopped=0.7, period=1.0):
+        shedding = wait_for(lambda: metrics(slow_url), lambda m: m["smart_triggerer_accepting"] == 0, 60,
+                            "the slow instance shedding")
+        assert shedding["smart_triggerer_loop_lag_p99_ms"] > 400
+        # it hands shards over, a step at a time while still over its limit; every group still runs once
+        wait_for(lambda: (metrics(slow_url), metrics(other_url)),
+                 lambda ms: ms[0]["smart_triggerer_groups"] <= before // 2
+                 and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64, 90,
+                 "half of its groups handed over")
+        status = instances(stack)
+        slow_row = next(i for i in status.values() if not i["accepting"])
+        assert "event-loop lag" in str(slow_row["shedding"])
+
+    # calm again: after the hysteresis it takes shards again, and the groups spread over both once more
+    wait_for(lambda: metrics(slow_url), lambda m: m["smart_triggerer_accepting"] == 1, 120, "taking shards")
+    wait_for(lambda: (metrics(slow_url), metrics(other_url)),
+             lambda ms: ms[0]["smart_triggerer_groups"] >= 20
+             and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64, 120,
+             "groups back on the slow one (its limit raised a quarter every 10 s)")
+    log = slow.log_tail(500_000)
+    # one episode: shedding began once and ended once (no flapping between the two)
+    assert log.count("over a limit: taking no new shards") == 1, log[-5000:]
+    assert log.count("back under the limits") == 1
+    resume_all_once(stack, flag, seeded, [slow_url, other_url])
+
+
+def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: Path) -> None:
+    """Four instances of equal capacity hold 4 of 16 shards each (plain rendezvous hashing over small job
+    ids gave one of them 28 of 64)."""
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 40)
+    components = [start(stack, f"smart-{n}") for n in range(4)]
+    urls = [health_url(c) for c in components]
+    spread = wait_for(lambda: [metrics(u) for u in urls],
+                      lambda ms: sorted(m["smart_triggerer_shards_owned"] for m in ms) == [4, 4, 4, 4]
+                      and sum(m["smart_triggerer_coroutines"] for m in ms) == 40, 90, "4 shards each")
+    assert len(spread) == SHARDS // 4
+    resume_all_once(stack, flag, seeded, urls)
+
+
+def test_while_an_older_release_is_live_every_instance_places_shards_as_it_does(
+        stack: AirflowStack, tmp_path: Path) -> None:
+    """A rolling upgrade: an instance of the previous release (placement 1, rendezvous by capacity) is live,
+    so the new one computes that placement too (the fleet agrees on one map); once it has left, the new
+    one places by load again."""
+    dsn = stack.config.database_dsn
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 16)
+    new = start(stack, "new", capacity=1000)
+    url = health_url(new)
+    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_shards_owned") == SHARDS, 60,
+             "the new instance alone owning every shard")
+    job = _job_id(url)
+    old_job = job + 1000
+    # the previous release's register_instance: no placement column, so the default (1)
+    execute(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity) VALUES (%s, %s, 1000)",
+            old_job, "old-release")
+    beating = threading.Event()
+
+    def heartbeat() -> None:
+        while not beating.wait(1.0):
+            execute(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() WHERE job_id = %s",
+                    old_job)
+
+    thread = threading.Thread(target=heartbeat, daemon=True)
+    thread.start()
+    try:
+        expected = shards_of(job, assign(SHARDS, [Member(job, 1000), Member(old_job, 1000)]))
+        assert 0 < len(expected) < SHARDS
+        wait_for(lambda: {s for s, o in lease_owners(dsn).items() if o == job}, lambda mine: mine == expected,
+                 60, "the new instance holding its rendezvous shards only")
+    finally:
+        beating.set()
+        thread.join(5)
+    # the old one's membership lapses: load-following placement again, every shard here
+    wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {job}, 60, "every shard back")
+    resume_all_once(stack, flag, seeded, [url])
+
+
+def _job_id(url: str) -> int:
+    return int(httpx.get(f"{url}/health", timeout=5).json()["job_id"])
+
+
+def test_an_instance_over_its_memory_limit_hands_its_shards_over(stack: AirflowStack, tmp_path: Path) -> None:
+    """``max_rss_mb`` below what a supervisor and its runner need: alone, the instance still runs every
+    wait (the fleet is full); once another instance joins, it hands its shards over."""
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 32)
+    tight = start(stack, "tight", MAX_RSS_MB="50")  # far below any supervisor's RSS
+    tight_url = health_url(tight)
+    alone = wait_for(lambda: metrics(tight_url), lambda m: m.get("smart_triggerer_coroutines") == 32
+                     and m.get("smart_triggerer_accepting") == 0, 60, "all 32 groups on the one shedding")
+    assert alone["smart_triggerer_rss_mb"] > 50 and alone["smart_triggerer_fleet_full"] == 1
+    row = next(i for i in instances(stack).values() if not i["accepting"])
+    assert str(row["shedding"]).startswith("memory"), row
+
+    roomy = start(stack, "roomy")
+    roomy_url = health_url(roomy)
+    both = wait_for(lambda: (metrics(roomy_url), metrics(tight_url)),
+                    lambda ms: ms[0]["smart_triggerer_coroutines"] == 32
+                    and ms[1]["smart_triggerer_coroutines"] == 0, 90, "every group handed to the roomy one")
+    assert both[1]["smart_triggerer_groups"] == 0
+    resume_all_once(stack, flag, seeded, [roomy_url, tight_url])
