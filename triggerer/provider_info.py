@@ -96,6 +96,40 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "asyncio",
                         "default": "uvloop",
                     },
+                    "placement_epsilon": {
+                        "description": "Bounded-load placement: no instance holds more than (1 + this) "
+                        "times its capacity-weighted share of the groups while another has room.",
+                        "version_added": "0.2.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "0.25",
+                    },
+                    "max_loop_lag_ms": {
+                        "description": "An instance whose trigger runner's event loop lags more than this "
+                        "(p99 over the last 10 s) takes no new shards and hands shards over until under "
+                        "half of it for 30 s; 0: off.",
+                        "version_added": "0.2.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "3000",
+                    },
+                    "max_rss_mb": {
+                        "description": "The same for the instance's memory (supervisor and runner RSS, MB), "
+                        "back under 90% of it; 0: off.",
+                        "version_added": "0.2.0",
+                        "type": "integer",
+                        "example": "4096",
+                        "default": "0",
+                    },
+                    "coalesce_checks": {
+                        "description": "Waits of one runner on the same status table (TableLoadTrigger) or "
+                        "on tasks of one DAG run (ExternalDagTrigger) share one query per tick; read where "
+                        "the trigger runs.",
+                        "version_added": "0.2.0",
+                        "type": "boolean",
+                        "example": None,
+                        "default": "True",
+                    },
                 },
             },
             "dataset_bridge": {

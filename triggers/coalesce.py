@@ -85,6 +85,7 @@ class BatchStats:
     answered: int = 0  # of those, the ones that returned rows
     keys: int = 0
     splits: int = 0
+    failed: int = 0  # ticks the source did not answer (backed off)
 
     def add(self, **counts: int) -> None:
         for name, count in counts.items():
@@ -195,6 +196,10 @@ class KeyedBatch:
                     await self._tick(due)
                 except Exception as err:  # not a statement error (those are answered): the source is away
                     failures += 1
+                    self.stats.add(failed=1)
+                    # the retry owes what this tick was for: a NOTIFY's full tick stays due (a scheduled
+                    # one stays due by ``last_full``), or its rows would wait for the next interval
+                    self.full_due = self.full_due or full
                     log.warning("source unreachable; backing off", batch=self.name, members=len(due),
                                 error=type(err).__name__, attempt=failures)
                     retry_at = time.monotonic() + backoff_seconds(failures, cap=self.interval())

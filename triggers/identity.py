@@ -136,6 +136,12 @@ class DedupableTrigger(DeclaresIdentity):
     serialized kwargs and drops it again when Airflow rebuilds the trigger from them. Values of merged
     kwargs are stored in plain text by the triggerer: never declare a merge for a kwarg that may hold a
     secret.
+
+    Deduplication makes one poll per *distinct* wait. A trigger whose check reads rows by key (a status
+    row per table) can also share one query with the other distinct waits on the same source: its
+    ``run`` joins a :class:`triggers.coalesce.KeyedBatch` (``shared_batch``) instead of polling alone, and
+    judges the rows of its own keys itself. The contract is in ``triggers/coalesce.py``; the README's
+    "Writing a deduplicable trigger" has an example.
     """
 
 

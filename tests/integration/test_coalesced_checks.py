@@ -299,6 +299,27 @@ async def test_a_restarted_source_backs_the_batch_off_and_loses_no_wait(
     assert all(e["status"] == "success" for e in events)
 
 
+async def test_a_notify_whose_tick_fails_is_answered_when_the_source_is_back(
+        source: str, source_server: EmbeddedPostgres) -> None:
+    """A NOTIFY asks for a full tick; when that tick finds the source away, the retry after the back-off
+    must still be a full tick: the members' own next tick is 300 s away."""
+    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=300,
+                                                              notify_channel="loads"))) for i in range(10)]
+    batch = await until(lambda: the_batch(10), "10 members")
+    await until(lambda: all(m.checked for m in batch.members), "the first check of every member")
+    await record(source, [(f"t{i}", "SUCCESS") for i in range(10)])  # no NOTIFY: nothing ticks
+    failed = batch.stats.failed
+    await asyncio.to_thread(source_server.stop)
+    try:
+        batch.notified()  # the load's NOTIFY, arrived just before the source went away
+        await until(lambda: batch.stats.failed > failed, "the notified tick to fail")
+    finally:
+        await asyncio.to_thread(source_server.start)
+    # well before the 300 s interval: the retry was the NOTIFY's full tick
+    events = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert all(e["status"] == "success" for e in events)
+
+
 async def test_off_makes_one_statement_per_wait(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS", "False")
     tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=60)))
