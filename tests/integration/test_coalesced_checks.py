@@ -293,10 +293,13 @@ async def test_a_restarted_source_backs_the_batch_off_and_loses_no_wait(
              for i in range(30)]
     batch = await until(lambda: the_batch(30), "30 members")
     await ticks_after(batch, 2)
+    failed = batch.stats.failed
     await asyncio.to_thread(source_server.restart, 2.0)
     await record(source, [(f"t{i}", "SUCCESS") for i in range(30)])
     events = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert all(e["status"] == "success" for e in events)
+    # the ticks of the 2 s down (one every 0.3 s) failed and backed the batch off; none ended a wait
+    assert batch.stats.failed > failed
 
 
 async def test_a_notify_whose_tick_fails_is_answered_when_the_source_is_back(

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from devkit.devstack import AirflowStack, Component
+from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes
 from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.throttle import RunnerThrottle
 from tests.helpers.waiting import execute, lease_owners, ti_states, wait_for
 from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
 from triggerer.rendezvous import Member, assign, shards_of
@@ -31,7 +33,9 @@ def start(stack: AirflowStack, name: str, capacity: int | None = None, **setting
 
 
 def seed_flag_waits(stack: AirflowStack, flag: Path, count: int) -> Seeded:
-    """``count`` waits, each its own group, all firing once ``flag`` exists."""
+    """``count`` waits, each its own group, all firing once ``flag`` exists; every write of a task leaving
+    DEFERRED is audited (a double resume shows in the trail, not only in a counter)."""
+    execute(stack.config.database_dsn, AUDIT_DDL)
     return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
                          classpath=FLAG_FILE, kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)})
 
@@ -50,6 +54,7 @@ def resume_all_once(stack: AirflowStack, flag: Path, seeded: Seeded, urls: list[
     resumed = wait_for(lambda: sum(metrics(u)["smart_triggerer_resumed_total"] for u in urls),
                        lambda n: n >= len(seeded.ti_ids), 30, "the resumes counted")
     assert resumed == len(seeded.ti_ids)
+    assert doubled_resumes(dsn) == {}, "task instances written twice as they left DEFERRED"
 
 
 def test_a_full_fleet_keeps_every_wait_and_a_join_brings_each_under_its_capacity(
@@ -79,35 +84,6 @@ def test_a_full_fleet_keeps_every_wait_and_a_join_brings_each_under_its_capacity
     wait_for(stack.smart_status, lambda s: not s["totals"]["fleet_full"], 30, "room again")
     assert "the fleet has room again" in small.log_tail(200_000) + big.log_tail(200_000)
     resume_all_once(stack, flag, seeded, [small_url, big_url])
-
-
-class RunnerThrottle:
-    """A CPU quota for one instance's runner, from outside: stopped ``stopped`` of every ``period``
-    seconds (what a cgroup's cpu.max does to a process over its quota), until ``stop()``."""
-
-    def __init__(self, runner: psutil.Process, stopped: float, period: float) -> None:
-        self.runner, self.stopped, self.period = runner, stopped, period
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> RunnerThrottle:
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self.done.is_set():
-            self.runner.send_signal(signal.SIGSTOP)
-            self.done.wait(self.stopped)
-            self.runner.send_signal(signal.SIGCONT)
-            self.done.wait(self.period - self.stopped)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join(10)
-        self.runner.send_signal(signal.SIGCONT)
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
 
 def test_a_lagging_instance_sheds_shards_and_takes_them_again_once_calm(
@@ -161,6 +137,52 @@ def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: 
                       lambda ms: sorted(m["smart_triggerer_shards_owned"] for m in ms) == [4, 4, 4, 4]
                       and sum(m["smart_triggerer_coroutines"] for m in ms) == 40, 90, "4 shards each")
     assert len(spread) == SHARDS // 4
+    resume_all_once(stack, flag, seeded, urls)
+
+
+def settled_owners(dsn: str, quiet: float = 10.0, timeout: float = 120.0) -> dict[int, int | None]:
+    """The shard map once every shard has an owner and none has changed owner for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = lease_owners(dsn), time.monotonic()
+    while time.monotonic() - since < quiet or None in last.values():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shards still moving after {timeout:.0f}s: {last}")
+        time.sleep(0.5)
+        now = lease_owners(dsn)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, tmp_path: Path) -> None:
+    """A fourth instance joining three takes shards, and no shard moves between the three; its graceful
+    leave hands back exactly the shards it held (bounded-load placement with minimal moves)."""
+    dsn = stack.config.database_dsn
+    flag = tmp_path / "go"
+    seeded = seed_flag_waits(stack, flag, 48)
+    components = [start(stack, f"smart-{n}") for n in range(3)]
+    urls = [health_url(c) for c in components]
+    wait_for(lambda: [metrics(u) for u in urls],
+             lambda ms: sum(m["smart_triggerer_coroutines"] for m in ms) == 48, 90, "every group running")
+    before = settled_owners(dsn)
+
+    joiner = start(stack, "joiner")
+    joiner_url = health_url(joiner)
+    joiner_job = _job_id(joiner_url)
+    wait_for(lambda: lease_owners(dsn), lambda o: joiner_job in o.values(), 60, "the joiner owning shards")
+    joined = settled_owners(dsn)
+    moved = {shard for shard, owner in joined.items() if before[shard] != owner}
+    assert moved, "a joining instance of equal capacity takes a share"
+    assert {joined[shard] for shard in moved} == {joiner_job}, (
+        f"shards moved between the other instances on a join: {before} -> {joined}")
+
+    joiner.signal(signal.SIGTERM)
+    assert joiner.process is not None
+    joiner.process.wait(60)
+    left = settled_owners(dsn)
+    moved = {shard for shard, owner in left.items() if joined[shard] != owner}
+    assert moved == {shard for shard, owner in joined.items() if owner == joiner_job}, (
+        f"a leave moved other shards than the leaver's: {joined} -> {left}")
     resume_all_once(stack, flag, seeded, urls)
 
 

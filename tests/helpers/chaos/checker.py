@@ -553,7 +553,8 @@ def _as_planned(faults: Sequence[FaultRecord]) -> str:
     """Faults whose effect is confirmed, of those that need it: a freeze caught inside a transaction, a
     DB error that reached the loop right after a renewal."""
     parts = []
-    for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop")):
+    for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop"),
+                       ("lag", "shed shards while lagging")):
         made = [f for f in faults if f.kind == kind]
         parts.append(f"{kind}: {sum(f.effective for f in made)}/{len(made)} {what}")
     return ", ".join(parts)

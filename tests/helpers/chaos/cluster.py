@@ -16,6 +16,7 @@ from devkit.devstack import AirflowStack, Component
 from devkit.pgserver import EmbeddedPostgres, sqlalchemy_url
 from tests.helpers.chaos.constants import STARTED_MARK, Log
 from tests.helpers.tcp_proxy import Proxies
+from tests.helpers.throttle import RunnerThrottle
 
 
 @dataclass
@@ -41,6 +42,8 @@ LEASE_EXPIRY = "SELECT max(expires_at) FROM smart_triggerer.shard_lease WHERE ow
 TERMINATE = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s "
              "AND datname = current_database() AND pid <> pg_backend_pid()")
 DB_UNAVAILABLE = "database unavailable"
+SHEDDING_MARK = "over a limit: taking no new shards"  # supervisor/load.py's line when shedding starts
+THROTTLE_STOPPED, THROTTLE_PERIOD = 1.2, 1.5  # a lag of about 1.2 s: over the run's max_loop_lag_ms
 
 
 class Cluster:
@@ -60,6 +63,7 @@ class Cluster:
         self.down: set[str] = set()
         self.paused: set[str] = set()
         self.frozen: set[str] = set()
+        self.throttled: dict[str, tuple[RunnerThrottle, int]] = {}  # slot -> its throttle, its log's offset
         self.generation: Counter[str] = Counter()
         self.unexpected_exits: list[str] = []
         self.startup_exits: list[str] = []
@@ -128,6 +132,21 @@ class Cluster:
             self.term_exit_seconds.append(time.monotonic() - since)
             if code != 0:
                 self.unclean_stops.append(f"{component.name} exited with {code} on SIGTERM")
+
+    def throttle(self, slot: str) -> None:
+        """Starve the instance's trigger runner (stopped 80% of every 1.5 s): its event loop lags past
+        the chaos run's ``max_loop_lag_ms``, and placement hands its shards over while it runs on."""
+        runner = self.slots[slot].tree()[1]  # the supervisor's one child: Airflow's trigger runner
+        self.throttled[slot] = (RunnerThrottle(runner, stopped=THROTTLE_STOPPED, period=THROTTLE_PERIOD),
+                                self.slots[slot].log_path.stat().st_size)
+        self.throttled[slot][0].start()
+
+    def unthrottle(self, slot: str) -> tuple[bool, str]:
+        """End the throttle; whether the instance shed shards meanwhile (its log says so)."""
+        throttle, offset = self.throttled.pop(slot)
+        throttle.stop()
+        shed = SHEDDING_MARK in _log_since(self.slots[slot], offset)
+        return shed, "shed shards while lagging" if shed else "lagged without shedding"
 
     def pause(self, slot: str) -> None:
         self.paused.add(slot)
@@ -252,8 +271,10 @@ class Cluster:
             self.relay = self.stack.add_relay(self.relay_args)
 
     def release(self) -> None:
-        """Wake every paused instance (a stopped process cannot act on SIGTERM), kill the frozen ones
-        (never woken), heal every partition."""
+        """Wake every paused or throttled instance (a stopped process cannot act on SIGTERM), kill the
+        frozen ones (never woken), heal every partition."""
+        for slot in list(self.throttled):
+            self.unthrottle(slot)
         for slot in list(self.paused):
             self.unpause(slot)
         for slot in list(self.frozen):

@@ -130,6 +130,15 @@ with DAG(dag_id={dag_id!r},
 '''
 
 
+def doubled_resumes(dsn: str) -> dict[str, int]:
+    """Task instances that the audit trail (``AUDIT_DDL``, installed before the waits resumed) shows
+    written more than once as they left DEFERRED (resolved, then rewritten or resolved again): ti id ->
+    writes. A resume the fencing let through twice shows here, whatever any counter says."""
+    found = execute(dsn, "SELECT ti_id::text, count(*) FROM chaos.ti_audit WHERE op IN ('resolved', "
+                         "'rewritten') GROUP BY ti_id HAVING count(*) > 1", fetch=True)
+    return {ti_id: int(writes) for ti_id, writes in found}
+
+
 def execute(dsn: str, sql: str, params: Any = None, *, fetch: bool = False, retry_for: float = 30.0) -> Any:
     """One statement in its own transaction, retried while PostgreSQL is unreachable (bounded)."""
     deadline = time.monotonic() + retry_for

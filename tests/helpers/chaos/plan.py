@@ -226,6 +226,8 @@ _HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
     "sigkill": lambda rng, p: rng.uniform(1.0, 5.0),  # down until restarted
     "sigstop": lambda rng, p: p.lease_seconds + rng.uniform(1.0, 4.0),  # frozen past its lease
     "sigterm": lambda rng, p: rng.uniform(0.5, 3.0),
+    # the runner starved long enough to shed a step (its lag shows within a second or two)
+    "lag": lambda rng, p: rng.uniform(8.0, 14.0),
     "pg_restart": lambda rng, p: rng.uniform(0.5, 3.0),  # PostgreSQL down
     "join": lambda rng, p: 0.0,
     "leave": lambda rng, p: 0.0,
@@ -243,7 +245,7 @@ INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of t
 def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
     first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart", "freeze", "partition", "db_error",
-                        "clock_step", "poison", "nul_extra"], 10)
+                        "clock_step", "poison", "nul_extra", "lag"], 11)
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
@@ -267,5 +269,5 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
     kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join", "freeze",
-             "partition", "db_error", "clock_step"]
-    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1))[0]
+             "partition", "db_error", "clock_step", "lag"]
+    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1))[0]

@@ -169,6 +169,9 @@ class ChaosRun:
             "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(self.profile.lease_seconds),
             # seeded waiters are resumed by nobody else: the 3.3.2 race guard would only delay them
             "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+            # the lag fault's starved runner lags about 1.2 s: over this, it sheds shards (placement moves
+            # by load under the other faults); a loaded host's passing lags stay under it
+            "AIRFLOW__SMART_TRIGGERER__MAX_LOOP_LAG_MS": "800",
         }
         return AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=root / "dags",
                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
@@ -297,7 +300,8 @@ class ChaosRun:
         cluster = self.cluster
         simple: dict[str, Callable[[str], object]] = {
             "sigkill": cluster.kill, "sigstop": cluster.pause, "sigterm": cluster.terminate,
-            "leave": cluster.terminate, "join": cluster.start, "partition": self.proxies.partition}
+            "leave": cluster.terminate, "join": cluster.start, "partition": self.proxies.partition,
+            "lag": cluster.throttle}
         if fault.kind in simple:
             simple[fault.kind](fault.slot)
         elif fault.kind == "pg_restart":
@@ -343,6 +347,8 @@ class ChaosRun:
             self.cluster.start(fault.slot)
         elif fault.kind == "sigstop":
             self.cluster.unpause(fault.slot)
+        elif fault.kind == "lag":
+            record.effective, record.note = self.cluster.unthrottle(fault.slot)
         elif fault.kind == "freeze":
             # never woken: killed and replaced in its slot, as an orchestrator would
             self.cluster.kill(fault.slot)
