@@ -168,7 +168,8 @@ def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, 
 
     joiner = start(stack, "joiner")
     joiner_url = health_url(joiner)
-    joiner_job = _job_id(joiner_url)
+    joiner_job = int(wait_for(lambda: httpx.get(f"{joiner_url}/health", timeout=5).json().get("job_id"),
+                              bool, 60, "the joiner's job id"))
     wait_for(lambda: lease_owners(dsn), lambda o: joiner_job in o.values(), 60, "the joiner owning shards")
     joined = settled_owners(dsn)
     moved = {shard for shard, owner in joined.items() if before[shard] != owner}
@@ -229,9 +230,12 @@ def _job_id(url: str) -> int:
     return int(httpx.get(f"{url}/health", timeout=5).json()["job_id"])
 
 
-def test_an_instance_over_its_memory_limit_hands_its_shards_over(stack: AirflowStack, tmp_path: Path) -> None:
+def test_an_instance_over_its_memory_limit_hands_shards_over_while_that_helps(
+        stack: AirflowStack, tmp_path: Path) -> None:
     """``max_rss_mb`` below what a supervisor and its runner need: alone, the instance still runs every
-    wait (the fleet is full); once another instance joins, it hands its shards over."""
+    wait (the fleet is full); once another instance joins, it hands a step of its groups over. CPython
+    does not give the memory of those groups back, so it stops there (rather than hand over everything
+    and sit idle), takes nothing new and says so once."""
     flag = tmp_path / "go"
     seeded = seed_flag_waits(stack, flag, 32)
     tight = start(stack, "tight", MAX_RSS_MB="50")  # far below any supervisor's RSS
@@ -244,8 +248,13 @@ def test_an_instance_over_its_memory_limit_hands_its_shards_over(stack: AirflowS
 
     roomy = start(stack, "roomy")
     roomy_url = health_url(roomy)
-    both = wait_for(lambda: (metrics(roomy_url), metrics(tight_url)),
-                    lambda ms: ms[0]["smart_triggerer_coroutines"] == 32
-                    and ms[1]["smart_triggerer_coroutines"] == 0, 90, "every group handed to the roomy one")
-    assert both[1]["smart_triggerer_groups"] == 0
+    held = wait_for(lambda: (metrics(roomy_url), metrics(tight_url), tight.log_tail(200_000)),
+                    lambda got: "memory not given back" in got[2]
+                    and got[0]["smart_triggerer_coroutines"] + got[1]["smart_triggerer_coroutines"] == 32,
+                    90, "a step handed over, then the tight one holding")
+    # the first step: down to three quarters (24) or below, by whole shards; not everything
+    assert 0 < held[1]["smart_triggerer_groups"] <= 24 and held[1]["smart_triggerer_accepting"] == 0
+    assert held[2].count("memory not given back") == 1
+    row = next(i for i in instances(stack).values() if not i["accepting"])
+    assert "holding" in str(row["shedding"]), row
     resume_all_once(stack, flag, seeded, [roomy_url, tight_url])

@@ -3,7 +3,8 @@ lag, memory, capacity) and whether it takes new shards (placement.py reads both 
 
 An instance whose runner lags over ``max_loop_lag_ms`` (p99 over the last 10 s) or whose memory is over
 ``max_rss_mb`` stops taking new shards and asks to come down to three quarters of its groups, then another
-quarter every ``SHED_STEP_SECONDS`` while it is still over (once the last step took effect). It takes
+quarter every ``SHED_STEP_SECONDS`` while it is still over (once the last step took effect; for memory,
+only while each step brought it down: see ``_shedding_helps``). It takes
 shards again only once it has been under half the lag limit and 90% of the memory limit for
 ``CALM_SECONDS``, and then a step at a time (its limit raised a third every ``SHED_STEP_SECONDS`` while
 calm, up to its capacity): the hysteresis that keeps shards from flapping between an instance on the
@@ -27,6 +28,7 @@ SHED_STEP = 0.75  # each step keeps this much of the groups
 SHED_STEP_SECONDS = 10.0  # the lag window's length: a step shows in the lag after that
 CALM_SECONDS = 30.0
 RSS_EVERY_SECONDS = 5.0
+MEMORY_STEP_FALL = 0.95  # a memory step helped if the RSS fell at least 5% (a few MB is noise)
 
 
 class LoadFilters(SupervisorState):
@@ -50,9 +52,9 @@ class LoadFilters(SupervisorState):
             self.calm_since = None
             if self.shedding is None:  # accepting until now (also while easing back): stop at once
                 self._shed(over, now, "over a limit: taking no new shards and handing shards over")
-            elif self._step_due(now):
+            elif self._step_due(now) and self._shedding_helps(over):
                 self._shed(over, now, "still over a limit: handing more shards over")
-        elif self.limit_groups is not None:
+        elif self.limit_groups is not None or self.shedding is not None:
             self._ease(now)
 
     def _step_due(self, now: float) -> bool:
@@ -61,6 +63,24 @@ class LoadFilters(SupervisorState):
         held = self.groups.group_count()
         return now - self.shed_step_at >= SHED_STEP_SECONDS and (self.limit_groups is None
                                                                   or held <= self.limit_groups)
+
+    def _shedding_helps(self, over: str) -> bool:
+        """Another step only if the last one brought the memory down. CPython seldom gives freed memory
+        back to the system (an arena is returned only once every object in it is gone): an instance whose
+        memory stays at its high-water mark after handing groups over would otherwise hand over every
+        shard and then sit idle, still over. It keeps what it holds and takes nothing new instead."""
+        if not over.startswith("memory") or self.limit_groups is None:  # lag, or no step taken yet
+            return True
+        if self.rss_mb <= MEMORY_STEP_FALL * self.rss_at_step:  # more than noise: groups gave memory back
+            return True
+        if not self.memory_held:
+            log.warning("memory not given back after handing shards over: keeping the groups held and "
+                        "taking no new shards (restart the instance to return its memory)",
+                        rss_mb=self.rss_mb, max_rss_mb=self.settings.max_rss_mb,
+                        groups=self.groups.group_count())
+            self.memory_held = True
+            self.shedding = f"{over}, not given back by handing shards over: holding"
+        return False
 
     def _ease(self, now: float) -> None:
         """Under the limits: after ``CALM_SECONDS`` of calm take new shards again, but raise the limit a
@@ -73,10 +93,12 @@ class LoadFilters(SupervisorState):
             self.calm_since = now
         if now - self.calm_since < CALM_SECONDS or now - self.shed_step_at < SHED_STEP_SECONDS:
             return
-        assert self.limit_groups is not None
         if self.shedding is not None:
             log.info("back under the limits: taking shards again, a step at a time", was=self.shedding)
             self.shedding = None
+            self.memory_held = False
+        if self.limit_groups is None:  # it never held groups while over: nothing to raise
+            return
         self.shed_step_at = now
         # raised until it cannot bind (a shard's size makes "the raise was not taken up" no sign of that)
         self.limit_groups = max(int(self.limit_groups / SHED_STEP), self.limit_groups + 1)
@@ -99,10 +121,16 @@ class LoadFilters(SupervisorState):
 
     def _shed(self, reason: str, now: float, message: str) -> None:
         groups = self.groups.group_count()
-        base = groups if self.limit_groups is None else min(groups, self.limit_groups)
-        self.limit_groups = int(base * SHED_STEP)
         self.shedding, self.shed_step_at = reason, now
         self.calm_since = None
+        if groups == 0 and self.limit_groups is None:
+            # over already with nothing held (a start whose memory alone passes max_rss_mb): take no new
+            # shards, but a limit of 0 would say nothing; the first step comes once it holds groups
+            log.warning(message, reason=reason, groups=groups, limit=None)
+            return
+        base = groups if self.limit_groups is None else min(groups, self.limit_groups)
+        self.limit_groups = int(base * SHED_STEP)
+        self.rss_at_step = self.rss_mb
         log.warning(message, reason=reason, groups=groups, limit=self.limit_groups)
 
     def _note_fleet(self, full: bool) -> None:

@@ -140,6 +140,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     limit_groups: int | None = attrs.field(default=None, init=False)
     shed_step_at: float = attrs.field(default=-math.inf, init=False)
     calm_since: float | None = attrs.field(default=None, init=False)
+    rss_at_step: int = attrs.field(default=0, init=False)  # memory when the last shed step began
+    memory_held: bool = attrs.field(default=False, init=False)  # shedding stopped: memory did not fall
     fleet_full: bool = attrs.field(default=False, init=False)
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
