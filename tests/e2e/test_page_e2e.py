@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,10 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     assert sorted(int(load.split(" / ")[1]) for load in loads) == sorted(
         i["capacity"] for i in overview["instances"]), loads
     assert text.count("taking shards") == 2, text
+    # the runner's loop lag and the instance's memory, as each instance reported them with its heartbeat
+    for row in instance_rows:
+        lag, rss = row.split("\t")[6:8]
+        assert re.fullmatch(r"\d+ ms", lag) and re.fullmatch(r"[1-9]\d* MB", rss), row
 
 
 LOADS_COUNT_EVERY_GROUP = """(groups) => {

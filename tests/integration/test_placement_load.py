@@ -155,8 +155,8 @@ def settled_owners(dsn: str, quiet: float = 10.0, timeout: float = 120.0) -> dic
 
 
 def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, tmp_path: Path) -> None:
-    """A fourth instance joining three takes shards, and no shard moves between the three; its graceful
-    leave hands back exactly the shards it held (bounded-load placement with minimal moves)."""
+    """A fourth instance joining three takes shards, and (nearly) no shard moves between the three; its
+    graceful leave hands back exactly the shards it held (bounded-load placement with minimal moves)."""
     dsn = stack.config.database_dsn
     flag = tmp_path / "go"
     seeded = seed_flag_waits(stack, flag, 48)
@@ -165,6 +165,7 @@ def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, 
     wait_for(lambda: [metrics(u) for u in urls],
              lambda ms: sum(m["smart_triggerer_coroutines"] for m in ms) == 48, 90, "every group running")
     before = settled_owners(dsn)
+    handed_before = sum(metrics(u)["smart_triggerer_shards_handed_over_total"] for u in urls)
 
     joiner = start(stack, "joiner")
     joiner_url = health_url(joiner)
@@ -173,9 +174,15 @@ def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, 
     wait_for(lambda: lease_owners(dsn), lambda o: joiner_job in o.values(), 60, "the joiner owning shards")
     joined = settled_owners(dsn)
     moved = {shard for shard, owner in joined.items() if before[shard] != owner}
-    assert moved, "a joining instance of equal capacity takes a share"
-    assert {joined[shard] for shard in moved} == {joiner_job}, (
-        f"shards moved between the other instances on a join: {before} -> {joined}")
+    assert any(joined[shard] == joiner_job for shard in moved), "a joiner of equal capacity takes a share"
+    # at most one shard passes between the others (one whose weight fits neither its owner's new share
+    # nor what the joiner has left: placement.py, unit-tested over seeded loads)
+    between = {shard for shard in moved if joined[shard] != joiner_job}
+    assert len(between) <= 1, f"shards moved between the other instances on a join: {before} -> {joined}"
+    # the moves as each instance counts them: what the joiner took, the others handed over
+    taken = metrics(joiner_url)["smart_triggerer_shards_taken_total"]
+    handed = sum(metrics(u)["smart_triggerer_shards_handed_over_total"] for u in urls) - handed_before
+    assert taken == handed == len(moved), (taken, handed, moved)
 
     joiner.signal(signal.SIGTERM)
     assert joiner.process is not None

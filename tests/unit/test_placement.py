@@ -70,20 +70,21 @@ def test_a_join_moves_little_more_than_what_the_joiner_takes(shards: int, member
     after = place(shards, [*members, joiner], groups, before.owners, EPSILON)
     taken = len(after.shards_of(joiner.job_id))
     everyone = [*members, joiner]
-    # the joiner takes about its share, and the others pass almost nothing among themselves
+    # the joiner takes about its share; the others pass at most one shard among themselves (a shard that
+    # no longer fits under its owner's share and fits nowhere on the joiner: uneven shard weights)
     assert weight_of(after, joiner.job_id, groups) >= 0.75 * share(joiner, everyone, groups, shards)
-    assert moved(before.owners, after.owners) <= taken + max(4, shards // 20)
+    assert moved(before.owners, after.owners) <= taken + 1
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(60, seed=4))
-def test_a_leave_moves_the_leavers_shards_and_hardly_any_other(shards: int, members: list[Candidate],
+def test_a_leave_moves_the_leavers_shards_and_no_other(shards: int, members: list[Candidate],
                                                                groups: dict[int, int]) -> None:
     before = place(shards, members, groups, {}, EPSILON)
     leaver = members[0].job_id
     after = place(shards, members[1:], groups, before.owners, EPSILON)
     held = len(before.shards_of(leaver))
     assert leaver not in after.owners.values()
-    assert held <= moved(before.owners, after.owners) <= held + max(2, shards // 40)
+    assert moved(before.owners, after.owners) == held
 
 
 def test_equal_members_get_equal_shards_whatever_their_job_ids() -> None:
