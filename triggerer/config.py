@@ -55,8 +55,9 @@ class Settings:
     # share of the groups while another has room
     placement_epsilon: float = 0.25
     # an instance whose runner's event loop lags more than this (p99 over the last 10 s) takes no new
-    # shards and hands shards over until it is back under half of it (0: off)
-    max_loop_lag_ms: float = 3000.0
+    # shards and hands shards over until it is back under half of it (0: off). A second: polls that late
+    # are a runner that cannot keep up (a takeover's start is not counted), not a busy moment
+    max_loop_lag_ms: float = 1000.0
     # the same for the instance's memory (supervisor and runner, RSS; 0: off)
     max_rss_mb: int = 0
 

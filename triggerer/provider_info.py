@@ -111,7 +111,7 @@ def get_provider_info() -> dict[str, Any]:
                         "version_added": "0.2.0",
                         "type": "float",
                         "example": None,
-                        "default": "3000",
+                        "default": "1000",
                     },
                     "max_rss_mb": {
                         "description": "The same for the instance's memory (supervisor and runner RSS, MB), "

@@ -136,9 +136,14 @@ class Cluster:
     def throttle(self, slot: str) -> None:
         """Starve the instance's trigger runner (stopped 80% of every 1.5 s): its event loop lags past
         the chaos run's ``max_loop_lag_ms``, and placement hands its shards over while it runs on."""
-        runner = self.slots[slot].tree()[1]  # the supervisor's one child: Airflow's trigger runner
-        self.throttled[slot] = (RunnerThrottle(runner, stopped=THROTTLE_STOPPED, period=THROTTLE_PERIOD),
-                                self.slots[slot].log_path.stat().st_size)
+        from tests.helpers.waiting import wait_for
+
+        component = self.slots[slot]
+        # the supervisor's one child, Airflow's trigger runner: a slot restarted a moment ago (after a
+        # freeze, a kill) forks it once its start-up is done
+        tree = wait_for(component.tree, lambda t: len(t) > 1, 60, f"{component.name}'s trigger runner", 0.1)
+        self.throttled[slot] = (RunnerThrottle(tree[1], stopped=THROTTLE_STOPPED, period=THROTTLE_PERIOD),
+                                component.log_path.stat().st_size)
         self.throttled[slot][0].start()
 
     def unthrottle(self, slot: str) -> tuple[bool, str]:
