@@ -90,6 +90,10 @@ class Scans:
     blocks_per_30s: int = 0
     statements_per_30s: int = 0
     top_statements: list[tuple[int, int, str]] = field(default_factory=list)  # blocks, calls, query
+    # the sweep (every sweep_seconds, 600 by default): rows one sweep of every instance reads, and the
+    # rows per 30 s with it spread over its interval
+    rows_per_sweep: int = 0
+    rows_scanned_per_30s_with_sweep: int = 0
 
 
 @contextlib.contextmanager
@@ -220,6 +224,13 @@ class Deployment:
     def assigned(self, jobs: list[int]) -> int:
         return int(rows(self.dsn, "SELECT count(*) FROM trigger WHERE triggerer_id = ANY(%s)", jobs)[0][0])
 
+    def restart(self, settings: dict[str, str]) -> None:
+        """Every instance stopped, then started again with these settings on top (the same waits)."""
+        self.stack.stop()
+        self.config.extra.update(settings)
+        self.stack = AirflowStack(self.config)
+        self.start()
+
     def stop(self) -> None:
         self.stack.stop()
         with contextlib.suppress(Exception):
@@ -279,7 +290,8 @@ def burst(deployment: Deployment, result: ModeResult, args: argparse.Namespace) 
 
 
 def measure_scans(place: Place, waiters: int, args: argparse.Namespace) -> Scans:
-    """The supervisors' metadata reads over 30 s while nothing changes, at ``waiters`` waits."""
+    """The supervisors' metadata reads over 30 s while nothing changes, at ``waiters`` waits; then, the
+    instances started again with a short ``sweep_seconds``, what one sweep reads."""
     scans = Scans(waiters)
     local = argparse.Namespace(**{**vars(args), "waiters": waiters})
     deployment = Deployment(place, f"smart-scans-{waiters}", local)
@@ -288,22 +300,68 @@ def measure_scans(place: Place, waiters: int, args: argparse.Namespace) -> Scans
         deployment.start()
         console.print(f"  {waiters} waits assigned; settling, then 30 s of pure waiting")
         time.sleep(2 * args.interval)
-        flush_stats(deployment.dsn)
-        before, top_before = table_reads(deployment.dsn), statement_counts(deployment.dsn)
-        time.sleep(30)
-        flush_stats(deployment.dsn)
-        after, top_after = table_reads(deployment.dsn), statement_counts(deployment.dsn)
-        scans.by_table = {name: after[name] - before.get(name, 0) for name in after
-                          if after[name] - before.get(name, 0) > 0}
-        scans.rows_scanned_per_30s = sum(scans.by_table.values())
-        (blocks, calls), (blocks_after, calls_after) = summed(top_before), summed(top_after)
-        scans.blocks_per_30s, scans.statements_per_30s = blocks_after - blocks, calls_after - calls
-        scans.top_statements = top_statements(top_after, top_before)
+        window = read_window(deployment.dsn, 30.0)
+        scans.by_table, scans.rows_scanned_per_30s = window.by_table, window.rows
+        scans.blocks_per_30s, scans.statements_per_30s = window.blocks, window.calls
+        scans.top_statements = window.top
         console.print(f"  {waiters} waiters: {scans.rows_scanned_per_30s} rows scanned per 30 s "
                       f"({scans.statements_per_30s} statements, {scans.blocks_per_30s} blocks)")
+        measure_sweep(deployment, scans, args)
     finally:
         deployment.stop()
     return scans
+
+
+@dataclass
+class Window:
+    rows: int
+    by_table: dict[str, int]
+    blocks: int
+    calls: int
+    top: list[tuple[int, int, str]]
+    sweeps: int  # calls of the sweep's own statement (one per instance and sweep)
+
+
+SWEEP_MARK = "NOT EXISTS (SELECT 1 FROM callback c"  # the lingering check's statement, run once a sweep
+SWEEP_TEST_SECONDS = 20  # sweep_seconds while a sweep is measured
+
+
+def read_window(dsn: str, seconds: float) -> Window:
+    """The metadata reads of ``seconds`` of waiting (pg_stat_user_tables and pg_stat_statements)."""
+    flush_stats(dsn)
+    before, top_before = table_reads(dsn), statement_counts(dsn)
+    time.sleep(seconds)
+    flush_stats(dsn)
+    after, top_after = table_reads(dsn), statement_counts(dsn)
+    by_table = {name: after[name] - before.get(name, 0) for name in after
+                if after[name] - before.get(name, 0) > 0}
+    (blocks, calls), (blocks_after, calls_after) = summed(top_before), summed(top_after)
+    sweeps = sum(c for q, (_b, c) in top_after.items() if SWEEP_MARK in q) - sum(
+        c for q, (_b, c) in top_before.items() if SWEEP_MARK in q)
+    return Window(sum(by_table.values()), by_table, blocks_after - blocks, calls_after - calls,
+                  top_statements(top_after, top_before), sweeps)
+
+
+def measure_sweep(deployment: Deployment, scans: Scans, args: argparse.Namespace) -> None:
+    """The same waits under instances that sweep every SWEEP_TEST_SECONDS: a window's rows less the
+    quiet rate, per sweep seen in it, is what one sweep reads; spread over the default interval, what
+    it adds per 30 s."""
+    from triggerer.config import Settings
+
+    deployment.restart({"AIRFLOW__SMART_TRIGGERER__SWEEP_SECONDS": str(SWEEP_TEST_SECONDS)})
+    time.sleep(2 * args.interval)
+    window = read_window(deployment.dsn, 60.0)
+    if window.sweeps == 0:
+        console.print("  no sweep seen in the window: sweep figures left out")
+        return
+    instances = max(args.instances, 1)
+    extra = max(window.rows - 2 * scans.rows_scanned_per_30s, 0)
+    scans.rows_per_sweep = round(extra / window.sweeps * instances)  # every instance sweeps once
+    scans.rows_scanned_per_30s_with_sweep = round(
+        scans.rows_scanned_per_30s + scans.rows_per_sweep * 30.0 / Settings.sweep_seconds)
+    console.print(f"  {scans.waiters} waiters: one sweep of every instance reads {scans.rows_per_sweep} "
+                  f"rows; with a sweep every {Settings.sweep_seconds:.0f} s, "
+                  f"{scans.rows_scanned_per_30s_with_sweep} rows per 30 s")
 
 
 @contextlib.contextmanager
@@ -339,6 +397,9 @@ def report(results: list[ModeResult], scans: list[Scans], args: argparse.Namespa
         "supervisor_blocks_per_30s": {s.waiters: s.blocks_per_30s for s in scans},
         "supervisor_rows_scanned_by_table": {s.waiters: s.by_table for s in scans},
         "supervisor_top_statements_by_blocks": {s.waiters: s.top_statements for s in scans},
+        "supervisor_rows_per_sweep": {s.waiters: s.rows_per_sweep for s in scans},
+        "supervisor_rows_scanned_per_30s_with_sweep": {s.waiters: s.rows_scanned_per_30s_with_sweep
+                                                       for s in scans},
     }
     if stock and stock.runner_cpu_s_per_interval > 0:
         figures["runner_cpu_ratio"] = {

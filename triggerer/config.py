@@ -60,6 +60,9 @@ class Settings:
     max_loop_lag_ms: float = 1000.0
     # the same for the instance's memory (supervisor and runner, RSS; 0: off)
     max_rss_mb: int = 0
+    # how often Airflow's clean_unused and the check for members nothing waits on read every trigger and
+    # waiting task row: the safety net for departures neither the resume nor the partial index sees
+    sweep_seconds: float = 600.0
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -79,6 +82,14 @@ class Settings:
             )
         if self.resume_hold_seconds < 0:
             raise ConfigError("[smart_triggerer] resume_hold_seconds must be >= 0")
+        if self.sweep_seconds < 10:
+            raise ConfigError(f"[smart_triggerer] sweep_seconds must be >= 10, got {self.sweep_seconds}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
+                              f"got {self.event_loop!r}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
         if not 0 < self.placement_epsilon <= 10:
             raise ConfigError(f"[smart_triggerer] placement_epsilon must be > 0 and <= 10, "
                               f"got {self.placement_epsilon}")
@@ -87,9 +98,6 @@ class Settings:
                 f"[smart_triggerer] max_loop_lag_ms must be >= 0 (0: off), got {self.max_loop_lag_ms}")
         if self.max_rss_mb < 0:
             raise ConfigError(f"[smart_triggerer] max_rss_mb must be >= 0 (0: off), got {self.max_rss_mb}")
-        if self.event_loop not in EVENT_LOOPS:
-            raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
-                              f"got {self.event_loop!r}")
 
     @classmethod
     def from_airflow(cls) -> Settings:
@@ -108,6 +116,7 @@ class Settings:
             placement_epsilon=_option("placement_epsilon", float, cls.placement_epsilon),
             max_loop_lag_ms=_option("max_loop_lag_ms", float, cls.max_loop_lag_ms),
             max_rss_mb=_option("max_rss_mb", int, cls.max_rss_mb),
+            sweep_seconds=_option("sweep_seconds", float, cls.sweep_seconds),
         )
 
 

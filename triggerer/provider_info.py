@@ -122,6 +122,15 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "4096",
                         "default": "0",
                     },
+                    "sweep_seconds": {
+                        "description": "How often Airflow's clean_unused and the check for waits nothing "
+                        "refers to read every trigger and waiting task row (the safety net for trigger "
+                        "rows whose task row was deleted); departures are otherwise found without it.",
+                        "version_added": "0.2.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "600",
+                    },
                     "coalesce_checks": {
                         "description": "Waits of one runner on the same status table (TableLoadTrigger) or "
                         "on tasks of one DAG run (ExternalDagTrigger) share one query per tick; read where "

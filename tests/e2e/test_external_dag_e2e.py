@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import textwrap
+import time
 
 import pytest
 
 from devkit.devstack import AirflowStack
 from devkit.pgserver import reader_dsn
 from tests.helpers.waiting import rows, wait_for
+from tests.integration.test_smart_triggerer import metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +58,22 @@ with DAG(dag_id="consumer", schedule=None, start_date=pendulum.datetime(2024, 1,
 '''
 
 
+def task_state_questions(url: str) -> int:
+    return int(metrics(url)["smart_triggerer_task_state_requests_total"])
+
+
+def assert_one_question_per_tick(url: str) -> None:
+    """The three waits are on tasks of one DAG run: coalesced, they ask Airflow one GetTaskStates per
+    tick (every 2 s), not one each (three per 2 s). Once all three run, five questions take four ticks
+    (8 s; 6 s allows a late join's tick); one per wait would take about 3 s. A slow host only makes the
+    ticks later."""
+    wait_for(lambda: metrics(url)["smart_triggerer_coroutines"], lambda n: n == 3, 60, "three coroutines")
+    first = wait_for(lambda: task_state_questions(url), lambda n: n > 0, 60, "a first question")
+    start = time.monotonic()
+    wait_for(lambda: task_state_questions(url), lambda n: n >= first + 5, 120, "five more questions")
+    assert time.monotonic() - start >= 3 * 2.0, "more than one task-state question per tick"
+
+
 def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowStack) -> None:
     folder = airflow_stack.config.dags_folder
     (folder / "producer.py").write_text(textwrap.dedent(PRODUCER))
@@ -63,13 +81,14 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     (folder / "consumer_latest.py").write_text(textwrap.dedent(LATEST))
     airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(
         airflow_stack.config.database_dsn)
-    airflow_stack.start_smart(["producer", "consumer", "consumer_latest"],
-                              env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
+    triggerer = airflow_stack.start_smart(["producer", "consumer", "consumer_latest"],
+                                          env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     consumer_run = airflow_stack.trigger("consumer", logical_date=when)
     dsn = airflow_stack.config.database_dsn
     query = "SELECT count(*) FROM task_instance WHERE dag_id = 'consumer' AND state = 'deferred'"
     wait_for(lambda: rows(dsn, query)[0][0], lambda n: n == 3, 120, "the three sensors deferred")
+    assert_one_question_per_tick(triggerer.health_url(30))
 
     airflow_stack.trigger("producer", logical_date=when)
     assert airflow_stack.wait_for_run("consumer", consumer_run, timeout=180) == "failed"

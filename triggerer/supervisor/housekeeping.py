@@ -12,6 +12,7 @@ import structlog
 from airflow.utils.session import create_session
 from sqlalchemy import text
 
+from triggerer.config import Settings
 from triggerer.store import SchemaTooNew, Store, queries
 from triggerer.supervisor.state import (
     FIRST_SAMPLE_SECONDS,
@@ -31,8 +32,9 @@ CLEANUP_SECONDS = 5.0
 
 # What neither path sees (a task row deleted with its DAG run, a timeout the scheduler applied first) is
 # left to Airflow's own clean_unused and the lingering check, which read every trigger and waiting task
-# row: this often, and every CLEANUP_SECONDS until the partial index is there.
-SWEEP_SECONDS = 600.0
+# row: every [smart_triggerer] sweep_seconds (by default this often), and every CLEANUP_SECONDS until the
+# partial index is there.
+SWEEP_SECONDS = Settings.sweep_seconds
 
 LEFT_INDEX_CHECK_SECONDS = 60.0
 LEFT_INDEX_RETRY_SECONDS = 600.0  # after a failed build (each one reads all of task_instance)
@@ -86,7 +88,7 @@ class Housekeeping(SupervisorState):
             self.last_watcher_check = now
         self._look_at_left_index(now)
         # the partial index catches cleared tasks (the lingering check's main case) within CLEANUP_SECONDS
-        lingering_every = SWEEP_SECONDS if self.left_index == "valid" else LINGERING_SECONDS
+        lingering_every = self.settings.sweep_seconds if self.left_index == "valid" else LINGERING_SECONDS
         if now - self.last_lingering >= lingering_every:
             self._forget_lingering()
             self.last_lingering = now
@@ -102,7 +104,7 @@ class Housekeeping(SupervisorState):
     def _clean_up(self, now: float) -> None:
         """Departed waits leave: through the partial index when it is there, else (and once a sweep) by
         Airflow's clean_unused."""
-        if self.left_index == "valid" and now - self.last_sweep < SWEEP_SECONDS:
+        if self.left_index == "valid" and now - self.last_sweep < self.settings.sweep_seconds:
             with create_session() as session:
                 store = Store(session)
                 released = store.release_left_waits()
@@ -188,6 +190,7 @@ class Housekeeping(SupervisorState):
             "failures_total": self.failures_total,
             "watchers_failing": sum(1 for h in self.watcher_failures if h in self.groups.by_hash),
             "watcher_restarts_total": self.watcher_restarts_total,
+            "task_state_requests_total": self.task_state_requests_total,
             "health_url": self.health_url,
             **self._load_counters(),
         }

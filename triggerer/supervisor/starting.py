@@ -31,6 +31,7 @@ from triggerer.trigger_logs import PooledTriggerLoggingFactory
 from triggerer.workloads import StartFromTrigger, log_renderer, plain_workload, task_rows
 
 log = structlog.get_logger(logger_name=__name__)
+TASK_STATE_REQUESTS = ("GetTaskStates", "GetDRCount")  # what ExternalDagTrigger asks Airflow
 
 # a group whose poll interval no kwarg names is started after those due within this many seconds
 UNKNOWN_INTERVAL_SECONDS = 60.0
@@ -357,6 +358,8 @@ class GroupStarting(SupervisorState):
 
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
         handing_out = bool(self.creating_triggers)
+        if type(msg).__name__ in TASK_STATE_REQUESTS:
+            self.task_state_requests_total += 1
         if isinstance(msg, messages.TriggerStateChanges) and msg.finished:
             self._read_sent_log_lines()
             self._close_later(msg.finished)

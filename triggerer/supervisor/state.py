@@ -118,6 +118,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
     watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
     watcher_restarts_total: int = attrs.field(default=0, init=False)
+    # task-state questions the runner's triggers asked (GetTaskStates, GetDRCount): coalesced checks ask
+    # one per tick for every wait on one DAG run, not one per wait
+    task_state_requests_total: int = attrs.field(default=0, init=False)
     outage_strikes: dict[int, int] = attrs.field(factory=dict, init=False)  # runner id -> in a row
     dead_letters: DeadLetters = attrs.field(factory=DeadLetters, init=False)
     watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
