@@ -322,8 +322,14 @@ class Window:
     sweeps: int  # calls of the sweep's own statement (one per instance and sweep)
 
 
-SWEEP_MARK = "NOT EXISTS (SELECT 1 FROM callback c"  # the lingering check's statement, run once a sweep
+# the lingering check's statement (queries.sql, not_waited_on), run once a sweep by every instance: both
+# fragments (delete_unused_triggers also asks about callbacks, and runs every 5 s)
+SWEEP_MARKS = ("NOT EXISTS (SELECT 1 FROM callback c", "i.shard = ANY(")
 SWEEP_TEST_SECONDS = 20  # sweep_seconds while a sweep is measured
+
+
+def is_sweep(query: str) -> bool:
+    return all(mark in query for mark in SWEEP_MARKS)
 
 
 def read_window(dsn: str, seconds: float) -> Window:
@@ -336,8 +342,8 @@ def read_window(dsn: str, seconds: float) -> Window:
     by_table = {name: after[name] - before.get(name, 0) for name in after
                 if after[name] - before.get(name, 0) > 0}
     (blocks, calls), (blocks_after, calls_after) = summed(top_before), summed(top_after)
-    sweeps = sum(c for q, (_b, c) in top_after.items() if SWEEP_MARK in q) - sum(
-        c for q, (_b, c) in top_before.items() if SWEEP_MARK in q)
+    sweeps = sum(c for q, (_b, c) in top_after.items() if is_sweep(q)) - sum(
+        c for q, (_b, c) in top_before.items() if is_sweep(q))
     return Window(sum(by_table.values()), by_table, blocks_after - blocks, calls_after - calls,
                   top_statements(top_after, top_before), sweeps)
 

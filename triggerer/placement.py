@@ -12,8 +12,9 @@ current owner and the groups (coroutines) it holds. The rules, in this order for
    member asked to hold less gets at most that, and what it gives up is shared among the others:
    ``fair_shares``). So a join moves what the others hold above their new share, and a leave only the
    leaver's shards.
-3. **Comparators.** Otherwise the shard goes to the member furthest below its fair share that has room
-   under it (on a join, the joiner; ties in the shard's rendezvous order, ``rendezvous.py``: weighted by
+3. **Comparators.** Otherwise, under the fair shares: a shard its live owner cannot keep goes to the
+   member furthest below its share (on a join, the joiner), a shard without a live owner to the member
+   with the least room it fits in (ties in the shard's rendezvous order, ``rendezvous.py``: weighted by
    capacity, stable); failing that, to the first member in rendezvous order with room under
    ``(1 + epsilon)`` times its share (bounded loads: no member above that while any has room).
 4. **Over the bound.** A shard too heavy for every bound goes to the member with the most room under its
@@ -94,9 +95,9 @@ def place(shards: int, members: Iterable[Candidate], groups: Mapping[int, int],
     if not live:
         return Placement({})
     groups = _with_estimates(shards, groups)
-    result = _place_once(shards, live, groups, owners, epsilon, held=owners)
+    result = _place_once(shards, live, groups, owners, epsilon)
     for _ in range(SETTLE_ROUNDS):
-        again = _place_once(shards, live, groups, result.owners, epsilon, held=owners)
+        again = _place_once(shards, live, groups, result.owners, epsilon)
         if again.owners == result.owners:
             break
         result = again
@@ -112,9 +113,7 @@ def _with_estimates(shards: int, known: Mapping[int, int]) -> dict[int, int]:
 
 
 def _place_once(shards: int, live: list[Candidate], groups: Mapping[int, int],
-                owners: Mapping[int, int | None], epsilon: float, *,
-                held: Mapping[int, int | None]) -> Placement:
-    """One round from ``owners`` (the last round's map); ``held``: who owns each shard now, in fact."""
+                owners: Mapping[int, int | None], epsilon: float) -> Placement:
     weights = {shard: float(max(groups.get(shard, 0), 1)) for shard in range(shards)}
     shares = fair_shares(sum(weights.values()), live)
     rooms = {m.job_id: _Room(m, shares[m.job_id], _bound(m, shares[m.job_id], epsilon)) for m in live}
@@ -123,10 +122,7 @@ def _place_once(shards: int, live: list[Candidate], groups: Mapping[int, int],
     # an owner keeps up to half a shard over its share: a count that moves a little (groups come and go,
     # a shard's estimate replaced by its count) does not pass the last shard of a share back and forth
     margin = sum(weights.values()) / max(shards, 1) / 2
-    # stays first, so that what the others keep is counted before a move; each member keeps what it holds
-    # in fact before what an earlier round gave it (else a shard it was given would displace one of its
-    # own in the next round: a second move that a join or a leave does not need)
-    for shard in sorted(range(shards), key=lambda s: (owners.get(s) != held.get(s), s)):
+    for shard in range(shards):  # stays first, so that what the others keep is counted before a move
         owner = owners.get(shard)
         if owner in rooms and rooms[owner].fits(weights[shard], groups.get(shard, 0),
                                                 rooms[owner].share + margin):
@@ -181,10 +177,14 @@ def _choose(shard: int, weight: float, groups: int, *, rooms: dict[int, _Room], 
     """The member for one shard, and whether it was placed over every bound (full)."""
     allowed = [rooms[m.job_id] for m in _preference(shard, live)
                if m.accepting or m.job_id == owner]
-    # under the shares, the member furthest below its own first (on a join, the joiner: a shard its
-    # owner cannot keep goes there, not to another member that happens to have a little room); the
-    # rendezvous order breaks ties (sorted is stable)
-    for room in sorted(allowed, key=lambda r: r.weight - r.share):
+    # under the shares: a shard its live owner cannot keep goes to the member furthest below its share
+    # (on a join, the joiner, not another member that happens to have a little room); a shard without an
+    # owner (a leaver's, a dead instance's, a start's) to the member with the least room it fits in, so
+    # that the heavy shards still find room under a share and no member ends over its share and sheds
+    # one of its own in the next loop. The rendezvous order breaks ties (sorted is stable).
+    order = (sorted(allowed, key=lambda r: r.weight - r.share) if owner is not None
+             else sorted(allowed, key=lambda r: r.share - r.weight))
+    for room in order:
         if room.fits(weight, groups, room.share):
             return room, False
     for room in allowed:

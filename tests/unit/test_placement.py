@@ -74,17 +74,21 @@ def test_a_join_moves_little_more_than_what_the_joiner_takes(shards: int, member
     # no longer fits under its owner's share and fits nowhere on the joiner: uneven shard weights)
     assert weight_of(after, joiner.job_id, groups) >= 0.75 * share(joiner, everyone, groups, shards)
     assert moved(before.owners, after.owners) <= taken + 1
+    # and that is where the shards stay: the next loop, from the owners it gave, moves nothing more
+    assert place(shards, everyone, groups, after.owners, EPSILON).owners == after.owners
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(60, seed=4))
-def test_a_leave_moves_the_leavers_shards_and_no_other(shards: int, members: list[Candidate],
+def test_a_leave_moves_the_leavers_shards_and_hardly_any_other(shards: int, members: list[Candidate],
                                                                groups: dict[int, int]) -> None:
     before = place(shards, members, groups, {}, EPSILON)
     leaver = members[0].job_id
     after = place(shards, members[1:], groups, before.owners, EPSILON)
     held = len(before.shards_of(leaver))
     assert leaver not in after.owners.values()
-    assert moved(before.owners, after.owners) == held
+    # the leaver's shards, and where shards weigh a lot against the shares a few that must make room
+    assert held <= moved(before.owners, after.owners) <= held + max(2, shards // 40)
+    assert place(shards, members[1:], groups, after.owners, EPSILON).owners == after.owners
 
 
 def test_equal_members_get_equal_shards_whatever_their_job_ids() -> None:

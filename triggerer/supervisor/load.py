@@ -28,6 +28,7 @@ SHED_STEP = 0.75  # each step keeps this much of the groups
 SHED_STEP_SECONDS = 10.0  # the lag window's length: a step shows in the lag after that
 CALM_SECONDS = 30.0
 RSS_EVERY_SECONDS = 5.0
+EASE_STEPS_AT_LEAST = 20  # easing back from a small limit reaches the capacity within this many steps
 MEMORY_STEP_FALL = 0.95  # a memory step helped if the RSS fell at least 5% (a few MB is noise)
 
 
@@ -59,10 +60,11 @@ class LoadFilters(SupervisorState):
 
     def _step_due(self, now: float) -> bool:
         """Another step down once the last one took effect (the groups came down to the limit) and had a
-        lag window to show in: while shards cannot move (no room elsewhere), the limit does not sink to 0."""
+        lag window to show in: while shards cannot move (no room elsewhere), the limit does not sink to 0.
+        Holding nothing, there is nothing to step down from."""
         held = self.groups.group_count()
-        return now - self.shed_step_at >= SHED_STEP_SECONDS and (self.limit_groups is None
-                                                                  or held <= self.limit_groups)
+        return (held > 0 and now - self.shed_step_at >= SHED_STEP_SECONDS
+                and (self.limit_groups is None or held <= self.limit_groups))
 
     def _shedding_helps(self, over: str) -> bool:
         """Another step only if the last one brought the memory down. CPython seldom gives freed memory
@@ -100,8 +102,10 @@ class LoadFilters(SupervisorState):
         if self.limit_groups is None:  # it never held groups while over: nothing to raise
             return
         self.shed_step_at = now
-        # raised until it cannot bind (a shard's size makes "the raise was not taken up" no sign of that)
-        self.limit_groups = max(int(self.limit_groups / SHED_STEP), self.limit_groups + 1)
+        # raised until it cannot bind (a shard's size makes "the raise was not taken up" no sign of that),
+        # by a third, and by a twentieth of the capacity at least (from a small limit, a third is nothing)
+        self.limit_groups = max(int(self.limit_groups / SHED_STEP),
+                                self.limit_groups + max(1, self.capacity // EASE_STEPS_AT_LEAST))
         if self.limit_groups >= self.capacity:
             self.limit_groups = None
 
@@ -123,13 +127,14 @@ class LoadFilters(SupervisorState):
         groups = self.groups.group_count()
         self.shedding, self.shed_step_at = reason, now
         self.calm_since = None
-        if groups == 0 and self.limit_groups is None:
+        self.memory_held = False  # a new step: whether it gives memory back is judged after it
+        if groups == 0:
             # over already with nothing held (a start whose memory alone passes max_rss_mb): take no new
             # shards, but a limit of 0 would say nothing; the first step comes once it holds groups
-            log.warning(message, reason=reason, groups=groups, limit=None)
+            log.warning(message, reason=reason, groups=groups, limit=self.limit_groups)
             return
         base = groups if self.limit_groups is None else min(groups, self.limit_groups)
-        self.limit_groups = int(base * SHED_STEP)
+        self.limit_groups = max(int(base * SHED_STEP), 1)  # 0 would take ages to raise again
         self.rss_at_step = self.rss_mb
         log.warning(message, reason=reason, groups=groups, limit=self.limit_groups)
 

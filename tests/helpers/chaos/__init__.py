@@ -22,7 +22,7 @@ status rows arrive and a seeded schedule of faults runs:
 - ``partition``: the instance's proxy stops forwarding both ways for the hold, then heals;
 - ``lag``: the instance's trigger runner is starved (stopped 1.2 s of every 1.5 s) for the hold: its event
   loop lags over the run's ``max_loop_lag_ms`` (800) and placement hands its shards over while it runs
-  on, then takes them back once it is calm (moves by load, under every other fault);
+  on, then takes them back once it is calm (moves by load, while the next faults run);
 - ``db_error``: right after the instance renewed its leases (its lease rows' expiry moved), its sessions
   are terminated again and again for about a second, until its log says "database unavailable";
 - ``clock_step``: the database's clock jumps forward (forward only; see ``fake_clock.py``);

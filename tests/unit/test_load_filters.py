@@ -1,0 +1,127 @@
+"""The load filters' steps (``triggerer/supervisor/load.py``): shedding by lag and by memory, holding when
+memory does not come back, easing back, on a stand-in supervisor whose clock and readings the test sets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+import pytest
+
+from triggerer.config import Settings
+from triggerer.supervisor.load import LoadFilters
+
+
+@dataclass
+class Groups:
+    count: int = 0
+
+    def group_count(self) -> int:
+        return self.count
+
+
+@dataclass
+class Instance:
+    """What the filters read and write of a supervisor; the methods are LoadFilters' own."""
+
+    settings: Settings
+    capacity: int = 1000
+    groups: Groups = field(default_factory=Groups)
+    lag_recent_ms: float = 0.0
+    lag_p99_ms: float = 0.0
+    rss_mb: int = 100
+    shedding: str | None = None
+    limit_groups: int | None = None
+    shed_step_at: float = float("-inf")
+    calm_since: float | None = None
+    rss_at_step: int = 0
+    memory_held: bool = False
+    fleet_full: bool = False
+
+    _update_filters = LoadFilters._update_filters
+    _step_due = LoadFilters._step_due
+    _shedding_helps = LoadFilters._shedding_helps
+    _ease = LoadFilters._ease
+    _over_limits = LoadFilters._over_limits
+    _calm = LoadFilters._calm
+    _shed = LoadFilters._shed
+
+    def _measure_load(self) -> None:
+        """Readings are set by the test."""
+
+    def _start_backlog(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr("triggerer.supervisor.load.time.monotonic", lambda: now[0])
+    return now
+
+
+def tick(instance: Instance, clock: list[float], seconds: float = 10.0) -> None:
+    clock[0] += seconds
+    LoadFilters._update_filters(cast(LoadFilters, instance))
+
+
+def test_lag_sheds_a_quarter_per_step_and_eases_back_after_calm(clock: list[float]) -> None:
+    instance = Instance(Settings(max_loop_lag_ms=1000), groups=Groups(400), lag_recent_ms=1500)
+    tick(instance, clock)
+    assert instance.shedding is not None and instance.limit_groups == 300
+    instance.groups.count = 300  # the handover took effect
+    tick(instance, clock)
+    assert instance.limit_groups == 225
+    instance.groups.count, instance.lag_recent_ms = 225, 100  # calm
+    for _ in range(3):  # 30 s of calm before anything changes
+        tick(instance, clock)
+        assert instance.shedding is not None and instance.limit_groups == 225
+    tick(instance, clock)
+    assert instance.shedding is None and instance.limit_groups is not None and instance.limit_groups > 225
+    for _ in range(30):
+        tick(instance, clock)
+    assert instance.limit_groups is None  # back to its capacity, a step at a time
+
+
+def test_memory_that_does_not_come_back_stops_the_steps_and_holds(clock: list[float]) -> None:
+    instance = Instance(Settings(max_rss_mb=500), groups=Groups(400), rss_mb=600)
+    tick(instance, clock)
+    assert instance.limit_groups == 300
+    instance.groups.count = 300  # handed over, but the RSS stays (CPython keeps the arenas)
+    for _ in range(5):
+        tick(instance, clock)
+    assert instance.limit_groups == 300 and instance.memory_held
+    assert instance.shedding is not None and "holding" in instance.shedding
+
+
+def test_memory_that_comes_back_takes_the_next_step(clock: list[float]) -> None:
+    instance = Instance(Settings(max_rss_mb=500), groups=Groups(400), rss_mb=800)
+    tick(instance, clock)
+    instance.groups.count, instance.rss_mb = 300, 700  # 12% down: the step helped, still over
+    tick(instance, clock)
+    assert instance.limit_groups == 225 and not instance.memory_held
+
+
+def test_over_a_limit_while_holding_nothing_takes_no_shards_and_says_so_once(
+        clock: list[float], capsys: pytest.CaptureFixture[str]) -> None:
+    instance = Instance(Settings(max_rss_mb=50), groups=Groups(0), rss_mb=300)
+    for _ in range(10):
+        tick(instance, clock)
+    assert instance.shedding is not None and instance.limit_groups is None  # not accepting, no limit of 0
+    assert capsys.readouterr().out.count("over a limit") == 1
+    instance.groups.count = 40  # alone, the fleet full: it took every shard anyway
+    tick(instance, clock)
+    assert instance.limit_groups == 30  # the first real step
+
+
+def test_a_limit_never_sinks_to_zero_and_eases_back_within_twenty_steps(clock: list[float]) -> None:
+    instance = Instance(Settings(max_loop_lag_ms=1000), capacity=30000, groups=Groups(1), lag_recent_ms=5000)
+    tick(instance, clock)
+    assert instance.limit_groups == 1
+    instance.lag_recent_ms = 0
+    steps = 0
+    while instance.limit_groups is not None:
+        tick(instance, clock)
+        steps += 1
+        assert steps < 40
+    assert steps <= 3 + 20  # 30 s of calm, then at most twenty raises
