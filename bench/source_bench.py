@@ -322,14 +322,15 @@ class Window:
     sweeps: int  # calls of the sweep's own statement (one per instance and sweep)
 
 
-# the lingering check's statement (queries.sql, not_waited_on), run once a sweep by every instance: both
-# fragments (delete_unused_triggers also asks about callbacks, and runs every 5 s)
-SWEEP_MARKS = ("NOT EXISTS (SELECT 1 FROM callback c", "i.shard = ANY(")
+# the lingering check's statement (queries.sql, not_waited_on), run once a sweep by every instance, as
+# pg_stat_statements shows it (constants replaced by $n, whitespace as written: compared collapsed)
+SWEEP_START = ("SELECT i.trigger_id FROM smart_triggerer.trigger_identity i JOIN trigger t ON t.id = "
+               "i.trigger_id WHERE i.shard = ANY(")
 SWEEP_TEST_SECONDS = 20  # sweep_seconds while a sweep is measured
 
 
 def is_sweep(query: str) -> bool:
-    return all(mark in query for mark in SWEEP_MARKS)
+    return " ".join(query.split()).startswith(SWEEP_START)
 
 
 def read_window(dsn: str, seconds: float) -> Window:
