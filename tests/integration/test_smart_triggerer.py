@@ -81,7 +81,9 @@ def next_kwargs(dsn: str, dag_id: str) -> dict[int, dict[str, Any]]:
 
 def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStack) -> None:
     dsn = stack.config.database_dsn
-    moments = [in_seconds(12 + g) for g in range(3)]
+    # far enough ahead that the counts below are read before any group fires: on a loaded CI host the
+    # instance's start and the status command took past 12 s (a group had resumed: "2 == 3")
+    moments = [in_seconds(40 + g) for g in range(3)]
     seeded = seed(stack, 30, AT_TIME, lambda i: {"moment": moments[i % 3], "poll_interval": 0.2 + i % 2})
     instance = start(stack)
     url = health_url(instance)
@@ -94,7 +96,7 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     assert status["totals"]["groups"] == 3 and status["totals"]["waiters"] == 30
     assert status["dedup_ratio"] == 10.0
 
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 90,
              "every waiter resumed")
     kwargs = next_kwargs(dsn, seeded.dag_id)
     for map_index, value in kwargs.items():
