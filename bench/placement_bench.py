@@ -296,8 +296,9 @@ def slow_phase(figures: Figures, slowed: Instance, args: argparse.Namespace) -> 
     used = cpu_rate(runner, max(10.0, args.interval))
     share = max(args.quota * used, 0.02)
     with CpuQuota(runner, share) as quota:
-        figures.quota = (f"{share:.3f} of a core ({args.quota:g} x the {used:.3f} it used waiting), "
-                         f"{quota.how}")
+        # the floor (0.02 of a core, what a cgroup quota can enforce here) may be more than --quota asks
+        figures.quota = (f"{share:.3f} of a core ({share / max(used, 1e-9):.2f} x the {used:.3f} it used "
+                         f"waiting), {quota.how}")
         console.print(f"  slowing {slowed.name}: {figures.quota}")
         began = time.monotonic()
         # how soon the lag passes the limit depends on the quota (a backlog that grows by the CPU the

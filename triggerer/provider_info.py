@@ -115,7 +115,7 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "max_rss_mb": {
                         "description": "The same for the instance's memory (supervisor and runner RSS, MB), "
-                        "back under 90% of it; an instance whose RSS did not fall after a step keeps what "
+                        "back under it; an instance whose RSS did not fall after a step keeps what "
                         "it holds and takes nothing new (CPython seldom gives memory back); 0: off.",
                         "version_added": "0.2.0",
                         "type": "integer",

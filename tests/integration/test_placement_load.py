@@ -118,7 +118,7 @@ def test_a_lagging_instance_sheds_shards_and_takes_them_again_once_calm(
     wait_for(lambda: (metrics(slow_url), metrics(other_url)),
              lambda ms: ms[0]["smart_triggerer_groups"] >= 20
              and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64, 120,
-             "groups back on the slow one (its limit raised a quarter every 10 s)")
+             "groups back on the slow one (its limit raised a step every 10 s)")
     log = slow.log_tail(500_000)
     # one episode: shedding began once and ended once (no flapping between the two)
     assert log.count("over a limit: taking no new shards") == 1, log[-5000:]

@@ -5,8 +5,9 @@ An instance whose runner lags over ``max_loop_lag_ms`` (p99 over the last 10 s) 
 ``max_rss_mb`` stops taking new shards and asks to come down to three quarters of its groups, then another
 quarter every ``SHED_STEP_SECONDS`` while it is still over (once the last step took effect; for memory,
 only while each step brought it down: see ``_shedding_helps``). It takes
-shards again only once it has been under half the lag limit and 90% of the memory limit for
-``CALM_SECONDS``, and then a step at a time (its limit raised a third every ``SHED_STEP_SECONDS`` while
+shards again only once it has been under half the lag limit and under the memory limit for
+``CALM_SECONDS``, and then a step at a time (its limit raised a third, at least a twentieth of its
+capacity, every ``SHED_STEP_SECONDS`` while
 calm, up to its capacity): the hysteresis that keeps shards from flapping between an instance on the
 edge and the others. Capacity needs no state here: placement gives no instance more groups than its
 capacity while another has room under its own.
@@ -120,8 +121,11 @@ class LoadFilters(SupervisorState):
 
     def _calm(self) -> bool:
         limits = self.settings
+        # memory: under the limit itself. CPython seldom gives memory back, so an instance that came down
+        # to 95% of it would never reach a lower band and never take a shard again; the calm time and the
+        # easing steps are the hysteresis
         return ((not limits.max_loop_lag_ms or self.lag_recent_ms < limits.max_loop_lag_ms / 2)
-                and (not limits.max_rss_mb or self.rss_mb < 0.9 * limits.max_rss_mb))
+                and (not limits.max_rss_mb or self.rss_mb < limits.max_rss_mb))
 
     def _shed(self, reason: str, now: float, message: str) -> None:
         groups = self.groups.group_count()
