@@ -443,26 +443,32 @@ class Waits:
     def key(self, trigger_id: int) -> str:
         return f"k{self.index[trigger_id] % self.unique}"
 
-    def missing(self, source: PollSource, since: float, trigger_ids: list[int]) -> tuple[list[int], float]:
-        """The waits that did not poll since ``since``, and the latest first poll of those that did."""
+    def missing(self, source: PollSource, since: float,
+                trigger_ids: list[int]) -> tuple[list[int], list[float]]:
+        """The waits that did not poll since ``since``, and the first poll of each of those that did."""
         keys, triggers = source.polled_after(since)
-        latest = since
+        polled = []
         missing = []
         for trigger_id in trigger_ids:
             at = keys.get(self.key(trigger_id)) if self.mode == "smart" else triggers.get(trigger_id)
             if at is None:
                 missing.append(trigger_id)
             else:
-                latest = max(latest, at)
-        return missing, latest
+                polled.append(at)
+        return missing, polled
 
     def all_polling(self, source: PollSource, since: float, trigger_ids: list[int]) -> float:
-        """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it)."""
+        """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it); prints
+        when each quarter of them first polled (the curve, not only its end)."""
         deadline = time.monotonic() + self.timeout
         while True:
-            missing, latest = self.missing(source, since, trigger_ids)
+            missing, polled = self.missing(source, since, trigger_ids)
             if not missing:
-                return latest - since
+                offsets = sorted(at - since for at in polled) or [0.0]
+                quarters = ", ".join(f"{q}% {offsets[min(len(offsets) - 1, len(offsets) * q // 100)]:.1f}s"
+                                     for q in (25, 50, 75, 90))
+                console.print(f"  first polls after: {quarters}, 100% {offsets[-1]:.1f}s")
+                return offsets[-1]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(missing)} of {len(trigger_ids)} waits did not poll within "
                                    f"{self.timeout:.0f}s")

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from triggers.http import shared_session
+from triggers.http import shared_request
 from triggers.identity import DedupableTrigger
 
 
@@ -32,7 +32,7 @@ class PollTrigger(DedupableTrigger, BaseTrigger):
             try:
                 # the polling coroutine's trigger id (set by the runner) lets the bench tell who polled
                 params = {"t": str(self.trigger_id or 0)}
-                async with shared_session().get(f"{self.url}/poll/{self.key}", params=params) as response:
+                async with shared_request("GET", f"{self.url}/poll/{self.key}", params=params) as response:
                     if (await response.json())["ready"]:
                         yield TriggerEvent({"key": self.key})
                         return

@@ -62,7 +62,7 @@ class HttpConditionSensor(CheckThenDeferSensor):
         target = await http_target(self.http_conn_id)
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-                return await self._condition().check(session, target)
+                return await self._condition().check(target, session)
         except SourceError as err:
             return {"status": "error", "message": str(err)}
         except aiohttp.ClientError as err:

@@ -12,6 +12,7 @@ square brackets is left out when a kwarg it shows has no value: ``loaded[ since 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import re
@@ -51,6 +52,12 @@ class DescriptionError(ValueError):
 
 def template_names(template: str) -> set[str]:
     """The kwargs a template shows; raises :class:`DescriptionError` for anything but plain names."""
+    return set(_template_names(template))
+
+
+@functools.lru_cache(maxsize=256)
+def _template_names(template: str) -> frozenset[str]:
+    """Parsed once per template: a start hashes tens of thousands of rows of a few templates."""
     names = set()
     try:
         parsed = list(string.Formatter().parse(template))
@@ -64,7 +71,7 @@ def template_names(template: str) -> set[str]:
         if conversion not in CONVERSIONS:
             raise DescriptionError(f"description template field {name!r}: only the conversions !p and !h")
         names.add(name)
-    return names
+    return frozenset(names)
 
 
 class _Formatter(string.Formatter):

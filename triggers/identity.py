@@ -325,7 +325,8 @@ class IdentityPolicy:
     def identity(self, classpath: str, kwargs: Mapping[str, Any], trigger_id: int) -> Identity:
         kwargs = dict(kwargs)
         marker = kwargs.pop(IDENTITY_KWARG, None)
-        found = self._identity(classpath, kwargs, marker, trigger_id)
+        templated = has_template(kwargs)
+        found = self._identity(classpath, kwargs, marker, trigger_id, templated)
         template = BUILTIN_DESCRIPTIONS.get(classpath)
         if isinstance(marker, Mapping) and isinstance(marker.get("describe"), str):
             template = REPLACED_TEMPLATES.get(marker["describe"], marker["describe"])
@@ -333,22 +334,23 @@ class IdentityPolicy:
             # whatever the template (checked at class creation too) names
             allowed = {*(marker.get("identity") or ()), *(marker.get("shared_stream") or ())}
             kwargs = {k: v for k, v in kwargs.items() if k in allowed}
-        if template is None or has_template(kwargs):
+        # a subset of unrendered kwargs may be rendered; a subset of rendered ones is
+        if template is None or (templated and has_template(kwargs)):
             return found
         return dataclasses.replace(found, description=describe(template, kwargs))
 
-    def _identity(self, classpath: str, kwargs: dict[str, Any], marker: Any, trigger_id: int) -> Identity:
-        alone = Identity(singleton_hash(classpath, trigger_id), dedupable=False)
-        if has_template(kwargs):
+    def _identity(self, classpath: str, kwargs: dict[str, Any], marker: Any, trigger_id: int,
+                  templated: bool) -> Identity:
+        if templated:
             # start_from_trigger tasks are rendered in the runner: "{{ data_interval_end }}" is the same
             # text for runs that wait for different times, so unrendered kwargs say nothing of the wait.
-            return alone
+            return _alone(classpath, trigger_id)
         if classpath in self.allowed_classpaths:
             normalized = _NORMALIZERS.get(classpath, lambda k: k)(kwargs)
             return Identity(identity_hash(classpath, normalized), dedupable=True,
                             execution=_intervals(kwargs))
         if not isinstance(marker, Mapping):
-            return alone
+            return _alone(classpath, trigger_id)
         if marker.get("shared_stream"):
             stream = _names(marker["shared_stream"], classpath)
             key = [classpath, {k: kwargs.get(k) for k in stream}]
@@ -377,6 +379,10 @@ class IdentityPolicy:
         if split:
             what["$split"] = split
         return Identity(identity_hash(classpath, what), dedupable=True, execution=execution)
+
+
+def _alone(classpath: str, trigger_id: int) -> Identity:
+    return Identity(singleton_hash(classpath, trigger_id), dedupable=False)
 
 
 def _intervals(kwargs: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:

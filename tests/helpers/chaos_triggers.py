@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
-from triggers.http import shared_session
+from triggers.http import shared_request
 from triggers.identity import DedupableTrigger
 
 
@@ -22,7 +22,7 @@ async def poll_until_ready(url: str, key: str, poll_interval: float) -> dict[str
     """The source's event for ``key``, once it is ready (connection errors: poll again)."""
     while True:
         try:
-            async with shared_session().get(f"{url}/poll/{key}") as response:
+            async with shared_request("GET", f"{url}/poll/{key}") as response:
                 answer = await response.json()
                 if answer["ready"]:
                     event = answer.get("event")

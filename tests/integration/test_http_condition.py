@@ -6,12 +6,14 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from airflow.sdk.exceptions import AirflowException, TaskDeferred
 
 from deferrables import HttpConditionSensor
 from tests.helpers.http_server import ControlledServer
-from triggers import HttpConditionTrigger
+from triggers import HttpConditionTrigger, http
 
 
 @pytest.fixture
@@ -88,3 +90,56 @@ def test_sensor_checks_in_the_worker_then_defers(server: ControlledServer) -> No
     sensor.execute({})
     with pytest.raises(AirflowException, match="HTTP 404"):
         HttpConditionSensor(task_id="gone", http_conn_id="jobs", endpoint="/api/gone").execute({})
+
+
+async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A takeover makes thousands of first polls at once. ``shared_request`` makes a request only once the
+    session has a free connection: requests queued inside aiohttp's connector cost twice the CPU. Seen
+    through aiohttp's own trace of each request's start, while a server holds every connection."""
+    held, arrived = asyncio.Event(), 0
+
+    async def hold(request: web.Request) -> web.Response:
+        nonlocal arrived
+        arrived += 1
+        await held.wait()
+        return web.json_response({"ready": True})
+
+    app = web.Application()
+    app.router.add_get("/poll", hold)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    started = 0
+
+    async def on_start(*_: Any) -> None:
+        nonlocal started
+        started += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(on_start)
+    loop_key = id(asyncio.get_running_loop())
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=http.CONNECTIONS),
+                                    trace_configs=[trace])
+    monkeypatch.setitem(http._sessions, loop_key, session)
+    monkeypatch.setitem(http._slots, loop_key, asyncio.Semaphore(http.CONNECTIONS))
+
+    async def poll() -> bool:
+        async with http.shared_request("GET", f"http://127.0.0.1:{port}/poll") as response:
+            return bool((await response.json())["ready"])
+
+    try:
+        polls = [asyncio.create_task(poll()) for _ in range(4 * http.CONNECTIONS)]
+        async with asyncio.timeout(30):
+            while arrived < http.CONNECTIONS:
+                await asyncio.sleep(0.01)
+        assert started == http.CONNECTIONS  # the other 150 wait for a connection without a request made
+        held.set()
+        assert all(await asyncio.gather(*polls))
+        assert started == arrived == 4 * http.CONNECTIONS
+    finally:
+        held.set()
+        await session.close()
+        await runner.cleanup()
