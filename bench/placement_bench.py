@@ -52,7 +52,7 @@ from bench.triggerer_bench import (
 from devkit.devstack import AirflowConfig, AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes, execute
 from tests.helpers.databases import create_database, drop_database, unique_name
-from tests.helpers.waiting import rows
+from tests.helpers.waiting import rows, settled_owners
 
 SHARDS = 64
 
@@ -134,20 +134,6 @@ class Recorder:
 
 def groups_running(fleet: list[Instance]) -> int:
     return sum(int(health(i).get("coroutines", 0)) for i in fleet if i.component.running())
-
-
-def stable_owners(dsn: str, seconds: float, timeout: float) -> dict[int, int | None]:
-    """The shard map once no shard has changed owner (and every shard has one) for ``seconds``."""
-    deadline = time.monotonic() + timeout
-    last, since = owners(dsn), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = owners(dsn)
-        if now != last or None in now.values():
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= seconds:
-            return now
-    raise TimeoutError(f"shards still moving after {timeout:.0f}s")
 
 
 def over_share(fleet: list[Instance]) -> float:
@@ -259,7 +245,7 @@ def run(args: argparse.Namespace, server_dsn: str, template: str) -> Figures:
             start(stack, f"i{n}", capacity, fleet)
         with Recorder(figures, fleet) as recorder:
             wait_until(lambda: groups_running(fleet) == args.unique, 900, "every group running", interval=1)
-            stable_owners(dsn, 10, 300)
+            settled_owners(dsn, quiet=10, timeout=300)
             recorder.phase = "steady"
             figures.max_over_share = measure_over_share(fleet, args.steady_seconds)
             console.print(f"  steady: max_over_share {figures.max_over_share:.3f}")
@@ -268,7 +254,7 @@ def run(args: argparse.Namespace, server_dsn: str, template: str) -> Figures:
             # easing back raises its limit a step per 10 s: moves until then are not the join's
             wait_until(lambda: health(fleet[1]).get("limit_groups", 0) is None, 600,
                        f"{fleet[1].name} back to its capacity", interval=1)
-            stable_owners(dsn, 10, 300)
+            settled_owners(dsn, quiet=10, timeout=300)
             recorder.phase = "join"
             figures.moved_on_join, figures.min_on_join = join(stack, dsn, fleet, small)
             recorder.phase = "leave"
@@ -319,7 +305,7 @@ def slow_phase(figures: Figures, slowed: Instance, args: argparse.Namespace) -> 
 def join(stack: AirflowStack, dsn: str, fleet: list[Instance], capacity: int) -> tuple[int, int]:
     before = owners(dsn)
     newcomer = start(stack, "joiner", capacity, fleet)
-    after = stable_owners(dsn, 10, 300)
+    after = settled_owners(dsn, quiet=10, timeout=300)
     moved = sum(1 for shard, owner in after.items() if before.get(shard) != owner)
     minimum = sum(1 for owner in after.values() if owner == newcomer.job_id)
     console.print(f"  join: {moved} shards moved, minimum {minimum}")
@@ -328,11 +314,11 @@ def join(stack: AirflowStack, dsn: str, fleet: list[Instance], capacity: int) ->
 
 def leave(dsn: str, fleet: list[Instance]) -> tuple[int, int]:
     leaver = fleet[-1]
-    before = stable_owners(dsn, 5, 300)
+    before = settled_owners(dsn, quiet=5, timeout=300)
     leaver.component.signal(signal.SIGTERM)
     assert leaver.component.process is not None
     leaver.component.process.wait(60)
-    after = stable_owners(dsn, 10, 300)
+    after = settled_owners(dsn, quiet=10, timeout=300)
     moved = sum(1 for shard, owner in after.items() if before.get(shard) != owner)
     minimum = sum(1 for owner in before.values() if owner == leaver.job_id)
     console.print(f"  leave: {moved} shards moved, minimum {minimum}")

@@ -45,8 +45,22 @@ def ti_states(dsn: str, dag_id: str) -> dict[int, str]:
 
 def lease_owners(dsn: str) -> dict[int, int | None]:
     return {r[0]: r[1] for r in rows(
-        dsn, "SELECT shard, CASE WHEN expires_at > now() THEN owner_job_id END "
+        dsn, "SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END "
              "FROM smart_triggerer.shard_lease WHERE queues = '' ORDER BY shard")}
+
+
+def settled_owners(dsn: str, quiet: float = 10.0, timeout: float = 120.0) -> dict[int, int | None]:
+    """The shard map once every shard has an owner and none has changed owner for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = lease_owners(dsn), time.monotonic()
+    while time.monotonic() - since < quiet or None in last.values():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shards still moving after {timeout:.0f}s: {last}")
+        time.sleep(0.5)
+        now = lease_owners(dsn)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def db_now(dsn: str) -> Any:

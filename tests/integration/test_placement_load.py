@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from devkit.devstack import AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.throttle import RunnerThrottle
-from tests.helpers.waiting import execute, lease_owners, ti_states, wait_for
+from tests.helpers.waiting import execute, lease_owners, settled_owners, ti_states, wait_for
 from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
 from triggerer.rendezvous import Member, assign, shards_of
 
@@ -138,20 +137,6 @@ def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: 
                       and sum(m["smart_triggerer_coroutines"] for m in ms) == 40, 90, "4 shards each")
     assert len(spread) == SHARDS // 4
     resume_all_once(stack, flag, seeded, urls)
-
-
-def settled_owners(dsn: str, quiet: float = 10.0, timeout: float = 120.0) -> dict[int, int | None]:
-    """The shard map once every shard has an owner and none has changed owner for ``quiet`` seconds."""
-    deadline = time.monotonic() + timeout
-    last, since = lease_owners(dsn), time.monotonic()
-    while time.monotonic() - since < quiet or None in last.values():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"shards still moving after {timeout:.0f}s: {last}")
-        time.sleep(0.5)
-        now = lease_owners(dsn)
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
 
 
 def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, tmp_path: Path) -> None:
