@@ -54,17 +54,6 @@ class PollSource:
         self.ready_keys |= keys
         return time.time()
 
-    def polled_after(self, since: float) -> tuple[dict[str, float], dict[int, float]]:
-        """The first poll at or after ``since`` (wall clock) of each key and of each polling trigger id."""
-        keys: dict[str, float] = {}
-        triggers: dict[int, float] = {}
-        for at, key, trigger_id in reversed(self.poll_log):  # newest first: stop at ``since``
-            if at < since:
-                break
-            keys[key] = at
-            triggers[trigger_id] = at
-        return keys, triggers
-
     def start(self) -> None:
         threading.Thread(target=self._serve, daemon=True, name="poll-source").start()
         if not self._ready.wait(10):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import contextlib
 import datetime as dt
 import json
@@ -195,11 +196,6 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: f
 def triggerer_jobs(dsn: str) -> list[int]:
     return [r[0] for r in rows(dsn, "SELECT id FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
                                     "ORDER BY id")]
-
-
-def assigned_to(dsn: str, job_ids: list[int], trigger_ids: list[int]) -> int:
-    return int(rows(dsn, "SELECT count(*) FROM trigger WHERE id = ANY(%s) AND triggerer_id = ANY(%s)",
-                    trigger_ids, job_ids)[0][0])
 
 
 STATEMENT_COUNTER = ROOT / "bench" / "statement_counter"
@@ -395,7 +391,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             t0 = time.monotonic()
             wait_started(source, dsn, [j for _, j in instances], waits)
             stop_profiles(start_spies, args.profile_start, f"{mode}-start")
-            result.start_to_all_polling_s = waits.all_polling(source, started_at, trigger_ids)
+            result.start_to_all_polling_s = waits.all_polling(source, started_at, trigger_ids, "cold start")
             result.steady_after = time.monotonic() - t0
             console.print(f"  cold start: every wait polling {result.start_to_all_polling_s:.1f}s after the "
                           f"instances started; measuring {args.steady_seconds:g}s of pure waiting")
@@ -443,36 +439,45 @@ class Waits:
     def key(self, trigger_id: int) -> str:
         return f"k{self.index[trigger_id] % self.unique}"
 
-    def missing(self, source: PollSource, since: float,
-                trigger_ids: list[int]) -> tuple[list[int], list[float]]:
-        """The waits that did not poll since ``since``, and the first poll of each of those that did."""
-        keys, triggers = source.polled_after(since)
-        polled = []
-        missing = []
-        for trigger_id in trigger_ids:
-            at = keys.get(self.key(trigger_id)) if self.mode == "smart" else triggers.get(trigger_id)
-            if at is None:
-                missing.append(trigger_id)
-            else:
-                polled.append(at)
-        return missing, polled
+    def polls_as(self, trigger_id: int) -> str | int:
+        """What the source sees when this wait polls: its key (a smart group's coroutine polls for every
+        waiter of its key) or, stock, its own trigger id."""
+        return self.key(trigger_id) if self.mode == "smart" else trigger_id
 
-    def all_polling(self, source: PollSource, since: float, trigger_ids: list[int]) -> float:
-        """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it); prints
-        when each quarter of them first polled (the curve, not only its end)."""
+    def all_polling(self, source: PollSource, since: float, trigger_ids: list[int],
+                    what: str | None = None) -> float:
+        """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it); with
+        ``what``, prints when each quarter of them first polled (the curve, not only its end). Reads only
+        the polls new since its last look: the bench must not load the cores it measures."""
         deadline = time.monotonic() + self.timeout
+        wanted = {self.polls_as(t) for t in trigger_ids}
+        first: dict[str | int, float] = {}
+        log = source.poll_log  # appended in time order by the source's thread
+        cursor = bisect.bisect_left(log, since, key=lambda entry: entry[0])
         while True:
-            missing, polled = self.missing(source, since, trigger_ids)
-            if not missing:
-                offsets = sorted(at - since for at in polled) or [0.0]
-                quarters = ", ".join(f"{q}% {offsets[min(len(offsets) - 1, len(offsets) * q // 100)]:.1f}s"
-                                     for q in (25, 50, 75, 90))
-                console.print(f"  first polls after: {quarters}, 100% {offsets[-1]:.1f}s")
-                return offsets[-1]
+            end = len(log)
+            for index in range(cursor, end):
+                at, key, trigger_id = log[index]
+                seen: str | int = key if self.mode == "smart" else trigger_id
+                if seen in wanted and seen not in first:
+                    first[seen] = at
+            cursor = end
+            if len(first) == len(wanted):
+                return self._curve([first[self.polls_as(t)] - since for t in trigger_ids], what)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(missing)} of {len(trigger_ids)} waits did not poll within "
+                raise TimeoutError(f"{len(wanted) - len(first)} of {len(wanted)} waits did not poll within "
                                    f"{self.timeout:.0f}s")
             time.sleep(0.5)
+
+    @staticmethod
+    def _curve(offsets: list[float], what: str | None) -> float:
+        """The last first poll; with ``what``, when each quarter of the waits had polled, printed."""
+        offsets = sorted(offsets) or [0.0]
+        if what:
+            at = [offsets[min(len(offsets) - 1, len(offsets) * q // 100)] for q in (25, 50, 75, 90)]
+            quarters = ", ".join(f"{q}% {s:.1f}s" for q, s in zip((25, 50, 75, 90), at, strict=True))
+            console.print(f"  {what}, first polls after: {quarters}, 100% {offsets[-1]:.1f}s")
+        return offsets[-1]
 
 
 def settled(count: Callable[[], int], timeout: float, what: str, seconds: float = 3.0) -> int:
@@ -494,6 +499,15 @@ def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
     return [r[0] for r in rows(dsn, "SELECT t.id FROM trigger t JOIN task_instance ti "
                                     "ON ti.trigger_id = t.id WHERE ti.dag_id = 'bench_k' "
                                     "AND ti.state = 'deferred' AND t.triggerer_id = ANY(%s)", job_ids)]
+
+
+def not_owned_by(dsn: str, job_ids: list[int]) -> int:
+    """Deferred bench waiters whose trigger none of these jobs owns, counted by the server: the bench asks
+    every 0.2 s during a takeover and must not itself load the 2 cores it measures (50,000 trigger ids
+    fetched twice a poll cost the bench and PostgreSQL a third of a core)."""
+    return int(rows(dsn, "SELECT count(*) FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
+                         "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+                         "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))", job_ids)[0][0])
 
 
 def deferred_waits(dsn: str) -> list[int]:
@@ -558,10 +572,10 @@ def measure_takeovers(result: Result, bench: Bench,
     extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
     bench.sampler.components.append(extra[0])
     live = [*survivors, extra]
-    wait_until(lambda: set(deferred_waits(dsn)) <= set(waiting_on(dsn, [job for _, job in live])),
+    wait_until(lambda: not_owned_by(dsn, [job for _, job in live]) == 0,
                waits.timeout, "every wait assigned after the replacement joined", interval=0.5)
     settled(lambda: len(waiting_on(dsn, [extra[1]])), waits.timeout, "the replacement's share")
-    waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]))
+    waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]), "the replacement's share")
     term = take_over(bench, survivors[0], [*survivors[1:], extra], signal.SIGTERM, flips=0)
     result.term_waits, result.term_to_reassigned_s = term.waits, term.reassigned_s
     result.term_to_all_polling_s, result.term_exit = term.all_polling_s, term.exit_s
@@ -586,18 +600,22 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     spies = (start_profiles(survivors[0][0], waits.timeout, Path(bench.args.profile_takeover),
                             f"{bench.mode}-{how.name.lower()}")
              if bench.args.profile_takeover else [])
+    own = psutil.Process().cpu_times()  # the bench's own (its source included): it shares the cores
     signalled = time.time()
     os.killpg(victim[0].pid, how)
     flipped_at = 0.0
     if flip_keys:
         time.sleep(1.0)
         flipped_at = source.flip_keys(flip_keys)
-    wait_until(lambda: set(deferred_waits(dsn)) <= set(waiting_on(dsn, survivor_jobs)), waits.timeout,
+    wait_until(lambda: not_owned_by(dsn, survivor_jobs) == 0, waits.timeout,
                f"every wait owned by the survivors after {how.name}", interval=0.2)
     reassigned = time.time() - signalled
     # waits the flip resumed meanwhile poll no more: those still waiting must poll again
     still = [t for t in mine if waits.key(t) not in flip_keys]
-    polling = waits.all_polling(source, signalled, still)
+    polling = waits.all_polling(source, signalled, still, how.name)
+    now = psutil.Process().cpu_times()
+    console.print(f"  the bench's own CPU meanwhile (its HTTP source included): "
+                  f"{now.user + now.system - own.user - own.system:.1f}s")
     stop_profiles(spies, bench.args.profile_takeover, f"{bench.mode}-{how.name.lower()}")
     wait_until(lambda: bool(exited), 60, f"the {how.name} victim's exit")
     took = Takeover(len(mine), reassigned, polling, exited[0] - signalled, flipped_at, flip_keys)
@@ -617,7 +635,7 @@ def resumed_at(dsn: str) -> dict[int, float]:
 def wait_started(source: PollSource, dsn: str, jobs: list[int], waits: Waits) -> None:
     """Until every waiter is assigned and every wait polled once (stock: each waiter's own coroutine)."""
     trigger_ids = list(waits.index)
-    wait_until(lambda: assigned_to(dsn, jobs, trigger_ids) == len(trigger_ids), waits.timeout,
+    wait_until(lambda: not_owned_by(dsn, jobs) == 0, waits.timeout,
                "all waiters assigned", interval=0.5)
     waits.all_polling(source, 0.0, trigger_ids)
 
