@@ -17,7 +17,7 @@ import structlog
 
 from triggerer.config import Settings
 from triggerer.store import NewIdentity
-from triggers.identity import IdentityPolicy, identity_hash, shard_of
+from triggers.identity import IDENTITY_KWARG, IdentityPolicy, identity_hash, shard_of
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -32,7 +32,9 @@ def _decrypt(raw: str) -> dict[str, Any]:
     from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
     kwargs = Trigger._decrypt_kwargs(raw)
-    return {k: smart_decode_trigger_kwargs(v) for k, v in kwargs.items()}
+    # the identity marker is plain JSON our own serialize() wrote: nothing in it to decode (a start hashes
+    # tens of thousands of rows, and the marker is the biggest kwarg of most)
+    return {k: v if k == IDENTITY_KWARG else smart_decode_trigger_kwargs(v) for k, v in kwargs.items()}
 
 
 def identity_of(trigger_id: int, classpath: str, raw: str, settings: Settings,

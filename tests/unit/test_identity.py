@@ -336,3 +336,37 @@ def test_each_replaced_template_is_what_its_trigger_shows_today() -> None:
     current = {t.wait_description for t in (SqlConditionTrigger, TableLoadTrigger, ExternalDagTrigger)}
     assert set(REPLACED_TEMPLATES.values()) == current
     assert not set(REPLACED_TEMPLATES) & current
+
+
+class Timed(DedupableTrigger):
+    identity_kwargs = ("table", "since")
+    wait_description = "{table} loaded[ since {since}]"
+
+    def __init__(self, table: str, since: dt.datetime, poll_interval: float = 5) -> None:
+        self.table, self.since, self.poll_interval = table, since, poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return "x.Timed", {"table": self.table, "since": self.since, "poll_interval": self.poll_interval}
+
+
+def test_the_identity_the_triggerer_stores_is_the_kwargs_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor hashes rows as Airflow stores them (encrypted, serde-encoded; the marker left as the
+    plain JSON it is): the same identity and description as the kwargs themselves, datetimes included."""
+    from airflow.models.crypto import get_fernet
+    from airflow.models.trigger import Trigger
+    from cryptography.fernet import Fernet
+
+    from triggerer.config import Settings
+    from triggerer.identities import compute_identities
+
+    monkeypatch.setenv("AIRFLOW__CORE__FERNET_KEY", Fernet.generate_key().decode())
+    get_fernet.cache_clear()
+    classpath, kwargs = Timed("t1", dt.datetime(2026, 11, 22, 10, 0, tzinfo=dt.UTC)).serialize()
+    expected = IdentityPolicy.with_extra(()).identity(classpath, kwargs, trigger_id=7)
+    try:
+        stored = compute_identities([(7, classpath, Trigger.encrypt_kwargs(kwargs))], Settings(shards=64))[0]
+    finally:
+        get_fernet.cache_clear()
+    assert stored.error is None and stored.dedupable and expected.dedupable
+    assert stored.identity_hash == expected.hash and stored.shard == shard_of(expected.hash, 64)
+    assert stored.description == expected.description == "t1 loaded since 2026-11-22T10:00:00+00:00"
