@@ -8,7 +8,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from triggerer.heap import FREEZE_FROM, THAW_AFTER_SECONDS, YOUNG_THRESHOLD, StartFreezer, tune_collector
+from triggerer.heap import (
+    FREEZE_FROM,
+    THAW_AFTER_SECONDS,
+    THAW_AT_LEAST_EVERY_SECONDS,
+    YOUNG_THRESHOLD,
+    StartFreezer,
+    tune_collector,
+)
 
 
 @pytest.fixture
@@ -85,3 +92,14 @@ def test_cycles_that_ended_among_frozen_objects_are_freed_once_calm(restored_col
     assert freezer.thaw_when_calm()
     assert ended() is None and gc.get_freeze_count() > 0  # freed; what lives is frozen again
     assert not freezer.thaw_when_calm()  # once per frozen start
+
+
+def test_big_starts_one_after_another_are_thawed_at_least_hourly(restored_collector: None) -> None:
+    now = [0.0]
+    freezer = StartFreezer(clock=lambda: now[0])
+    while now[0] < THAW_AT_LEAST_EVERY_SECONDS:
+        with freezer.start(FREEZE_FROM):
+            pass
+        assert not freezer.thaw_when_calm()  # never calm for long: a start every 5 minutes
+        now[0] += THAW_AFTER_SECONDS / 2
+    assert freezer.thaw_when_calm()
