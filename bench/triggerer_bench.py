@@ -193,29 +193,42 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: f
     return time.monotonic() - started
 
 
-def triggerer_jobs(dsn: str) -> list[int]:
-    return [r[0] for r in rows(dsn, "SELECT id FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
-                                    "ORDER BY id")]
-
-
 STATEMENT_COUNTER = ROOT / "bench" / "statement_counter"
 
 
 def start_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> tuple[Component, int]:
     """Start one triggerer of ``mode`` and return it with the id of the job row it created."""
+    return start_instances(stack, mode, [name], capacity)[0]
+
+
+def start_instances(stack: AirflowStack, mode: str, names: list[str],
+                    capacity: int) -> list[tuple[Component, int]]:
+    """Start these triggerers of ``mode`` at once (a fleet's cold start, not one after the other) and return
+    each with the id of the job row it created, told apart by the hostname it reports (bench/hostname.py)."""
+    components = [launch_instance(stack, mode, name, capacity) for name in names]
     dsn = stack.config.database_dsn
-    known = set(triggerer_jobs(dsn))
+
+    def jobs() -> dict[str, int]:
+        return {host: job for job, host in rows(
+            dsn, "SELECT id, hostname FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
+                 "AND hostname = ANY(%s)", names)}
+
+    wait_until(lambda: len(jobs()) == len(names), 90, f"job rows of {', '.join(names)}", interval=0.2)
+    found = jobs()
+    return [(component, found[name]) for component, name in zip(components, names, strict=True)]
+
+
+def launch_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> Component:
     env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{STATEMENT_COUNTER}",
-           "BENCH_STATEMENTS_DIR": str(statements_dir(stack))}
+           "BENCH_STATEMENTS_DIR": str(statements_dir(stack)),
+           "AIRFLOW__CORE__HOSTNAME_CALLABLE": "bench.hostname.instance_name", "BENCH_INSTANCE": name}
     if mode == "stock":
         argv = [stack.config.airflow_bin(), "triggerer", "--skip-serve-logs", "--capacity", str(capacity)]
         component = Component(name, argv, stack.log_dir / f"{name}.log")
         component.start({**stack.config.env(), **env}, cwd=stack.config.home)
         stack.components.append(component)
-    else:
-        component = stack.start_smart_triggerer(name, capacity=capacity, env=env)
-    wait_until(lambda: bool(set(triggerer_jobs(dsn)) - known), 90, f"{name} job row", interval=0.2)
-    return component, (set(triggerer_jobs(dsn)) - known).pop()
+        return component
+    return stack.start_smart_triggerer(name, capacity=capacity, env=env)
 
 
 def statements_dir(stack: AirflowStack) -> Path:
@@ -385,7 +398,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         trigger_ids = seed(config, source, args.waiters, unique, prefix="k", interval=args.interval)
         waits = Waits(mode, trigger_ids, unique, args)
         started_at = time.time()
-        instances = [start_instance(stack, mode, f"{mode}-{n}", args.waiters) for n in range(args.instances)]
+        instances = start_instances(stack, mode, [f"{mode}-{n}" for n in range(args.instances)], args.waiters)
         start_spies = profile_start(instances[0][0], args, mode)
         with TreeSampler([c for c, _ in instances]) as sampler:
             t0 = time.monotonic()
