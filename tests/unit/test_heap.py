@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from triggerer.heap import (
-    FREEZE_FROM,
-    THAW_AFTER_SECONDS,
-    THAW_AT_LEAST_EVERY_SECONDS,
-    YOUNG_THRESHOLD,
-    StartFreezer,
-    tune_collector,
-)
+from triggerer.heap import FREEZE_FROM, YOUNG_THRESHOLD, StartFreezer, tune_collector
 
 
 @pytest.fixture
@@ -61,7 +56,7 @@ def collected_generations(during: Callable[[], None]) -> list[int]:
 def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_after(
         restored_collector: None) -> None:
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
-    freezer = StartFreezer(clock=lambda: 0.0)
+    freezer = StartFreezer()
     kept: list[Node] = []
     frozen_before = gc.get_freeze_count()
 
@@ -70,36 +65,33 @@ def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_aft
             kept.extend(Node() for _ in range(20 * 1000))  # twenty young collections' worth
 
     assert 1 in collected_generations(lambda: start(FREEZE_FROM - 1))  # a small start: as before
-    assert freezer.frozen_at is None and gc.get_freeze_count() == frozen_before
+    assert freezer.frozen == 0 and gc.get_freeze_count() == frozen_before
     assert set(collected_generations(lambda: start(FREEZE_FROM))) == {0}
     assert gc.get_freeze_count() >= frozen_before + len(kept)
-    assert gc.get_threshold() == (1000, 2, 10) and freezer.frozen_at == 0.0
+    assert gc.get_threshold() == (1000, 2, 10) and freezer.frozen == 1
 
 
-def test_cycles_that_ended_among_frozen_objects_are_freed_once_calm(restored_collector: None) -> None:
-    now = [0.0]
-    freezer = StartFreezer(clock=lambda: now[0])
-    with freezer.start(FREEZE_FROM):
-        a, b = Node(), Node()
-        a.other, b.other = b, a  # a coroutine and its task, say: a cycle
-        ended = weakref.ref(a)
-    del a, b  # the coroutine ended: its cycle is garbage, frozen
-    gc.collect()
-    assert ended() is not None  # a frozen cycle is not scanned
-    now[0] = THAW_AFTER_SECONDS - 1
-    assert not freezer.thaw_when_calm() and ended() is not None
-    now[0] = THAW_AFTER_SECONDS
-    assert freezer.thaw_when_calm()
-    assert ended() is None and gc.get_freeze_count() > 0  # freed; what lives is frozen again
-    assert not freezer.thaw_when_calm()  # once per frozen start
+def test_coroutines_of_a_frozen_start_are_freed_when_they_end(restored_collector: None) -> None:
+    """Frozen is not kept: a coroutine of a big start that is cancelled (a handover) or ends is freed by
+    reference counting, with no collection of the frozen objects."""
 
+    async def wait() -> None:
+        await asyncio.sleep(3600)
 
-def test_big_starts_one_after_another_are_thawed_at_least_hourly(restored_collector: None) -> None:
-    now = [0.0]
-    freezer = StartFreezer(clock=lambda: now[0])
-    while now[0] < THAW_AT_LEAST_EVERY_SECONDS:
+    async def start_then_hand_over() -> tuple[list[weakref.ref[Any]], int]:
+        freezer = StartFreezer()
         with freezer.start(FREEZE_FROM):
-            pass
-        assert not freezer.thaw_when_calm()  # never calm for long: a start every 5 minutes
-        now[0] += THAW_AFTER_SECONDS / 2
-    assert freezer.thaw_when_calm()
+            tasks = [asyncio.create_task(wait()) for _ in range(FREEZE_FROM)]
+            await asyncio.sleep(0)  # each took its first step, as a trigger's coroutine does
+        assert freezer.frozen == 1
+        frozen = gc.get_freeze_count()
+        watched = [weakref.ref(task) for task in tasks]
+        for task in tasks:
+            task.cancel("handover")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        del tasks
+        return watched, frozen - gc.get_freeze_count()
+
+    watched, freed_from_frozen = asyncio.run(start_then_hand_over())
+    assert all(ref() is None for ref in watched)
+    assert freed_from_frozen >= 2 * FREEZE_FROM  # each task and its coroutine left the frozen heap
