@@ -95,7 +95,7 @@ def test_sensor_checks_in_the_worker_then_defers(server: ControlledServer) -> No
 async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A takeover makes thousands of first polls at once. ``shared_request`` makes a request only once the
-    session has a free connection: requests queued inside aiohttp's connector cost twice the CPU. Seen
+    session has a free connection: requests queued inside aiohttp's connector cost more CPU. Seen
     through aiohttp's own trace of each request's start, while a server holds every connection."""
     held, arrived = asyncio.Event(), 0
 

@@ -32,10 +32,7 @@ def test_start_up_objects_are_frozen_and_young_collections_are_rare(restored_col
 
 
 class Node:
-    """A container that can be part of a reference cycle."""
-
-    def __init__(self) -> None:
-        self.other: Node | None = None
+    """A container the collector tracks, as a coroutine's objects are."""
 
 
 def collected_generations(during: Callable[[], None]) -> list[int]:

@@ -362,7 +362,7 @@ def test_the_identity_the_triggerer_stores_is_the_kwargs_identity(monkeypatch: p
     monkeypatch.setenv("AIRFLOW__CORE__FERNET_KEY", Fernet.generate_key().decode())
     get_fernet.cache_clear()
     classpath, kwargs = Timed("t1", dt.datetime(2026, 11, 22, 10, 0, tzinfo=dt.UTC)).serialize()
-    expected = IdentityPolicy.with_extra(()).identity(classpath, kwargs, trigger_id=7)
+    expected = POLICY.identity(classpath, kwargs, trigger_id=7)
     try:
         stored = compute_identities([(7, classpath, Trigger.encrypt_kwargs(kwargs))], Settings(shards=64))[0]
     finally:
