@@ -43,6 +43,9 @@ class PollSource:
             self.first_ready.setdefault(key, time.time())
         return web.json_response({"ready": ready})
 
+    async def _count(self, request: web.Request) -> web.Response:
+        return web.json_response({"polls": self.polls})
+
     def flip(self, prefix: str) -> float:
         """Make every key with this prefix ready; returns the wall-clock time of the flip."""
         self.before_flip.update((k, t) for k, t in list(self.last_poll.items()) if k.startswith(prefix))
@@ -63,6 +66,7 @@ class PollSource:
         self._loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_get("/poll/{key}", self._poll)
+        app.router.add_get("/polls", self._count)  # how many polls so far (a bench in another process)
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)

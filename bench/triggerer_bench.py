@@ -184,6 +184,32 @@ class TreeSampler:
         return top, self.cpu_seconds - top
 
 
+QUIET_STEADY = 1.5  # the instances use at most this times their steady CPU (pure waiting, its polls)
+QUIET_CORES = 0.15  # or this many cores, whichever is more, over QUIET_SECONDS: they only wait
+QUIET_SECONDS = 2.0
+
+
+def quiet(sampler: TreeSampler, steady: Steady, what: str, timeout: float = 120.0) -> None:
+    """Wait until the instances only wait (their last start's background work, its log files among it,
+    is done): a failover or a handover measured right after another start measures both."""
+    cores = max(QUIET_CORES, QUIET_STEADY * steady.cpu / 30.0)
+    started = time.monotonic()
+    last = sampler.cpu_seconds
+    while True:
+        time.sleep(QUIET_SECONDS)
+        now = sampler.cpu_seconds
+        if now - last < cores * QUIET_SECONDS:
+            console.print(f"  {time.monotonic() - started:.0f}s until the instances were quiet before "
+                          f"{what} (under {cores:.2f} cores over {QUIET_SECONDS:g}s)")
+            return
+        if time.monotonic() - started > timeout:
+            busy = (now - last) / QUIET_SECONDS
+            console.print(f"  the instances were still busy {timeout:.0f}s later ({busy:.2f} cores): "
+                          f"measuring {what} anyway")
+            return
+        last = now
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> float:
     started = time.monotonic()
     while not check():
@@ -484,11 +510,13 @@ class Waits:
 
     @staticmethod
     def _curve(offsets: list[float], what: str | None) -> float:
-        """The last first poll; with ``what``, when each quarter of the waits had polled, printed."""
+        """The last first poll; with ``what``, when each share of the waits had polled, printed (the first
+        tenths too: when the runner got its first coroutines)."""
         offsets = sorted(offsets) or [0.0]
         if what:
-            at = [offsets[min(len(offsets) - 1, len(offsets) * q // 100)] for q in (25, 50, 75, 90)]
-            quarters = ", ".join(f"{q}% {s:.1f}s" for q, s in zip((25, 50, 75, 90), at, strict=True))
+            shares = (5, 10, 25, 50, 75, 90)
+            at = [offsets[min(len(offsets) - 1, len(offsets) * q // 100)] for q in shares]
+            quarters = ", ".join(f"{q}% {s:.1f}s" for q, s in zip(shares, at, strict=True))
             console.print(f"  {what}, first polls after: {quarters}, 100% {offsets[-1]:.1f}s")
         return offsets[-1]
 
@@ -571,6 +599,7 @@ def measure_takeovers(result: Result, bench: Bench,
     stack, mode, source, waits, args = bench.stack, bench.mode, bench.source, bench.waits, bench.args
     dsn = stack.config.database_dsn
     victim, survivors = instances[0], instances[1:]
+    quiet(bench.sampler, result.steady, "the SIGKILL")
     kill = take_over(bench, victim, survivors, signal.SIGKILL, flips=args.takeover_flips)
     result.kill_waits, result.kill_to_reassigned_s = kill.waits, kill.reassigned_s
     result.kill_to_all_polling_s = kill.all_polling_s
@@ -589,6 +618,7 @@ def measure_takeovers(result: Result, bench: Bench,
                waits.timeout, "every wait assigned after the replacement joined", interval=0.5)
     settled(lambda: len(waiting_on(dsn, [extra[1]])), waits.timeout, "the replacement's share")
     waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]), "the replacement's share")
+    quiet(bench.sampler, result.steady, "the SIGTERM")
     term = take_over(bench, survivors[0], [*survivors[1:], extra], signal.SIGTERM, flips=0)
     result.term_waits, result.term_to_reassigned_s = term.waits, term.reassigned_s
     result.term_to_all_polling_s, result.term_exit = term.all_polling_s, term.exit_s

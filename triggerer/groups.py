@@ -27,6 +27,10 @@ class Group:
     running_settings: dict[str, Any] = field(default_factory=dict)
     # members whose row cannot start a coroutine (task gone, workload not buildable): never the leader
     unstartable: set[int] = field(default_factory=set)
+    # the execution kwargs of its first member, while every member so far brought the same ones (None
+    # after one differed): a leader's own kwargs then hold the merged settings already
+    uniform: Mapping[str, Sequence[Any]] | None = None
+    _merged_any: bool = field(default=False, init=False, repr=False)
 
     @property
     def leader(self) -> int | None:
@@ -45,7 +49,14 @@ class Group:
                      if isinstance(v := self.settings.get(k), int | float) and v > 0), None)
 
     def merge_settings(self, execution: Mapping[str, Sequence[Any]]) -> None:
-        """Add one member's execution kwargs (``key -> (rule, value)``)."""
+        """Add one member's execution kwargs (``key -> (rule, value)``). A member that brings what every
+        member before it brought changes nothing (each rule gives a value merged with itself back)."""
+        if not self._merged_any:
+            self._merged_any, self.uniform = True, execution
+        elif self.uniform is not None:
+            if execution == self.uniform:
+                return
+            self.uniform = None
         for key, (member_rule, value) in execution.items():
             rule = self.rules.setdefault(key, member_rule)
             current = [self.settings[key]] if key in self.settings else []
@@ -65,7 +76,9 @@ class Groups:
 
     Kept so that a loop in which nothing changed costs nothing per group: the groups waiting for a
     coroutine are indexed, the count of groups with members is kept, and ``version`` changes whenever
-    the set of runner ids does (the supervisor asks the runner for coroutines only then).
+    the set of runner ids does (the supervisor asks the runner for coroutines only then). ``arrivals``
+    changes whenever a group comes to wait for a coroutine or a waiting group gains a member (the
+    supervisor's start order holds until then).
     """
 
     by_hash: dict[int, Group] = field(default_factory=dict)
@@ -75,6 +88,7 @@ class Groups:
     # groups whose coroutine failed and that start again at a time.monotonic(): identity hash -> time
     suspended: dict[int, float] = field(default_factory=dict)
     version: int = 0
+    arrivals: int = 0
     _with_members: int = 0
 
     def join(self, trigger_id: int, identity_hash: int,
@@ -89,6 +103,7 @@ class Groups:
         self.hash_of_member[trigger_id] = identity_hash
         if group.runner_id is None and identity_hash not in self.suspended:
             self.unstarted[identity_hash] = group
+            self.arrivals += 1
         return group
 
     def leave(self, trigger_id: int) -> Group | None:
@@ -148,18 +163,23 @@ class Groups:
 
     def stop_runner(self, group: Group) -> None:
         """The coroutine stopped but the group keeps waiting (e.g. it needs a restart)."""
-        if group.runner_id is not None:
-            self.hash_of_runner.pop(group.runner_id, None)
-        group.runner_id = None
-        if not group.empty and self.by_hash.get(group.identity_hash) is group:
+        if self._drop_runner(group):
             self.unstarted[group.identity_hash] = group
-        self.version += 1
+            self.arrivals += 1
 
     def suspend(self, group: Group, until: float) -> None:
         """The coroutine failed: the group keeps its members but starts again only at ``until``."""
-        self.stop_runner(group)
-        if self.unstarted.pop(group.identity_hash, None) is not None:
+        self.unstarted.pop(group.identity_hash, None)
+        if self._drop_runner(group):
             self.suspended[group.identity_hash] = until
+
+    def _drop_runner(self, group: Group) -> bool:
+        """Forget the group's coroutine; True when the group still waits (members, and still indexed)."""
+        if group.runner_id is not None:
+            self.hash_of_runner.pop(group.runner_id, None)
+        group.runner_id = None
+        self.version += 1
+        return not group.empty and self.by_hash.get(group.identity_hash) is group
 
     def wake(self, now: float) -> None:
         """Suspended groups whose time has come wait for a coroutine again."""
@@ -169,6 +189,7 @@ class Groups:
                 group = self.by_hash[identity_hash]
                 if group.runner_id is None and not group.empty:
                     self.unstarted[identity_hash] = group
+                    self.arrivals += 1
 
     def members(self) -> set[int]:
         return set(self.hash_of_member)

@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from triggerer.config import is_loopback
+from triggerer.waker import leave_stop_signals_to_the_main_thread
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -142,6 +143,7 @@ class HealthServer:
         return web.Response(text=render_metrics(self.snapshot()), content_type="text/plain")
 
     def _serve(self) -> None:
+        leave_stop_signals_to_the_main_thread()
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
         app = web.Application(middlewares=[self._authenticate])

@@ -19,6 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from commandline.errors import ExitCode, UserError
+from triggerer.notices import CHANNEL, notice_payload
 from triggerer.placement import Candidate
 
 SCHEMA = "smart_triggerer"
@@ -274,6 +275,11 @@ class Store:
     def stop_instance(self, job_id: int) -> None:
         """Leave the membership and release every lease."""
         self._run("stop_instance", job_id=job_id)
+
+    def notify_membership(self, job_id: int, queues: str | None) -> None:
+        """Listening peers of this queue set renew their leases once this transaction commits
+        (notices.py)."""
+        self._run("notify_membership", channel=CHANNEL, payload=notice_payload(job_id, queues))
 
     def remove_feed_if_last(self, job_id: int, lease_seconds: float) -> bool:
         """The last live instance reading the change feed removes its triggers from Airflow's tables

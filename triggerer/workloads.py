@@ -64,13 +64,36 @@ class TaskRow:
         return bool(self.bundle_version and self.created_dag_version_id)
 
 
+# Airflow's default ``[logging] log_filename_template`` (3.x) and the same name made in Python: rendering it
+# with Jinja was a quarter of the CPU of building a workload (a takeover of 15,000 coroutines: about 0.2 s)
+AIRFLOW_DEFAULT_LOG_TEMPLATE = (
+    "dag_id={{ ti.dag_id }}/run_id={{ ti.run_id }}/task_id={{ ti.task_id }}/"
+    "{% if ti.map_index >= 0 %}map_index={{ ti.map_index }}/{% endif %}"
+    "attempt={{ try_number|default(ti.try_number) }}.log"
+)
+_UNSET: Any = object()
+
+
+def default_log_filename(*, ti: Any, try_number: Any = _UNSET) -> str:
+    """``AIRFLOW_DEFAULT_LOG_TEMPLATE`` rendered, without Jinja (autoescape off there too: plain ``str``)."""
+    attempt = ti.try_number if try_number is _UNSET else try_number
+    mapped = f"map_index={ti.map_index}/" if ti.map_index >= 0 else ""
+    return f"dag_id={ti.dag_id}/run_id={ti.run_id}/task_id={ti.task_id}/{mapped}attempt={attempt}.log"
+
+
 @functools.cache
 def log_renderer() -> Callable[..., str] | None:
     """Airflow's log file name renderer when the template reads only what a ``TaskInstanceDTO`` carries
     (Airflow's default does: dag_id, run_id, task_id, map_index, try_number); else None, and workloads
     are built Airflow's way. Jinja renders a missing attribute as an empty string, so a template reading,
     say, ``ti.logical_date`` would silently give another file name."""
-    template = conf.get("logging", "log_filename_template")
+    return renderer_for(conf.get("logging", "log_filename_template"))
+
+
+def renderer_for(template: str) -> Callable[..., str] | None:
+    """``log_renderer`` for this template (the configured one)."""
+    if template == AIRFLOW_DEFAULT_LOG_TEMPLATE:
+        return default_log_filename
     if "{{" not in template:
         return None  # Airflow's str.format templates read ti.logical_date
     if not _reads_only(template, set(DTO_FIELDS)):  # the DTO's executor-only fields are not read here

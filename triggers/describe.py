@@ -6,7 +6,9 @@ without importing trigger code. Airflow's own deduplicated triggers get one here
 template names are shown, never the others (they may hold secrets), and only plain names: ``{a.b}`` and
 ``{a[0]}`` are refused. Conversion ``!p`` drops a URL's query, fragment and credentials; ``!h`` shows a
 fingerprint of a value instead of the value (a statement that may hold a rendered secret). A part in
-square brackets is left out when a kwarg it shows has no value: ``loaded[ since {since}]``.
+square brackets is left out when a kwarg it shows has no value: ``loaded[ since {since}]``. A format spec
+(``{a:>5}``) is ignored, and square brackets inside a field are not allowed (the template describes
+nothing).
 """
 
 from __future__ import annotations
@@ -74,19 +76,15 @@ def _template_names(template: str) -> frozenset[str]:
     return frozenset(names)
 
 
-class _Formatter(string.Formatter):
-    def convert_field(self, value: Any, conversion: str | None) -> Any:
-        if conversion == "h":
-            return fingerprint(value)
-        if conversion == "p":
-            if isinstance(value, str):
-                return _without_secrets(value)
-            if isinstance(value, Sequence) and not isinstance(value, bytes):
-                return [_without_secrets(v) if isinstance(v, str) else v for v in value]
-        return value
-
-    def format_field(self, value: Any, format_spec: str) -> str:
-        return _plain(value)
+def _converted(value: Any, conversion: str | None) -> Any:
+    if conversion == "h":
+        return fingerprint(value)
+    if conversion == "p":
+        if isinstance(value, str):
+            return _without_secrets(value)
+        if isinstance(value, Sequence) and not isinstance(value, bytes):
+            return [_without_secrets(v) if isinstance(v, str) else v for v in value]
+    return value
 
 
 def fingerprint(value: Any) -> str | None:
@@ -116,26 +114,58 @@ def _plain(value: Any) -> str:
     return str(value)
 
 
+# a template, parsed: its parts in order, each with the kwargs whose lack leaves it out (None: always shown)
+# and its pieces (literal text, then a kwarg and its conversion, or None at the end)
+Piece = tuple[str, str | None, str | None]
+Compiled = tuple[tuple[frozenset[str] | None, tuple[Piece, ...]], ...]
+
+
 def describe(template: str | None, kwargs: Mapping[str, Any]) -> str | None:
     """The template filled in with the kwargs, at most ``MAX_LENGTH`` characters; None when it cannot be."""
     if not template:
         return None
     try:
-        names = template_names(template)
-        values = {name: kwargs.get(name) for name in names}
-        text = _Formatter().vformat(_without_empty_parts(template, values), (), values)
-    except (DescriptionError, ValueError, TypeError):
+        parts = _compiled(template)
+    except (DescriptionError, ValueError):
+        return None
+    try:
+        text = "".join(_rendered(parts, kwargs))
+    except (ValueError, TypeError):  # a value that cannot be shown (a kwarg's own __str__ failing)
         return None
     return text if len(text) <= MAX_LENGTH else text[: MAX_LENGTH - 1] + "…"
 
 
-def _without_empty_parts(template: str, values: Mapping[str, Any]) -> str:
-    """The template without its bracketed parts that show a kwarg without a value (None, empty)."""
-    def part(match: re.Match[str]) -> str:
-        shown = template_names(match.group(1))
-        return "" if any(_empty(values.get(name)) for name in shown) else match.group(1)
+def _rendered(parts: Compiled, kwargs: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    for needed, pieces in parts:
+        if needed and any(_empty(kwargs.get(name)) for name in needed):
+            continue  # a bracketed part that shows a kwarg without a value
+        for literal, name, conversion in pieces:
+            out.append(literal)
+            if name is not None:
+                out.append(_plain(_converted(kwargs.get(name), conversion)))
+    return out
 
-    return _OPTIONAL.sub(part, template)
+
+@functools.lru_cache(maxsize=256)
+def _compiled(template: str) -> Compiled:
+    """Parsed once per template (a start describes tens of thousands of rows of a few templates): the
+    parts outside square brackets always shown, each bracketed part (brackets dropped) only when every
+    kwarg it shows has a value. A format spec is ignored: values are shown as ``_plain`` makes them."""
+    template_names(template)  # only plain names and known conversions, or DescriptionError
+    parts: list[tuple[frozenset[str] | None, str]] = []
+    shown = 0
+    for match in _OPTIONAL.finditer(template):
+        parts.append((None, template[shown:match.start()]))
+        parts.append((_template_names(match.group(1)), match.group(1)))
+        shown = match.end()
+    parts.append((None, template[shown:]))
+    return tuple((needed, _pieces(text)) for needed, text in parts if text)
+
+
+def _pieces(text: str) -> tuple[Piece, ...]:
+    return tuple((literal, name, conversion)
+                 for literal, name, _spec, conversion in string.Formatter().parse(text))
 
 
 def _empty(value: Any) -> bool:

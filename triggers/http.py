@@ -38,8 +38,12 @@ def shared_session() -> aiohttp.ClientSession:
     key = id(asyncio.get_running_loop())
     session = _sessions.get(key)
     if session is None or session.closed:
+        # no cookie jar: the session is every trigger's, and a cookie one DAG's credentials earned must
+        # never ride along with another DAG's request to the same host (Airflow's hook, too, keeps no
+        # cookie from one poll to the next: a session per call)
         session = _sessions[key] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=CONNECTIONS), timeout=aiohttp.ClientTimeout(total=60)
+            connector=aiohttp.TCPConnector(limit=CONNECTIONS), timeout=aiohttp.ClientTimeout(total=60),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         _slots[key] = asyncio.Semaphore(CONNECTIONS)
     return session

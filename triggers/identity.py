@@ -185,6 +185,8 @@ def _adding_marker(serialize: Callable[[Any], tuple[str, dict[str, Any]]]) -> Ca
 
 def merge_values(rule: str, values: Sequence[Any]) -> Any:
     """One execution kwarg of a group, from its members' values, by ``rule`` (see MERGE_RULES)."""
+    if len(values) == 1 and rule in ("min", "max"):
+        return values[0]  # what the rules below give for one value (None included), without their work
     present = [v for v in values if v is not None]
     if rule == "union":
         items: set[str] = set()

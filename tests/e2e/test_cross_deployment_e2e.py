@@ -119,6 +119,9 @@ def _relay_status(stack: AirflowStack, env: dict[str, str]) -> dict[str, Any]:
     return {t["target"]: t for t in json.loads(result.stdout.strip().splitlines()[-1])["targets"]}
 
 
+# a scenario of many steps, each with its own limit: 200-290 s on a slow 2-core machine with the
+# parallel phase's other tests, over the suite's default limit of five minutes
+@pytest.mark.timeout(600)
 def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_requests(
         airflow_stack: AirflowStack, second_airflow_stack: AirflowStack, tmp_path: Path) -> None:
     a, b = airflow_stack, second_airflow_stack

@@ -182,6 +182,9 @@ def owners(dsn: str) -> set[int]:
                                     "WHERE expires_at > now()")}
 
 
+# a scenario of many steps, each with its own limit: 200-290 s on a slow 2-core machine with the
+# parallel phase's other tests, over the suite's default limit of five minutes
+@pytest.mark.timeout(600)
 def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
         airflow_stack: AirflowStack, pg_db: str, previous_release: Path) -> None:
     config = airflow_stack.config

@@ -23,6 +23,17 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlledServer]:
         yield running
 
 
+async def serve(path: str, handler: Any) -> tuple[web.AppRunner, int]:
+    """An aiohttp server on a free port answering GET ``path``; the caller cleans the runner up."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 async def first_event(trigger: HttpConditionTrigger, timeout: float = 10) -> dict[str, Any]:
     return dict((await asyncio.wait_for(trigger.run().__anext__(), timeout)).payload)
 
@@ -105,13 +116,7 @@ async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
         await held.wait()
         return web.json_response({"ready": True})
 
-    app = web.Application()
-    app.router.add_get("/poll", hold)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve("/poll", hold)
     started = 0
 
     async def on_start(*_: Any) -> None:
@@ -143,3 +148,32 @@ async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
         held.set()
         await session.close()
         await runner.cleanup()
+
+
+async def test_a_cookie_one_connection_earned_never_goes_with_another_connections_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every HTTP trigger of the triggerer shares one session: a cookie the server set for one DAG's
+    credentials must not be sent with another DAG's request to the same host (nor with the next poll)."""
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def job(request: web.Request) -> web.Response:
+        seen.append((request.headers.get("Authorization"), request.headers.get("Cookie")))
+        response = web.json_response({"state": "running"})
+        response.set_cookie("session", "granted-to-whoever-asked-first")
+        return response
+
+    runner, port = await serve("/api/job", job)
+    # a host name: aiohttp's cookie jar keeps no cookie of an IP address
+    monkeypatch.setenv("AIRFLOW_CONN_ALICE", f"http://alice:a-secret@localhost:{port}")
+    monkeypatch.setenv("AIRFLOW_CONN_BOB", f"http://bob:b-secret@localhost:{port}")
+    try:
+        for conn_id in ("alice", "bob", "alice"):
+            trigger = HttpConditionTrigger(conn_id, "/api/job", json_path="state", expected_value="done",
+                                           poll_interval=0.05)
+            with pytest.raises(TimeoutError):  # never done: one poll at least, then given up
+                await first_event(trigger, timeout=0.3)
+    finally:
+        await runner.cleanup()
+    assert {auth for auth, _ in seen} == {aiohttp.BasicAuth("alice", "a-secret").encode(),
+                                          aiohttp.BasicAuth("bob", "b-secret").encode()}
+    assert len(seen) >= 3 and [cookie for _, cookie in seen] == [None] * len(seen)

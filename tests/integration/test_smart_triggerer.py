@@ -467,8 +467,10 @@ def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
                        f"{count} coroutines running")
     assert running["smart_triggerer_groups"] == count
     logs_dir = stack.config.home / "logs"
+    began = time.monotonic()
     wait_for(lambda: len(list(logs_dir.rglob("*.trigger.*.log"))), lambda n: n == count, 20,
              "every coroutine's log file written")
+    print(f"\nevery log file written {time.monotonic() - began:.1f}s after all {count} coroutines ran")
     held = open_trigger_logs(instance.pid)
     assert 0 < held <= FD_LIMIT // 4, held
 

@@ -7,6 +7,8 @@ duplicates) and a 30 s poll interval, so a poll seen soon after the kill can onl
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import signal
 import time
 from collections import Counter
@@ -129,8 +131,6 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
     """A takeover starts the waits whose next poll or timeout is due soonest first (a wait just taken over
     may be due at once: its last poll is not known): asset watchers, then by poll interval or member
     timeout, whichever is sooner. One group per batch here, so the runner is asked in that order."""
-    import datetime as dt
-
     from tests.helpers.airflow_orm import use_airflow_db
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, add_watcher, load, make_supervisor
@@ -159,13 +159,54 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
     assert all(runner in members for runner, members in zip(started, order, strict=True))
 
 
+def test_the_start_order_is_kept_between_calls_until_a_group_arrives(airflow_config: AirflowConfig,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A takeover of thousands starts them a batch at a time over many calls: they are sorted once, not
+    for every batch, and a group that comes to wait meanwhile (here an asset watcher, the most urgent) is
+    started next."""
+    from tests.helpers.airflow_orm import use_airflow_db
+    from tests.helpers.seeding import seed_deferred
+    from tests.integration.test_supervisor_faults import AT_TIME, add_watcher, load, make_supervisor
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    use_airflow_db(airflow_config.database_dsn)
+    base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=6,
+                           classpath=AT_TIME,
+                           kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat(),
+                                                 "poll_interval": 10.0 * (i + 1)})
+    sorts: list[int] = []
+    original = SmartTriggerRunnerSupervisor._by_urgency
+
+    def counted(self: Any) -> Any:
+        sorts.append(len(self.groups.unstarted))
+        return original(self)
+
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_by_urgency", counted)
+    supervisor = make_supervisor(max_new_per_loop=1)
+    load(supervisor)
+
+    def start_one() -> int:
+        (group,) = supervisor._next_to_start(1)  # as _start_groups takes each batch
+        return int(supervisor.groups.start(group))
+
+    first, second = start_one(), start_one()
+    assert [first, second] == seeded.trigger_ids[:2]  # the shortest intervals first
+    assert sorts == [6]  # sorted once for both batches
+    watcher = add_watcher("arrives-later")
+    load(supervisor)
+    assert start_one() == watcher
+    assert sorts == [6, 5]  # sorted again: a group arrived
+    assert [start_one() for _ in range(4)] == seeded.trigger_ids[2:]
+    assert sorts == [6, 5]
+    assert not supervisor.groups.unstarted
+
+
 def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
         airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """During an outage each start call marked a batch of groups started before its build failed; once
     the database was back, every one of them was built in one call (one transaction, no lease renewal, no
     runner served meanwhile: minutes at tens of thousands). Builds stay a batch each."""
-    import datetime as dt
-
     from sqlalchemy.exc import OperationalError
 
     from tests.helpers.airflow_orm import use_airflow_db
@@ -200,3 +241,266 @@ def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
     print("\nbuild sizes after the outage:", builds)
     assert builds and max(builds) <= 3
     assert len({w.id for w in supervisor.creating_triggers}) == 12
+
+
+def taken_over(config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, count: int = 40) -> tuple[Any, Any]:
+    """An in-process instance that owned every shard of ``count`` waits (one group each) and published its
+    groups per shard, and a second that joined while it held them (its feed position set, nothing
+    owned); ``FIRST_READ_GROUPS`` is 4 here. Returns (owner, taker)."""
+    import math
+
+    from tests.helpers.airflow_orm import use_airflow_db
+    from tests.helpers.seeding import seed_deferred
+    from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
+    from triggerer.supervisor import feed
+
+    use_airflow_db(config.database_dsn)
+    base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
+                  kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()})
+    monkeypatch.setattr(feed, "FIRST_READ_GROUPS", 4)
+    owner = make_supervisor(max_new_per_loop=5)
+    load(owner)
+    owner.loads_counted_at = -math.inf  # publish its groups per shard with the next renewal
+    owner._renew_leases()
+    taker = make_supervisor(max_new_per_loop=5)
+    load(taker)  # joins while the owner holds every shard: nothing to read yet
+    assert not taker.owned and not taker.member_info
+    return owner, taker
+
+
+def waiting_ids(dsn: str) -> set[int]:
+    return {r[0] for r in rows(dsn, "SELECT trigger_id FROM task_instance WHERE state = 'deferred'")}
+
+
+def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_rest(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The taker reads the shards holding its first ``FIRST_READ_GROUPS`` groups (by the loads the last
+    owner published), starts them, then reads the other shards; every wait is loaded and claimed."""
+    from tests.integration.test_supervisor_faults import load
+    from triggerer.store import Store
+    from triggerer.supervisor.starting import GroupStarting
+
+    dsn = airflow_config.database_dsn
+    owner, taker = taken_over(airflow_config, monkeypatch)
+
+    steps: list[str] = []
+    reads = Store.waiting_triggers
+    starts = GroupStarting._start_groups
+
+    def read(self: Store, shards: Any, queues: Any, **kw: Any) -> Any:
+        if kw.get("after_xid") is None and shards:
+            steps.append(f"read {sorted(shards)}")
+        return reads(self, shards, queues, **kw)
+
+    def start(self: Any) -> None:
+        steps.append(f"start {len(self.member_info)} waits")
+        starts(self)
+
+    monkeypatch.setattr(Store, "waiting_triggers", read)
+    monkeypatch.setattr(GroupStarting, "_start_groups", start)
+    owner.release_all()  # a graceful stop: the taker claims its 4 shards with the next renewal
+    load(taker)
+
+    published = {shard: groups for shard, groups in taker.shard_groups.items() if shard in taker.owned}
+    print("\nloads published:", published, "| steps:", steps)
+    assert taker.owned == {0, 1, 2, 3} and sum(published.values()) == 40
+    expected, read, budget, phase = [], 0, 4, []
+    for shard in range(4):  # phases of 4 groups or more, then twice as many each, each started
+        phase.append(shard)
+        if sum(published[s] for s in phase) >= budget or shard == 3:
+            expected.append(f"read {phase}")
+            read += sum(published[s] for s in phase)
+            if shard < 3:
+                expected.append(f"start {read} waits")
+            phase, budget = [], budget * 2
+    assert len([s for s in expected if s.startswith("read")]) >= 2
+    assert steps == expected
+    assert set(taker.member_info) == waiting_ids(dsn)
+    assert not taker.to_read
+    assert rows(dsn, "SELECT DISTINCT triggerer_id FROM trigger") == [(taker.job_id,)]
+
+
+def test_a_takeover_whose_second_read_fails_reads_the_shards_left_in_the_next_loop(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from tests.integration.test_supervisor_faults import load
+    from triggerer.store import Store
+
+    dsn = airflow_config.database_dsn
+    owner, taker = taken_over(airflow_config, monkeypatch)
+    reads = Store.waiting_triggers
+    full_reads: list[list[int]] = []
+
+    def second_fails(self: Store, shards: Any, queues: Any, **kw: Any) -> Any:
+        if kw.get("after_xid") is None and shards:
+            full_reads.append(sorted(shards))
+            if len(full_reads) == 2:
+                raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+        return reads(self, shards, queues, **kw)
+
+    monkeypatch.setattr(Store, "waiting_triggers", second_fails)
+    owner.release_all()
+    taker._db_step("load", taker.read_changes)
+    unread = {0, 1, 2, 3} - set(full_reads[0])  # the failed read's shards and those of later phases
+    assert taker.owned == {0, 1, 2, 3} and taker.to_read == unread and set(full_reads[1]) <= unread
+    loaded = set(taker.member_info)
+    assert loaded and loaded < waiting_ids(dsn)
+    load(taker)  # the next loop: the shards left unread are read in full
+    print("\nfull reads:", full_reads)
+    assert sorted(s for read in full_reads[2:] for s in read) == sorted(unread) and not taker.to_read
+    assert set(taker.member_info) == waiting_ids(dsn)
+
+
+@pytest.mark.parametrize("meanwhile", ["a share of the lease passed", "a stop was asked"])
+def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, meanwhile: str) -> None:
+    """Phases go on for a share of the lease after the renewal that took the shards (a slow machine, a
+    short lease): then the next loop renews at once and reads the rest. A stop ends them too. Either
+    way the shards not read yet stay to be read: nothing of them is lost or started unread."""
+    from tests.integration.test_supervisor_faults import load
+    from triggerer.store import Store
+    from triggerer.supervisor.starting import GroupStarting
+
+    dsn = airflow_config.database_dsn
+    owner, taker = taken_over(airflow_config, monkeypatch)
+    reads, starts = Store.waiting_triggers, GroupStarting._start_groups
+    full_reads: list[list[int]] = []
+
+    def read(self: Store, shards: Any, queues: Any, **kw: Any) -> Any:
+        if kw.get("after_xid") is None and shards:
+            full_reads.append(sorted(shards))
+        return reads(self, shards, queues, **kw)
+
+    def slow_start(self: Any) -> None:
+        starts(self)
+        if meanwhile == "a stop was asked":
+            self.stop = True
+        else:
+            self.last_renewal -= self.settings.lease_seconds  # as if this start had taken a whole lease
+
+    monkeypatch.setattr(Store, "waiting_triggers", read)
+    monkeypatch.setattr(GroupStarting, "_start_groups", slow_start)
+    owner.release_all()
+    taker._db_step("load", taker.read_changes)
+    read_so_far = {s for shards in full_reads for s in shards}
+    print(f"\n{meanwhile}: reads {full_reads}, left to read {sorted(taker.to_read)}")
+    assert taker.owned == {0, 1, 2, 3} and taker.to_read == {0, 1, 2, 3} - read_so_far != set()
+    assert {info.shard for info in taker.member_info.values()} == read_so_far
+    if meanwhile == "a stop was asked":
+        return
+    assert taker.last_load == -math.inf  # the next loop renews at once
+    monkeypatch.setattr(GroupStarting, "_start_groups", starts)
+    load(taker)
+    assert not taker.to_read and set(taker.member_info) == waiting_ids(dsn)
+
+
+def test_a_group_runs_with_its_members_merged_settings_and_a_uniform_one_with_its_leaders_own(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two groups of two waits each: one whose members both poll every 60 s starts from its leader's
+    workload as stored (its kwargs not even decrypted), one whose second member polls every 5 s starts
+    with 5 s."""
+    from airflow.models.trigger import Trigger
+
+    from tests.helpers.airflow_orm import use_airflow_db
+    from tests.helpers.seeding import seed_deferred
+    from tests.integration.test_supervisor_faults import AT_TIME, LATER, load, make_supervisor
+
+    use_airflow_db(airflow_config.database_dsn)
+    other = (dt.datetime.fromisoformat(LATER) + dt.timedelta(hours=1)).isoformat()
+    intervals = {0: (LATER, 60.0), 1: (LATER, 60.0), 2: (other, 60.0), 3: (other, 5.0)}
+    seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=4, classpath=AT_TIME,
+                  kwargs_for=lambda i: {"moment": intervals[i][0], "poll_interval": intervals[i][1]})
+    supervisor = make_supervisor()
+    load(supervisor)
+    decrypt = Trigger._decrypt_kwargs
+    decrypted: list[str] = []
+
+    def counted(encrypted: str) -> Any:
+        decrypted.append(encrypted)
+        return decrypt(encrypted)
+
+    monkeypatch.setattr(Trigger, "_decrypt_kwargs", staticmethod(counted))
+    supervisor._start_groups()
+    monkeypatch.setattr(Trigger, "_decrypt_kwargs", staticmethod(decrypt))
+    started = {decrypt(w.encrypted_kwargs)["moment"]: w for w in supervisor.creating_triggers}
+    assert len(started) == 2 and len(decrypted) == 1  # the uniform group's kwargs were left as they are
+    assert decrypt(started[LATER].encrypted_kwargs)["poll_interval"] == 60.0
+    assert decrypt(started[other].encrypted_kwargs)["poll_interval"] == 5.0
+
+
+@pytest.mark.parametrize("shard", [0, 3], ids=["in the first phase", "in the last phase"])
+def test_a_shard_whose_lease_lapsed_during_a_read_starts_nothing(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, shard: int) -> None:
+    """A read's fence finds a shard's lease lapsed by the database clock (a clock step, a stall past the
+    lease): no start after it may run its waits (a peer may be claiming it); it is dropped, and the
+    other shards are read and started."""
+    from tests.integration.test_supervisor_faults import load
+    from triggerer.store import Store
+
+    owner, taker = taken_over(airflow_config, monkeypatch)
+    fence = Store.fence
+    lapsed: set[int] = set()
+
+    def fence_lapses_the_shard(self: Store, job_id: int, shards: Any, queues: Any) -> set[int]:
+        held = fence(self, job_id, shards, queues)
+        if not lapsed and shard in held:
+            lapsed.add(shard)
+            return held - {shard}
+        return held
+
+    monkeypatch.setattr(Store, "fence", fence_lapses_the_shard)
+    owner.release_all()
+    load(taker)
+
+    def started_shards() -> set[int]:
+        return {taker.member_info[w.id].shard for w in taker.creating_triggers if w.id in taker.member_info}
+
+    between = started_shards()
+    taker._start_groups()  # the loop's start after the reads
+    print("\nowned:", sorted(taker.owned), "| started between the reads:", sorted(between),
+          "| after:", sorted(started_shards()))
+    assert lapsed == {shard} and shard not in taker.owned and shard not in between
+    assert not any(info.shard == shard for info in taker.member_info.values())
+    assert started_shards() == {0, 1, 2, 3} - {shard}
+    of_the_shard = {r[0] for r in rows(airflow_config.database_dsn, "SELECT trigger_id FROM "
+                                       "smart_triggerer.trigger_identity WHERE shard = %s", shard)}
+    assert of_the_shard and not of_the_shard & {w.id for w in taker.creating_triggers}  # never handed out
+
+
+def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
+        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the first shards start (between the two reads), a wait of the first shards and one of the
+    rest leave (their tasks cleared, their trigger rows deleted as Airflow's clean_unused does) and new
+    waits arrive: after the next loop the taker runs exactly the waits still waiting."""
+    from tests.helpers.seeding import seed_deferred
+    from tests.integration.test_supervisor_faults import AT_TIME, LATER, load
+    from triggerer.supervisor.starting import GroupStarting
+
+    dsn = airflow_config.database_dsn
+    owner, taker = taken_over(airflow_config, monkeypatch)
+    starts = GroupStarting._start_groups
+    moved: dict[str, int] = {}
+
+    def meanwhile(self: Any) -> None:
+        if not moved:  # the start between the reads: the first shards are members, the rest not yet
+            first = min(self.member_info)
+            rest = next(t for t in waiting_ids(dsn) if t not in self.member_info)
+            for trigger_id in (first, rest):
+                rows(dsn, "UPDATE task_instance SET state = 'scheduled', trigger_id = NULL "
+                          "WHERE trigger_id = %s RETURNING 1", trigger_id)
+                rows(dsn, "DELETE FROM trigger WHERE id = %s RETURNING 1", trigger_id)
+            moved.update(first=first, rest=rest)
+            seed_deferred(dsn, airflow_config.dags_folder, count=3, classpath=AT_TIME,
+                          kwargs_for=lambda i: {"moment": LATER, "poll_interval": 7.0 + i})
+        starts(self)
+
+    monkeypatch.setattr(GroupStarting, "_start_groups", meanwhile)
+    owner.release_all()
+    load(taker)
+    assert moved and taker.owned == {0, 1, 2, 3}
+    load(taker)  # the next loop: the change feed since the first read's position
+    print("\nleft between the reads:", moved, "| members:", len(taker.member_info))
+    assert set(taker.member_info) == waiting_ids(dsn)
+    assert len(taker.member_info) == 40 - 2 + 3

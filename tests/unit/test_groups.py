@@ -142,3 +142,46 @@ def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
         if groups.runner_ids() != last_runners:
             assert groups.version != last_version
         last_runners, last_version = groups.runner_ids(), groups.version
+
+
+def test_a_group_is_uniform_while_its_members_bring_the_same_execution_kwargs() -> None:
+    groups = Groups()
+    group = groups.join(1, 42, {"poll_interval": ("min", 30.0)})
+    assert group.uniform == {"poll_interval": ("min", 30.0)}
+    groups.join(2, 42, {"poll_interval": ("min", 30.0)})
+    assert group.uniform is not None and group.settings == {"poll_interval": 30.0}
+    groups.join(3, 42, {"poll_interval": ("min", 60.0)})
+    assert group.uniform is None and group.settings == {"poll_interval": 30.0}
+    groups.join(4, 42, {"poll_interval": ("min", 30.0)})  # never uniform again: its merges only grow
+    assert group.uniform is None
+    assert groups.join(5, 7).uniform == {}  # no execution kwargs at all: uniform too
+
+
+def test_arrivals_count_every_way_a_group_comes_to_wait_and_nothing_else() -> None:
+    """The supervisor keeps its start order until ``arrivals`` changes: every way into ``unstarted`` (and
+    a member joining a waiting group, which may make it more urgent) must count, and starting must not."""
+    groups = Groups()
+    seen = groups.arrivals
+
+    def arrived() -> bool:
+        nonlocal seen
+        changed, seen = groups.arrivals != seen, groups.arrivals
+        return changed
+
+    group = groups.join(1, 42)
+    assert arrived()  # a new group
+    groups.join(2, 42)
+    assert arrived()  # a member of a waiting group
+    groups.start(group)
+    assert not arrived()
+    groups.join(3, 42)
+    assert not arrived()  # joins a running coroutine: nothing to start
+    groups.stop_runner(group)
+    assert arrived()  # waits again
+    groups.suspend(group, until=10.0)
+    groups.wake(now=5.0)
+    assert not arrived()
+    groups.wake(now=10.0)
+    assert arrived()  # back from its backoff
+    groups.leave(1)
+    assert not arrived()

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from triggerer.heap import FREEZE_FROM, YOUNG_THRESHOLD, StartFreezer, tune_collector
+from triggerer import heap
+from triggerer.heap import BURST_WINDOW_SECONDS, FREEZE_FROM, YOUNG_THRESHOLD, StartFreezer, tune_collector
 
 
 @pytest.fixture
@@ -66,6 +67,41 @@ def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_aft
     assert set(collected_generations(lambda: start(FREEZE_FROM))) == {0}
     assert gc.get_freeze_count() >= frozen_before + len(kept)
     assert gc.get_threshold() == (1000, 2, 10) and freezer.frozen == 1
+
+
+def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
+        restored_collector: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A takeover comes in passes of a few hundred (the supervisor reads and builds in batches): the pass
+    that makes it big is frozen, and those after it; new waits at a steady trickle never are."""
+    gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
+    clock = [1000.0]
+    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    freezer = StartFreezer()
+    kept: list[Node] = []
+    quarter = FREEZE_FROM // 4
+
+    def a_pass(coroutines: int = quarter) -> list[int]:
+        clock[0] += 0.05
+
+        def create() -> None:
+            with freezer.start(coroutines):
+                kept.extend(Node() for _ in range(20 * 1000))
+
+        return collected_generations(create)
+
+    assert 1 in a_pass() and 1 in a_pass() and 1 in a_pass(0)  # small so far (nothing created: no count)
+    assert a_pass() and freezer.frozen == 0  # three quarters
+    assert set(a_pass()) == {0} and freezer.frozen == 1  # the fourth makes the start big: frozen
+    assert set(a_pass()) == {0} and freezer.frozen == 2  # and so are the passes after it
+    assert gc.get_threshold() == (1000, 2, 10)
+
+    clock[0] += BURST_WINDOW_SECONDS + 1  # later: a pass of a few is a small start again
+    assert 1 in a_pass() and freezer.frozen == 2
+    for _ in range(2 * FREEZE_FROM):  # one new wait a second, for over half an hour: never frozen
+        clock[0] += 1.0
+        with freezer.start(1):
+            pass
+    assert freezer.frozen == 2
 
 
 def test_coroutines_of_a_frozen_start_are_freed_when_they_end(restored_collector: None) -> None:

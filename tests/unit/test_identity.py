@@ -179,6 +179,10 @@ def test_merge_rules() -> None:
     assert merge_values("union", [None, "b", ["a", "b"]]) == ["a", "b"]
     assert merge_values("union", [None, None]) is None
     assert merge_values("any", [False, True]) is True
+    # one member's value: what the general path gives for it (the one-value shortcut changes nothing)
+    for value in (None, 0, 7, 2.5, "text", True, ["a"]):
+        assert merge_values("min", [value]) == merge_values("min", [value, None]) == value
+        assert merge_values("max", [value]) == merge_values("max", [None, value]) == value
     with pytest.raises(TypeError, match="unknown rule"):
         type("Bad", (DedupableTrigger,), {"identity_kwargs": ("a",), "execution_merge": {"b": "first"}})
 

@@ -139,9 +139,19 @@ def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_pe
         os.umask(previous_umask)
 
 
-def test_held_lines_are_written_first_in_order_when_their_files_are_made(tmp_path: Path) -> None:
+def files_made_in_order(monkeypatch: pytest.MonkeyPatch) -> list[PooledLogFile]:
+    """The files whose held lines are written, in the order they are (filled as the test goes on)."""
+    made: list[PooledLogFile] = []
+    make = PooledLogFile.write_held
+    monkeypatch.setattr(PooledLogFile, "write_held", lambda self: (made.append(self), make(self))[1])
+    return made
+
+
+def test_held_lines_are_written_first_in_order_when_their_files_are_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a takeover hands out coroutines the pool holds the lines of files not made yet; each file is
-    then made with its lines in order, by ``write_held``, by its next line or by its close."""
+    then made with its lines in order, by ``write_held`` or by its close. A line after the hold is held
+    too (making thousands of files at once stopped the supervisor's loop), and its file is made first."""
     pool = LogFilePool(limit=2)
     files = [PooledLogFile(tmp_path / f"t{n}.log", pool) for n in range(4)]
     pool.holding = True
@@ -151,10 +161,14 @@ def test_held_lines_are_written_first_in_order_when_their_files_are_made(tmp_pat
     files[0].write(b"t0 second line\n")
     assert not any(Path(f.name).exists() for f in files) and len(pool.held) == 4
     pool.holding = False
-    files[1].write(b"t1 fired\n")  # a line after the hold: the held one goes first
+    files[1].write(b"t1 fired\n")  # a line after the hold: held behind the first, its file made first
+    files[1].flush()
+    assert not Path(files[1].name).exists()
     files[2].close()  # ended before its file was made
-    assert list(pool.held) == [files[0], files[3]]
-    assert pool.write_held(budget_seconds=60) is False and not pool.held
+    assert list(pool.held) == [files[0], files[1], files[3]]
+    made = files_made_in_order(monkeypatch)
+    assert pool.write_held(budget_seconds=60) is False and not pool.held and not pool.sooner
+    assert made == [files[1], files[0], files[3]]  # the one with news first
     files[3].write(b"t3 fired\n")
     for log_file in files:
         log_file.flush()
@@ -208,7 +222,9 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
     logger.log(20, "polling", n=1)
     assert processed == [] and not Path(factory.log_path).exists() and list(pool.held)
     pool.holding = False
-    logger.log(20, "fired", n=2)  # after the hold: the held calls are processed first
+    logger.log(20, "fired", n=2)  # after the hold: held behind the others, processed when the file is made
+    assert processed == [] and list(pool.sooner)
+    assert pool.write_held(budget_seconds=60) is False
     assert processed == ["trigger starting", "polling", "fired"]
     lines = [json.loads(line) for line in Path(factory.log_path).read_text().splitlines()]
     assert [line["event"] for line in lines] == processed
@@ -254,3 +270,96 @@ def test_the_pool_knows_when_a_new_file_last_got_a_held_line(tmp_path: Path) -> 
     pool.new_file_held_at = float("-inf")
     second.write(b"starting\n")
     assert pool.new_file_held_at >= stamped
+
+
+def test_a_closed_file_holds_its_lines_while_files_wait_to_be_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handover cancels thousands of coroutines, each with a last line for a file the pool closed: while
+    files wait to be made, those lines wait too (reopening each in the log path stopped the loop), and its
+    file is written first; with nothing waiting, a line is written at once, reopening the file."""
+    monkeypatch.setattr(trigger_logs, "REOPEN_SECONDS", 3600.0)  # the reopening budget is not under test
+    pool = LogFilePool(limit=1)
+    made, waiting = PooledLogFile(tmp_path / "made.log", pool), PooledLogFile(tmp_path / "waiting.log", pool)
+    made.write(b"starting\n")
+    PooledLogFile(tmp_path / "other.log", pool).write(b"starting\n")  # closes made.log (limit 1)
+    assert not pool.is_open(made)
+    pool.holding = True
+    waiting.write(b"starting\n")
+    pool.holding = False
+    made.write(b"trigger completed\n")
+    made.flush()
+    assert Path(made.name).read_text() == "starting\n"  # held, not reopened
+    assert list(pool.held) == [waiting, made] and list(pool.sooner) == [made]
+    assert pool.write_held(budget_seconds=60) is False
+    assert Path(made.name).read_text() == "starting\ntrigger completed\n"
+    assert Path(waiting.name).read_text() == "starting\n"
+    made.write(b"again\n")  # nothing waits: written at once
+    made.flush()
+    assert Path(made.name).read_text() == "starting\ntrigger completed\nagain\n" and not pool.held
+
+
+def closed_files(tmp_path: Path, pool: LogFilePool, count: int) -> list[PooledLogFile]:
+    """``count`` made files, all closed again by the pool (its limit is 1: the last one made stays open)."""
+    files = [PooledLogFile(tmp_path / f"f{n}.log", pool) for n in range(count + 1)]
+    for log_file in files:
+        log_file.write(b"starting\n")
+    return files[:-1]
+
+
+def test_reopening_from_the_log_path_stops_at_its_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing waiting to be made, lines of closed files are written at once until this window's
+    reopening time is spent (a handover after every file was made: thousands of last lines), then wait."""
+    pool = LogFilePool(limit=1)
+    first, second, third = closed_files(tmp_path, pool, 3)
+    monkeypatch.setattr(trigger_logs, "REOPEN_SECONDS", 0.0)  # spent by one reopen
+    monkeypatch.setattr(trigger_logs, "REOPEN_WINDOW_SECONDS", 3600.0)
+    pool._reopen_window = (-float("inf"), 0.0)
+    first.write(b"completed\n")  # the window's first reopen: at once
+    second.write(b"completed\n")
+    third.write(b"completed\n")
+    first.flush()
+    assert Path(first.name).read_text() == "starting\ncompleted\n"
+    assert list(pool.held) == [second, third] and Path(second.name).read_text() == "starting\n"
+    assert pool.write_held(budget_seconds=60) is False
+    for log_file in (second, third):
+        log_file.flush()
+    assert [Path(f.name).read_text() for f in (second, third)] == ["starting\ncompleted\n"] * 2
+
+
+def test_on_the_way_out_and_past_the_backlog_limit_lines_are_written_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = LogFilePool(limit=1)
+    closed, other = closed_files(tmp_path, pool, 2)
+    pool.holding = True
+    waiting = PooledLogFile(tmp_path / "waiting.log", pool)
+    waiting.write(b"starting\n")
+    pool.holding = False
+    monkeypatch.setattr(trigger_logs, "MAX_WAITING_FILES", 1)  # one file waits already: the writer lags
+    closed.write(b"completed\n")
+    closed.flush()
+    assert Path(closed.name).read_text() == "starting\ncompleted\n"
+    monkeypatch.setattr(trigger_logs, "MAX_WAITING_FILES", 10_000)
+    pool.exiting = True  # nothing would write it later
+    other.write(b"completed\n")
+    waiting.write(b"completed\n")
+    for log_file in (other, waiting):
+        log_file.flush()
+    assert Path(other.name).read_text() == "starting\ncompleted\n"
+    assert Path(waiting.name).read_text() == "starting\ncompleted\n" and not pool.held
+
+
+def test_files_with_news_do_not_starve_files_holding_only_their_first_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = LogFilePool(limit=1)
+    pool.holding = True
+    quiet = [PooledLogFile(tmp_path / f"quiet{n}.log", pool) for n in range(2)]
+    busy = [PooledLogFile(tmp_path / f"busy{n}.log", pool) for n in range(4)]
+    for log_file in [*quiet, *busy]:
+        log_file.write(b"starting\n")
+    pool.holding = False
+    for log_file in busy:
+        log_file.write(b"fired\n")  # news after the hold
+    made = files_made_in_order(monkeypatch)
+    assert pool.write_held(budget_seconds=60) is False
+    assert made == [busy[0], quiet[0], busy[1], quiet[1], busy[2], busy[3]]

@@ -152,6 +152,12 @@ WITH mine AS (
 )
 UPDATE smart_triggerer.instance SET stopped_at = now() WHERE job_id = :job_id;
 
+-- name: notify_membership
+-- Tells listening instances that the membership or the leases changed (a join, a stop, shards handed over):
+-- they renew at once rather than at their next loop (triggerer/notices.py). Sent when the transaction
+-- commits, never for one that rolls back.
+SELECT pg_notify(:channel, :payload);
+
 -- name: unhashed_triggers
 -- Trigger rows without an identity yet: every one with :after_xid NULL (a sweep), otherwise those the
 -- change feed reports as new since :after_xid. SKIP LOCKED so instances share the decrypting.

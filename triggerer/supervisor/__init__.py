@@ -35,7 +35,7 @@ from triggerer.supervisor.feed import FeedLoading
 from triggerer.supervisor.housekeeping import Housekeeping
 from triggerer.supervisor.leases import Leases
 from triggerer.supervisor.load import LoadFilters
-from triggerer.supervisor.starting import GroupStarting
+from triggerer.supervisor.starting import WRITE_HELD_EVERY_SECONDS, GroupStarting
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
@@ -50,8 +50,11 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
         SmartTriggerRunner().run()
 
     def run_once(self) -> None:
-        """Load once per ``loop_seconds``; in between, handle runner messages (events) as they come."""
+        """Load once per ``loop_seconds`` (at once when a peer joined, stopped or handed shards over); in
+        between, handle runner messages (events) as they come."""
         self._guard_leases()
+        self.listen_for_peers()
+        self.waker.attach(self.selector)
         since_load = time.monotonic() - self.last_load
         if since_load >= self.settings.loop_seconds:
             self.loops += 1
@@ -68,6 +71,8 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
+        if self._log_files_pending():
+            wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
         self._service_subprocess(0.0 if self._start_backlog() else wait)
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
@@ -78,6 +83,10 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
         self._track_pending()
         self.emit_metrics()
         self.publish_snapshot()
+
+    def wake(self) -> None:
+        """From a signal handler: the loop's wait for the runner ends now (see waker.py)."""
+        self.waker.wake()
 
     def _track_pending(self) -> None:
         """Since when events have waited to be stored (/health fails once that exceeds a lease)."""

@@ -15,6 +15,12 @@ from triggerer.supervisor.state import MemberInfo, SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
+# a takeover of more groups than twice this reads about this many first and hands them to the runner
+# before it reads the rest (a thousand groups: a few of the runner's batches, a tenth of a second to read)
+FIRST_READ_GROUPS = 1000
+# a takeover's phases go on for at most this share of the lease after the renewal that took the shards
+# (the renewal itself is overdue at 0.6): the rest is read by the next loop, right after it renews
+PHASES_WITHIN_LEASE = 0.3
 
 
 class FeedLoading(SupervisorState):
@@ -111,35 +117,96 @@ class FeedLoading(SupervisorState):
 
     def _load_waiters(self) -> None:
         """Arrivals and departures since the last read, from the change feed; every waiter of shards just
-        taken (or of all owned shards when the feed position was lost) in full."""
-        full = set(self.owned) if self.load_xmin is None else self.to_read & self.owned
+        taken (or of all owned shards when the feed position was lost) in full.
+
+        A takeover (or a start) of many groups reads its shards in phases, about ``FIRST_READ_GROUPS``
+        groups first (by the loads their last owner published), then twice as many each time, and hands
+        each phase's batches to the runner before reading the next: the runner starts coroutines while the
+        supervisor reads, and never waits for one big read (25,000 waiters took a second to read and claim,
+        with the runner idle). Shards of one read start soonest due first. The shards of later phases stay
+        in ``to_read`` until their read commits; past ``PHASES_WITHIN_LEASE`` of the lease since the
+        renewal, the next loop renews at once and reads them."""
+        reread = self.load_xmin is None
+        unread = set(self.owned) if reread else self.to_read & self.owned
+        if reread and (self.member_info or self.held):
+            # the feed's position was lost: every waiter at once, so that those gone meanwhile are forgotten
+            self._read_waiters(unread, unread)
+            return
+        first, *later = self._read_phases(unread)
+        self.to_read |= set().union(*later)  # a start's shards too: read in full by a later loop if need be
+        if not self._read_waiters(first, unread):
+            return
+        for phase in later:
+            if self.stop or self._exit_code is not None:
+                return  # stopping, or the runner is gone: the rest stays to be read
+            if time.monotonic() - self.last_renewal > PHASES_WITHIN_LEASE * self.settings.lease_seconds:
+                # a slow machine, a short lease: renew first (the next loop, at once), then read the rest
+                self._renew_now()
+                return
+            self._drop_lapsed()  # shards whose lease a read's fence found lapsed start nothing
+            self._db_step("start", self._start_groups)
+            self._service_subprocess(0.0)  # the start's last batch goes to the runner before the next read
+            shards = phase & self.owned  # a shard dropped meanwhile is read when claimed again
+            if self.stop or (shards and not self._read_waiters(shards, set(), feed=False)):
+                return
+
+    def _read_phases(self, unread: set[int]) -> list[set[int]]:
+        """The shards to read, in phases (in shard order): about ``FIRST_READ_GROUPS`` groups, then twice
+        as many each phase; one phase when they are few, or when a shard's load is unknown (never
+        published)."""
+        loads = {shard: self.shard_groups.get(shard) for shard in unread}
+        if None in loads.values() or sum(g or 0 for g in loads.values()) <= 2 * FIRST_READ_GROUPS:
+            return [unread]
+        phases: list[set[int]] = []
+        phase: set[int] = set()
+        groups, budget = 0, FIRST_READ_GROUPS
+        for shard in sorted(unread):
+            if groups >= budget:
+                phases.append(phase)
+                phase, groups, budget = set(), 0, budget * 2
+            phase.add(shard)
+            groups += loads[shard] or 0
+        return [*phases, phase]
+
+    def _read_waiters(self, full: set[int], unread: set[int], *, feed: bool = True) -> bool:
+        """Read every waiter of the ``full`` shards and (``feed``) the arrivals and departures in owned
+        shards read before (not those in ``unread``: they are read in full later), claim the new ones and
+        join them; False when the database went back in time (everything is read again)."""
         hold = self.settings.resume_hold_seconds
         gone: set[int] = set()
+        started = time.monotonic()
         with create_session() as session:
             store = Store(session)
             xmin = store.snapshot_xmin()
             rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
-            if self.load_xmin is not None:
-                rows += store.waiting_triggers(self.owned - full, self.queue_list, after_xid=self.load_xmin,
-                                               hold_seconds=hold)
+            if feed and self.load_xmin is not None:
+                rows += store.waiting_triggers(self.owned - full - unread, self.queue_list,
+                                               after_xid=self.load_xmin, hold_seconds=hold)
                 gone = store.deleted_triggers(self.load_xmin)
             new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
             if new:
                 fenced = self._fence(session)
                 store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
         if self._went_back(xmin):
-            return
+            return False
         self.to_read -= full  # read in full, committed
-        reconcile = self.load_xmin is None
-        self.load_xmin = xmin
-        if reconcile:
-            self._reconcile({r.trigger_id for r in rows})
+        if feed:
+            # a later read in full of other shards keeps the position: the next feed read covers their
+            # arrivals since this snapshot too
+            reconcile = self.load_xmin is None
+            self.load_xmin = xmin
+            if reconcile:
+                self._reconcile({r.trigger_id for r in rows})
         for trigger_id in gone:
             self.held.pop(trigger_id, None)
             if trigger_id in self.member_info:
                 self._forget_member(trigger_id, user_action=True)
         for row in rows:
             self._join(row)
+        if full:  # a takeover's or a start's read: how long the runner waited for it
+            log.info("read whole shards", shards=len(full), waits=len(rows),
+                     seconds=round(time.monotonic() - started, 2))
+        return True
 
     def _join(self, row: WaitingTrigger) -> None:
         if row.trigger_id in self.member_info or row.trigger_id in self.held:

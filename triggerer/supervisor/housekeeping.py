@@ -20,6 +20,7 @@ from triggerer.supervisor.state import (
     WATCHER_BACKOFF_MAX_SECONDS,
     SupervisorState,
 )
+from triggerer.waker import leave_stop_signals_to_the_main_thread
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -149,6 +150,7 @@ class Housekeeping(SupervisorState):
             self.left_index_builder.start()
 
     def _build_left_index(self) -> None:
+        leave_stop_signals_to_the_main_thread()  # a SIGTERM meanwhile interrupts the loop's select at once
         self.left_index_outcome = build_left_index()
 
     def _record_sample(self, counts: tuple[int, int], now: float) -> None:

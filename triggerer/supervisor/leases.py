@@ -4,6 +4,7 @@ lapse by the database clock, dropping and releasing shards."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from triggerer.config import ConfigError
 from triggerer.db_errors import cause, is_transient
+from triggerer.notices import MembershipNotices
 from triggerer.placement import Candidate, place
 from triggerer.rendezvous import Member, assign, shards_of
 from triggerer.store import PLACEMENT, LiveMember, Store
@@ -59,6 +61,8 @@ class Leases(SupervisorState):
             self._refuse_overlapping_queues(store)
             store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
                            health_url=self.health_url, shards=self.settings.shards)
+            # peers renew now and hand this one its share
+            store.notify_membership(self.job_id, self.queues_key)
 
     def _refuse_overlapping_queues(self, store: Store) -> None:
         """Queue sets own separate shard spaces: two sets that share a queue would both run its triggers."""
@@ -139,6 +143,8 @@ class Leases(SupervisorState):
             released = self.owned - desired
             if released:
                 store.release_shards(self.job_id, released, self.queues_key)
+                # the taker claims them now, not at its next loop
+                store.notify_membership(self.job_id, self.queues_key)
             loads = self._loads_to_publish()
             claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key,
                                          loads)
@@ -171,8 +177,8 @@ class Leases(SupervisorState):
             self._note_fleet(False)  # capacity is only a weight in that placement
             return shards_of(self.job_id, assign(self.settings.shards, members))
         shards = store.shard_loads(self.queues_key)
-        placement = place(self.settings.shards, [m.candidate for m in live],
-                          {s.shard: s.groups for s in shards if s.groups is not None},
+        self.shard_groups = {s.shard: s.groups for s in shards if s.groups is not None}
+        placement = place(self.settings.shards, [m.candidate for m in live], self.shard_groups,
                           {s.shard: s.owner for s in shards},
                           self.settings.placement_epsilon)
         self._note_fleet(placement.full)
@@ -202,6 +208,17 @@ class Leases(SupervisorState):
         slow loop whose membership held reads on from where it was."""
         self.load_xmin = self.hash_xmin = None
 
+    def listen_for_peers(self) -> None:
+        """Renew as soon as a peer joins, stops or hands shards over (notices.py); again after the
+        listening connection broke, at most every ``RETRY_SECONDS``."""
+        if self.notices is None:
+            self.notices = MembershipNotices(self.job_id, self.queues_key, self._renew_now)
+        self.notices.attach(self.selector)
+
+    def _renew_now(self) -> None:
+        """The next loop loads (and so renews) at once."""
+        self.last_load = -math.inf
+
     def _wake_at_lapse(self, lapses_in: list[float]) -> None:
         """Load again right when another member's membership lapses (it stopped renewing: crashed or
         paused), not up to a loop later: its shards, whose leases expire with it, are taken at once."""
@@ -222,8 +239,13 @@ class Leases(SupervisorState):
     def release_all(self) -> None:
         """Graceful stop: release every lease and leave the membership at once; the last instance also
         takes the change feed off Airflow's tables (best effort: the next start prunes what is left)."""
+        if self.notices is not None:
+            self.notices.close()
+        self.waker.close()
         with create_session() as session:
-            Store(session).stop_instance(self.job_id)
+            store = Store(session)
+            store.stop_instance(self.job_id)
+            store.notify_membership(self.job_id, self.queues_key)  # the takers claim at once
         self.owned = set()
         try:
             with create_session() as session:

@@ -24,9 +24,11 @@ from triggerer.config import Settings
 from triggerer.dagbag import DagCache, OneBuildDagBag
 from triggerer.db_errors import cause, is_outage
 from triggerer.dead_letters import DeadLetters
-from triggerer.groups import Groups
+from triggerer.groups import Group, Groups
+from triggerer.notices import MembershipNotices
 from triggerer.store import Store
 from triggerer.trigger_logs import LogFilePool, open_files_allowed
+from triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -106,6 +108,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
+    notices: MembershipNotices | None = attrs.field(default=None, init=False)  # peers' joins and stops
+    waker: Waker = attrs.field(factory=Waker, init=False)  # a stop ends the wait in select at once
     last_load: float = attrs.field(default=-math.inf, init=False)
     pending_since: float | None = attrs.field(default=None, init=False)
     # events of coroutines still running whose group this instance forgot (its shards were dropped and may
@@ -127,6 +131,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
+    # the waiting groups, most urgent first, as sorted when ``groups.arrivals`` was ``start_order_arrivals``
+    start_order: list[Group] = attrs.field(factory=list, init=False)
+    start_order_arrivals: int = attrs.field(default=-1, init=False)
     handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
     holding_since: float = attrs.field(default=-math.inf, init=False)
     held_written_at: float = attrs.field(default=-math.inf, init=False)
@@ -148,6 +155,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     fleet_full: bool = attrs.field(default=False, init=False)
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
+    # groups per shard as their owners last published them (read with each renewal): a takeover reads
+    # its first shards, about FIRST_READ_GROUPS groups, before the rest (feed.py)
+    shard_groups: dict[int, int] = attrs.field(factory=dict, init=False)
     loads_counted_at: float = attrs.field(default=-math.inf, init=False)
     shards_moved_in: int = attrs.field(default=0, init=False)  # shards taken since start
     shards_moved_out: int = attrs.field(default=0, init=False)  # shards handed over (or dropped) since start
@@ -260,6 +270,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     def _renew_leases(self) -> None:
         raise NotImplementedError  # implemented by a part
 
+    def _renew_now(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
     def _update_filters(self) -> None:
         raise NotImplementedError  # implemented by a part
 
@@ -267,6 +280,9 @@ class SupervisorState(TriggerRunnerSupervisor):
         raise NotImplementedError  # implemented by a part
 
     def _load_counters(self) -> dict[str, object]:
+        raise NotImplementedError  # implemented by a part
+
+    def listen_for_peers(self) -> None:
         raise NotImplementedError  # implemented by a part
 
     def _guard_leases(self) -> None:
