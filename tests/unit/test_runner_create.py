@@ -10,12 +10,13 @@ from typing import Any
 
 from airflow.executors.workloads.task import TaskInstanceDTO
 from airflow.executors.workloads.trigger import RunTrigger
-from airflow.jobs.triggerer_job_runner import TriggerRunner
+from airflow.jobs.triggerer_job_runner import TriggerRunner, messages
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from structlog.testing import capture_logs
 
 from tests.helpers.task_instances import task_instance_dto
+from triggerer import runner as runner_module
 from triggerer.runner import CREATE_YIELD_EVERY, SmartTriggerRunner
 
 STARTED: dict[int, BaseTrigger] = {}  # trigger id -> the trigger whose run() started
@@ -146,3 +147,46 @@ def test_the_loop_is_yielded_to_once_per_batch_and_every_coroutine_starts() -> N
     print(f"\nloop passes while creating {count} coroutines: {ours} (Airflow's loop: {airflows})")
     assert airflows >= 2 * count
     assert ours <= math.ceil(count / CREATE_YIELD_EVERY) + 2
+
+
+def test_while_piles_come_the_next_one_is_asked_for_before_this_one_is_done(monkeypatch: Any) -> None:
+    """A takeover's coroutines come in piles, one per sync with the supervisor; the runner asks for the
+    next with ``PREFETCH_BELOW`` left and goes on creating while the supervisor answers (it may be
+    reading the next part of the takeover), and creates what the answer brings in the same call."""
+    monkeypatch.setattr(runner_module, "PREFETCH_BELOW", 200)  # smaller piles than in production: quicker
+    first, second = 600, 200
+
+    async def run() -> tuple[list[int], list[int], int]:
+        runner = SmartTriggerRunner()
+        runner.job_id = 7
+        runner.get_trigger_by_classpath(f"{__name__}._Waiting")
+        runner.to_create.extend(_workload(n) for n in range(1, first + 1))
+        runner._handing_over = True  # the last sync brought a pile: more may come
+        left_when_asked: list[int] = []
+        created_while_answering: list[int] = []
+
+        async def supervisor(msg: Any) -> messages.TriggerStateSync:
+            left_when_asked.append(len(runner.to_create))
+            before = len(runner.triggers)
+            # the supervisor is busy (reading): the answer comes once the runner created on for a while
+            while len(runner.triggers) < before + CREATE_YIELD_EVERY and runner.to_create:
+                await asyncio.sleep(0)
+            created_while_answering.append(len(runner.triggers) - before)
+            more = range(first + 1, first + second + 1) if len(left_when_asked) == 1 else range(0)
+            pile = [_workload(n) for n in more]
+            return messages.TriggerStateSync(to_create=pile, to_cancel=set())
+
+        runner.asend = supervisor  # type: ignore[method-assign]
+        STARTED.clear()
+        await runner.create_triggers()
+        created = len(runner.triggers)
+        await runner._asked_ahead()
+        for details in runner.triggers.values():
+            details["task"].cancel()
+        await asyncio.gather(*(d["task"] for d in runner.triggers.values()), return_exceptions=True)
+        return left_when_asked, created_while_answering, created
+
+    left_when_asked, created_while_answering, created = asyncio.run(run())
+    assert created == first + second  # the pile asked ahead was created in the same call
+    assert 0 < left_when_asked[0] <= 200
+    assert created_while_answering[0] > 0  # creating went on while the supervisor answered
