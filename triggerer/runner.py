@@ -271,13 +271,12 @@ class SmartTriggerRunner(TriggerRunner):
     async def create_triggers(self) -> None:
         """Every coroutine to create, a pile at a time (piles asked ahead arrive meanwhile): each pile is
         frozen at its end when the start is big (heap.py)."""
-        created = 0
-        while self.to_create:
+        while self.to_create and not self.stop:
             coming = len(self.to_create)
             with self.freezer.start(coming):
                 await self._create_some(coming)
-            created += coming
-        self.lag_meter.started(created)
+            # each pile's first steps are not load (a takeover's piles may all come in this one call)
+            self.lag_meter.started(coming)
 
     async def _create_some(self, count: int) -> None:
         """Airflow's ``TriggerRunner.create_triggers`` (3.3) for the next ``count`` workloads, yielding
@@ -310,6 +309,22 @@ class SmartTriggerRunner(TriggerRunner):
         if prefetch is not None:
             prefetch.result()  # a failed question fails the loop, as a failed sync does
             self._asked = True
+            self._cancel_running()
+
+    def _cancel_running(self) -> None:
+        """Cancels an answer brought while a pile is created: running coroutines' now (a handover must not
+        wait for the whole takeover to be created), the others' after the pile, as usual."""
+        later = [signed_id for signed_id in self.to_cancel if not self._cancel_one(signed_id)]
+        self.to_cancel.clear()
+        self.to_cancel.extend(later)
+
+    def _cancel_one(self, signed_id: int) -> bool:
+        """Cancel a running coroutine (negative id: a handover, without ``on_kill``); False if not running."""
+        details = self.triggers.get(abs(signed_id))
+        if details is None:
+            return False
+        details["task"].cancel(HANDOVER_CANCEL_MSG if signed_id < 0 else _USER_ACTION_CANCEL_MSG)
+        return True
 
     async def _asked_ahead(self) -> bool:
         """Wait for a question asked ahead, if one is out; True if any was answered since the last look."""
@@ -319,8 +334,10 @@ class SmartTriggerRunner(TriggerRunner):
         asked, self._asked = self._asked, False
         return asked
 
-    def _nothing_to_report(self) -> bool:
-        return not (self.events or self.failed_triggers or self._ended)
+    def _sync_needed(self, asked: bool) -> bool:
+        """The loop's sync is left out only when a question asked ahead brought coroutines still to create
+        and nothing happened since that the supervisor must hear (an event, a failure, an end)."""
+        return not (asked and self.to_create and not (self.events or self.failed_triggers or self._ended))
 
     def _create_one(self, workload: Any) -> None:
         """One coroutine, as Airflow's loop creates it (the same log lines and failures)."""
@@ -381,11 +398,7 @@ class SmartTriggerRunner(TriggerRunner):
 
     async def cancel_triggers(self) -> None:
         while self.to_cancel:
-            signed_id = self.to_cancel.popleft()
-            trigger_id = abs(signed_id)
-            message = HANDOVER_CANCEL_MSG if signed_id < 0 else _USER_ACTION_CANCEL_MSG
-            if trigger_id in self.triggers:
-                self.triggers[trigger_id]["task"].cancel(message)
+            self._cancel_one(self.to_cancel.popleft())
             await asyncio.sleep(0)
 
     async def cleanup_finished_triggers(self) -> list[int]:
@@ -484,9 +497,9 @@ class SmartTriggerRunner(TriggerRunner):
                 if reader is not None and reader.done():
                     reader.result()
                     raise RuntimeError("Supervisor connection lost")
-                # a question asked ahead brought this pass's pile: no second sync unless there is news
-                asked = await self._asked_ahead()
-                if not (asked and self._nothing_to_report()):
+                # a question asked ahead brought this pass's pile: no second sync unless there is news.
+                # (The reader's check above comes first: a question out to a dead reader would never end.)
+                if self._sync_needed(await self._asked_ahead()):
                     await self.sync_state_to_supervisor(await self.cleanup_finished_triggers())
                 await self.create_triggers()
                 await self.cancel_triggers()
@@ -505,6 +518,8 @@ class SmartTriggerRunner(TriggerRunner):
         finally:
             lag_meter.cancel()
             if self._prefetch is not None:
+                if self._prefetch.done() and not self._prefetch.cancelled():
+                    self._prefetch.exception()  # retrieved: the loop is ending for its own reason
                 self._prefetch.cancel()
             if (reader_task := self.comms_decoder._reader_task) is not None:
                 reader_task.cancel()

@@ -152,11 +152,12 @@ def test_the_loop_is_yielded_to_once_per_batch_and_every_coroutine_starts() -> N
 def test_while_piles_come_the_next_one_is_asked_for_before_this_one_is_done(monkeypatch: Any) -> None:
     """A takeover's coroutines come in piles, one per sync with the supervisor; the runner asks for the
     next with ``PREFETCH_BELOW`` left and goes on creating while the supervisor answers (it may be
-    reading the next part of the takeover), and creates what the answer brings in the same call."""
+    reading the next part of the takeover), asks again while a pile lasts, creates what the answers
+    bring in the same call, and cancels what they say at once (a handover must not wait for the rest)."""
     monkeypatch.setattr(runner_module, "PREFETCH_BELOW", 200)  # smaller piles than in production: quicker
     first, second = 600, 200
 
-    async def run() -> tuple[list[int], list[int], int]:
+    async def run() -> tuple[list[int], list[int], list[bool], int]:
         runner = SmartTriggerRunner()
         runner.job_id = 7
         runner.get_trigger_by_classpath(f"{__name__}._Waiting")
@@ -164,17 +165,26 @@ def test_while_piles_come_the_next_one_is_asked_for_before_this_one_is_done(monk
         runner._handing_over = True  # the last sync brought a pile: more may come
         left_when_asked: list[int] = []
         created_while_answering: list[int] = []
+        handed_over_by_then: list[bool] = []
 
         async def supervisor(msg: Any) -> messages.TriggerStateSync:
             left_when_asked.append(len(runner.to_create))
+            if len(left_when_asked) == 2:  # the first answer's cancel (trigger 1) was applied already
+                task = runner.triggers[1]["task"]
+                handed_over_by_then.append(task.cancelling() > 0 or task.cancelled())
             before = len(runner.triggers)
             # the supervisor is busy (reading): the answer comes once the runner created on for a while
-            while len(runner.triggers) < before + CREATE_YIELD_EVERY and runner.to_create:
+            for _ in range(100_000):
+                if len(runner.triggers) >= before + CREATE_YIELD_EVERY or not runner.to_create:
+                    break
                 await asyncio.sleep(0)
+            else:
+                raise AssertionError("the runner stopped creating while its question was out")
             created_while_answering.append(len(runner.triggers) - before)
-            more = range(first + 1, first + second + 1) if len(left_when_asked) == 1 else range(0)
-            pile = [_workload(n) for n in more]
-            return messages.TriggerStateSync(to_create=pile, to_cancel=set())
+            if len(left_when_asked) == 1:
+                pile = [_workload(n) for n in range(first + 1, first + second + 1)]
+                return messages.TriggerStateSync(to_create=pile, to_cancel={-1})
+            return messages.TriggerStateSync(to_create=[], to_cancel=set())
 
         runner.asend = supervisor  # type: ignore[method-assign]
         STARTED.clear()
@@ -184,9 +194,22 @@ def test_while_piles_come_the_next_one_is_asked_for_before_this_one_is_done(monk
         for details in runner.triggers.values():
             details["task"].cancel()
         await asyncio.gather(*(d["task"] for d in runner.triggers.values()), return_exceptions=True)
-        return left_when_asked, created_while_answering, created
+        return left_when_asked, created_while_answering, handed_over_by_then, created
 
-    left_when_asked, created_while_answering, created = asyncio.run(run())
+    left_when_asked, created_while_answering, handed_over_by_then, created = asyncio.run(run())
     assert created == first + second  # the pile asked ahead was created in the same call
     assert 0 < left_when_asked[0] <= 200
+    assert len(left_when_asked) >= 2 and left_when_asked[1] > 0  # asked again while that pile lasted
     assert created_while_answering[0] > 0  # creating went on while the supervisor answered
+    assert handed_over_by_then == [True]
+
+
+def test_the_loop_syncs_unless_an_answer_asked_ahead_left_coroutines_and_nothing_happened() -> None:
+    runner = SmartTriggerRunner()
+    assert runner._sync_needed(asked=False)
+    assert runner._sync_needed(asked=True)  # an empty answer: the loop asks again, as it always did
+    runner.to_create.append(_workload(1))
+    assert runner._sync_needed(asked=False)
+    assert not runner._sync_needed(asked=True)  # its pile is created first
+    runner._ended.append(1)  # a coroutine ended: the supervisor hears it now
+    assert runner._sync_needed(asked=True)
