@@ -314,7 +314,8 @@ class SmartTriggerRunner(TriggerRunner):
     def _cancel_running(self) -> None:
         """Cancels an answer brought while a pile is created: running coroutines' now (a handover must not
         wait for the whole takeover to be created), the others' after the pile, as usual."""
-        later = [signed_id for signed_id in self.to_cancel if not self._cancel_one(signed_id)]
+        # once each: every answer brings the supervisor's whole set of cancels again
+        later = [signed_id for signed_id in dict.fromkeys(self.to_cancel) if not self._cancel_one(signed_id)]
         self.to_cancel.clear()
         self.to_cancel.extend(later)
 
@@ -337,7 +338,9 @@ class SmartTriggerRunner(TriggerRunner):
     def _sync_needed(self, asked: bool) -> bool:
         """The loop's sync is left out only when a question asked ahead brought coroutines still to create
         and nothing happened since that the supervisor must hear (an event, a failure, an end)."""
-        return not (asked and self.to_create and not (self.events or self.failed_triggers or self._ended))
+        if not asked or not self.to_create:
+            return True
+        return bool(self.events or self.failed_triggers or self._ended)
 
     def _create_one(self, workload: Any) -> None:
         """One coroutine, as Airflow's loop creates it (the same log lines and failures)."""
