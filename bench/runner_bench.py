@@ -10,7 +10,9 @@ trigger (``bench.triggers.PollTrigger``, a task each) in a ``SmartTriggerRunner`
 Airflow's ``TriggerRunner.create_triggers`` and its kwargs decoding (with our collector settings around
 it, as ours has), once with ours, and counts the
 runner thread's CPU (``time.thread_time``) until the HTTP source (a process of its own) has answered
-every first poll. The rest of a coroutine's start (Airflow's ``run_trigger``, greenback's portal, its first
+every first poll. Airflow's loop gives every coroutine greenback's portal, as stock Airflow does; ours
+gives none to a trigger that says it makes no sync SDK call (``calls_sync_sdk = False``, as the bench's
+trigger does; runner.py, item 10). The rest of a coroutine's start (Airflow's ``run_trigger``, its first
 request through aiohttp) is the same code in both.
 """
 
@@ -46,7 +48,7 @@ from rich.table import Table
 
 from tests.helpers.task_instances import task_instance_dto
 from triggerer.heap import tune_collector
-from triggerer.runner import SmartTriggerRunner, batch_log_channel, skip_untraced_spans
+from triggerer.runner import SmartTriggerRunner, batch_log_channel, portal_on_demand, skip_untraced_spans
 from triggers.http import shared_request
 
 console = Console()
@@ -153,6 +155,7 @@ def as_the_runner_starts() -> None:
                       sending_to_supervisor=True)
     batch_log_channel()
     skip_untraced_spans()
+    portal_on_demand()
     tune_collector()
 
 

@@ -16,6 +16,7 @@ from triggers.identity import DedupableTrigger
 class PollTrigger(DedupableTrigger, BaseTrigger):
     """Waits until ``GET {url}/poll/{key}`` answers ready; ``poll_interval`` is how, not what."""
 
+    calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
     identity_kwargs = ("url", "key")
     wait_description = "{key} ready at {url!p}"
 

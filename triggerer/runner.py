@@ -44,11 +44,19 @@
    ``PREFETCH_BELOW`` are left to create, and goes on creating while the answer comes. Asked only once a
    pile was done, it waited for the supervisor (reading the next part of a takeover, up to half a second
    at 50,000 waiters) about a fifth of a takeover.
+10. Greenback's portal: Airflow gives every coroutine one (``greenback.ensure_portal``) so that a trigger
+    may call a sync SDK method (``get_connection()``) from ``async def run()``; the portal then wraps every
+    step of the coroutine for its whole life. A trigger class that says it makes no such call
+    (``calls_sync_sdk = False``: ours, which use ``aget_connection`` and ``asend``) runs without one,
+    unless it has templates to render (a template may read a Variable). A sync call made there anyway fails
+    with Airflow's own error, which names the async equivalent. The portal was a sixth of the runner's CPU
+    for a new coroutine in a takeover.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import os
 import socket
@@ -60,6 +68,7 @@ from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import anyio
+import greenback
 import structlog
 from airflow.jobs.triggerer_job_runner import _USER_ACTION_CANCEL_MSG, TriggerRunner, log
 
@@ -90,6 +99,8 @@ LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the run
 LOG_BATCH_BYTES = 256 * 2**10  # log lines sent at once at most (sooner when the loop pass ends)
 CREATE_YIELD_EVERY = 64  # coroutines created between two yields to the event loop (a few milliseconds)
 PREFETCH_BELOW = 1000  # during a handover, the next pile is asked for with this many left (about 0.3 s)
+# set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
+_WITHOUT_PORTAL: contextvars.ContextVar[bool] = contextvars.ContextVar("without_portal", default=False)
 
 
 def widen_log_channel(wanted: int = LOG_CHANNEL_BYTES) -> int | None:
@@ -133,6 +144,31 @@ def skip_untraced_spans() -> bool:
 
     triggerer_job_runner._make_trigger_span = untraced  # type: ignore[assignment]
     return True
+
+
+class _PortalOnDemand:
+    """Stands in for the ``greenback`` module in Airflow's runner module: ``ensure_portal`` does nothing in
+    a task created without a portal (item 10); everything else is greenback's."""
+
+    async def ensure_portal(self, *args: Any, **kwargs: Any) -> None:
+        if not _WITHOUT_PORTAL.get():
+            await greenback.ensure_portal(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(greenback, name)
+
+
+def portal_on_demand() -> None:
+    """Airflow's ``run_trigger`` gives a portal only to coroutines that may need one (item 10)."""
+    from airflow.jobs import triggerer_job_runner
+
+    triggerer_job_runner.greenback = _PortalOnDemand()  # type: ignore[attr-defined]
+
+
+def needs_portal(trigger_class: Any, context: Any) -> bool:
+    """A coroutine of ``trigger_class`` may call a sync SDK method: it says so (or says nothing, as every
+    trigger written for Airflow), or it renders templates."""
+    return context is not None or getattr(trigger_class, "calls_sync_sdk", True) is not False
 
 
 class BatchedLogChannel:
@@ -212,7 +248,10 @@ class _TriggerLog:
     async def ainfo(self, event: str, *args: Any, **kw: Any) -> Any:
         if event == COMPLETED_LINE and self._fired():
             return None
-        result = await self._log.ainfo(event, *args, **kw)
+        # on the loop's own thread: structlog's ``ainfo`` hands each line to a thread pool so that a slow
+        # write never blocks the loop, but the runner's channel only adds it to a batch (item 6). Through
+        # the pool, the last lines of a handover's thousands of cancelled coroutines cost twice the CPU.
+        result = self._log.info(event, *args, **kw)
         if event == FIRED_LINE:
             # sent at once, as Airflow's own line is: an instance killed before its next sync leaves the
             # line of what it fired in its log (the event itself is redone by the next owner)
@@ -385,11 +424,16 @@ class SmartTriggerRunner(TriggerRunner):
             trigger_instance.asset_state_store = AssetStateStoreAccessors(
                 inlets=[Asset(name=name, uri=uri) for name, uri in workload.watched_assets.items()]
             )
-        self.triggers[trigger_id] = {
-            "task": asyncio.create_task(
+        portal = _WITHOUT_PORTAL.set(not needs_portal(trigger_class, context))
+        try:  # the task takes a copy of this context
+            task = asyncio.create_task(
                 self.run_trigger(trigger_id, trigger_instance, workload.timeout_after, context),
                 name=trigger_name,
-            ),
+            )
+        finally:
+            _WITHOUT_PORTAL.reset(portal)
+        self.triggers[trigger_id] = {
+            "task": task,
             "is_watcher": isinstance(trigger_instance, BaseEventTrigger),
             "name": trigger_name,
             "events": 0,
@@ -442,6 +486,7 @@ class SmartTriggerRunner(TriggerRunner):
         widen_log_channel()
         self.log_channel = batch_log_channel()
         skip_untraced_spans()
+        portal_on_demand()
         if Settings.from_airflow().event_loop == "uvloop":
             import uvloop
 

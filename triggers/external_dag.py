@@ -98,6 +98,7 @@ class ExternalTarget:
 
 
 class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
+    calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
     identity_kwargs = ("external_dag_id", "external_task_ids", "logical_date", "run_id", "allowed_states",
                        "failed_states", "skipped_states")
     wait_description = ("DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "

@@ -152,6 +152,7 @@ class HttpCondition:
 
 
 class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
+    calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
     identity_kwargs = ("http_conn_id", "endpoint", "method", "data", "headers", "expected_statuses",
                        "json_path", "expected_value", "verify_ssl")
     wait_description = "HTTP {method} {endpoint!p} on {http_conn_id} answering {expected_statuses}"

@@ -48,6 +48,7 @@ def _still_in_transaction(conn: asyncpg.Connection, argument: str) -> None:
 
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
+    calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
     identity_kwargs = ("conn_id", "sql", "parameters", "failure_sql", "failure_parameters")
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
     execution_merge = {"notify_channel": "union", "read_only_role": "any"}

@@ -155,6 +155,7 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     """Fires once the required tables are loaded (or one failed). Push: optional LISTEN channel."""
 
     # end_from_trigger is identity: members of one group must agree on whether the wait ends here
+    calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
     identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
                        "time_column", "since", "end_from_trigger")
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
