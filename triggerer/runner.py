@@ -162,7 +162,7 @@ def portal_on_demand() -> None:
     """Airflow's ``run_trigger`` gives a portal only to coroutines that may need one (item 10)."""
     from airflow.jobs import triggerer_job_runner
 
-    triggerer_job_runner.greenback = _PortalOnDemand()  # type: ignore[attr-defined]
+    triggerer_job_runner.greenback = _PortalOnDemand()  # type: ignore[attr-defined,assignment]
 
 
 def needs_portal(trigger_class: Any, context: Any) -> bool:
