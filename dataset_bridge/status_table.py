@@ -328,6 +328,7 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
     row id that orders the table.
     """
 
+    calls_sync_sdk = False  # connections are asked with await: no greenback portal needed
     # what shared_stream_key() is made of: the triggerer places watchers of one stream on one shard
     shared_stream_kwargs = ("conn_id", "status_table", "table_column", "status_column", "time_column",
                             "id_column", "watermark_conn_id", "notify_channel")

@@ -22,6 +22,7 @@ from airflow.sdk.execution_time.comms import ConnectionResult, GetConnection
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from bench.triggers import PollTrigger
+from dataset_bridge.status_table import TableStatusTrigger
 from triggerer.runner import SmartTriggerRunner, _PortalOnDemand, needs_portal
 from triggers.external_dag import ExternalDagTrigger
 from triggers.http import HttpConditionTrigger
@@ -127,6 +128,6 @@ def test_templates_to_render_keep_the_portal() -> None:
 
 
 @pytest.mark.parametrize("trigger_class", [ExternalDagTrigger, HttpConditionTrigger, SqlConditionTrigger,
-                                           TableLoadTrigger, PollTrigger])
+                                           TableLoadTrigger, TableStatusTrigger, PollTrigger])
 def test_our_triggers_say_they_make_no_sync_call(trigger_class: type) -> None:
     assert not needs_portal(trigger_class, None)
