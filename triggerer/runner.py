@@ -47,10 +47,11 @@
 10. Greenback's portal: Airflow gives every coroutine one (``greenback.ensure_portal``) so that a trigger
     may call a sync SDK method (``get_connection()``) from ``async def run()``; the portal then wraps every
     step of the coroutine for its whole life. A trigger class that says it makes no such call
-    (``calls_sync_sdk = False``: ours, which use ``aget_connection`` and ``asend``) runs without one,
-    unless it has templates to render (a template may read a Variable). A sync call made there anyway fails
-    with Airflow's own error, which names the async equivalent. The portal was a sixth of the runner's CPU
-    for a new coroutine in a takeover.
+    (``calls_sync_sdk = False`` on the class itself: ours, which use ``aget_connection``, ``asend`` and
+    ``aextra_dejson``) runs without one, unless it has templates to render (a template may read a
+    Variable). A sync call made there anyway fails that trigger: a direct one with Airflow's error, which
+    names the async method; a connection or variable lookup as "isn't defined" (Airflow's secrets backend
+    swallows the error). The portal was a sixth of the runner's CPU for a new coroutine in a takeover.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import anyio
-import greenback
 import structlog
 from airflow.jobs.triggerer_job_runner import _USER_ACTION_CANCEL_MSG, TriggerRunner, log
 
@@ -148,27 +148,34 @@ def skip_untraced_spans() -> bool:
 
 class _PortalOnDemand:
     """Stands in for the ``greenback`` module in Airflow's runner module: ``ensure_portal`` does nothing in
-    a task created without a portal (item 10); everything else is greenback's."""
+    a task created without a portal (item 10); everything else is greenback's (the module Airflow imported:
+    greenback is Airflow's dependency, not ours)."""
+
+    def __init__(self, greenback: Any) -> None:
+        self._greenback = greenback
 
     async def ensure_portal(self, *args: Any, **kwargs: Any) -> None:
         if not _WITHOUT_PORTAL.get():
-            await greenback.ensure_portal(*args, **kwargs)
+            await self._greenback.ensure_portal(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(greenback, name)
+        return getattr(self._greenback, name)
 
 
 def portal_on_demand() -> None:
     """Airflow's ``run_trigger`` gives a portal only to coroutines that may need one (item 10)."""
     from airflow.jobs import triggerer_job_runner
 
-    triggerer_job_runner.greenback = _PortalOnDemand()  # type: ignore[attr-defined,assignment]
+    module: Any = triggerer_job_runner
+    if not isinstance(module.greenback, _PortalOnDemand):
+        module.greenback = _PortalOnDemand(module.greenback)
 
 
 def needs_portal(trigger_class: Any, context: Any) -> bool:
-    """A coroutine of ``trigger_class`` may call a sync SDK method: it says so (or says nothing, as every
-    trigger written for Airflow), or it renders templates."""
-    return context is not None or getattr(trigger_class, "calls_sync_sdk", True) is not False
+    """A coroutine of ``trigger_class`` may call a sync SDK method: it says nothing (every trigger written
+    for Airflow), or it renders templates. Only the class's own word counts: a subclass (of ours, say)
+    may add a sync call, so it must say ``calls_sync_sdk = False`` again."""
+    return context is not None or vars(trigger_class).get("calls_sync_sdk", True) is not False
 
 
 class BatchedLogChannel:

@@ -75,3 +75,25 @@ async def _patiently(conn_id: str, patience: float) -> Any:
                 log.warning("connection not found; looking it up again before failing the wait",
                             conn_id=conn_id, for_seconds=round(patience))
             await asyncio.sleep(delay)
+
+
+async def aextra_dejson(conn: Any) -> dict[str, Any]:
+    """The connection's extra as a dict, its values registered for masking with ``await``: Airflow's
+    ``extra_dejson`` tells the supervisor with a sync call, which from a coroutine without greenback's portal
+    (our triggers run without one) fails, and the failure is swallowed: the supervisor would not mask the
+    extra's values one by one. Airflow's own ``aextra_dejson`` where it has one (task SDK 1.3.2 on)."""
+    if hasattr(conn, "aextra_dejson"):
+        return dict(await conn.aextra_dejson() or {})
+    import json
+
+    from airflow.sdk.log import amask_secret
+
+    if not conn.extra:
+        return {}
+    try:
+        extra = json.loads(conn.extra)
+    except json.JSONDecodeError:
+        log.exception("Failed to deserialize extra property `extra`, returning empty dictionary")
+        return {}
+    await amask_secret(extra)
+    return dict(extra or {})

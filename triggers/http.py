@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from triggers.connections import CONNECTION_PATIENCE, aget_connection
+from triggers.connections import CONNECTION_PATIENCE, aextra_dejson, aget_connection
 from triggers.identity import DedupableTrigger
 from triggers.pg import SourceError
 from triggers.polling import poll_until
@@ -78,7 +78,7 @@ async def http_target(conn_id: str, *, patience: float = 0.0) -> HttpTarget:
         host = f"{conn.schema or 'http'}://{host}"
     if conn.port:
         host = f"{host}:{conn.port}"
-    extra = conn.extra_dejson or {}
+    extra = await aextra_dejson(conn)
     headers = extra.get("headers", {k: v for k, v in extra.items() if isinstance(v, str)})
     auth = aiohttp.BasicAuth(conn.login, conn.password or "") if conn.login else None
     return HttpTarget(base_url=host.rstrip("/"), auth=auth, headers=dict(headers))

@@ -89,10 +89,10 @@ async def refuse_writable_role(conn: asyncpg.Connection | asyncpg.Pool, conn_id:
 async def target_for(conn_id: str, *, patience: float = 0.0) -> PgTarget:
     """Resolve an Airflow connection (works in the triggerer, in workers and in plain processes); a
     trigger passes ``patience`` (triggers/connections.py: a failed lookup looks like a missing one)."""
-    from triggers.connections import aget_connection
+    from triggers.connections import aextra_dejson, aget_connection
 
     conn = await aget_connection(conn_id, patience=patience)
-    extra = conn.extra_dejson or {}
+    extra = await aextra_dejson(conn)
     return PgTarget(host=conn.host or "localhost", port=int(conn.port or 5432), user=conn.login,
                     password=conn.password, database=conn.schema or None, ssl=extra.get("sslmode"))
 

@@ -1,7 +1,8 @@
 """Greenback's portal only for coroutines that may need it (triggerer/runner.py, item 10): a trigger class
-that says it makes no sync SDK call runs without one; every other, and one with templates to render, gets
-Airflow's portal, and its sync calls work. A sync call made without a portal fails that trigger alone, with
-Airflow's error naming the async equivalent."""
+that says it makes no sync SDK call runs without one; every other (a subclass that does not say it again
+included), and one with templates to render, gets Airflow's portal, and its sync calls work. A sync call
+made without a portal fails that trigger alone: a direct one with Airflow's error naming the async method,
+a connection lookup as "isn't defined". The connection extras of our triggers are masked with ``await``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from airflow.executors.workloads.trigger import RunTrigger
 from airflow.jobs import triggerer_job_runner
 from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder
 from airflow.models.trigger import Trigger
+from airflow.sdk import BaseHook, Connection
 from airflow.sdk.execution_time import task_runner
 from airflow.sdk.execution_time.comms import ConnectionResult, GetConnection
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -24,6 +26,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from bench.triggers import PollTrigger
 from dataset_bridge.status_table import TableStatusTrigger
 from triggerer.runner import SmartTriggerRunner, _PortalOnDemand, needs_portal
+from triggers.connections import aextra_dejson
 from triggers.external_dag import ExternalDagTrigger
 from triggers.http import HttpConditionTrigger
 from triggers.sql_condition import SqlConditionTrigger
@@ -35,7 +38,7 @@ SEEN: dict[int, Any] = {}  # trigger id -> whether it had a portal, or what its 
 class _Probe(BaseTrigger):
     """Says nothing about sync calls, as every trigger written for Airflow: it gets a portal."""
 
-    def __init__(self, call: bool = False) -> None:
+    def __init__(self, call: str = "") -> None:
         super().__init__()
         self.call = call
 
@@ -44,15 +47,21 @@ class _Probe(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         SEEN[self.trigger_id] = greenback.has_portal()
-        if self.call:  # a sync SDK call from async code, as BaseHook.get_connection() makes
+        if self.call == "send":  # a sync SDK call from async code, straight to the supervisor
             answer = task_runner.SUPERVISOR_COMMS.send(GetConnection(conn_id="warehouse"))
             SEEN[self.trigger_id] = answer.conn_id
+        elif self.call == "hook":  # the same through Airflow's secrets backends, as a hook makes it
+            SEEN[self.trigger_id] = BaseHook.get_connection("warehouse").conn_id
         await asyncio.sleep(3600)
         yield TriggerEvent(None)
 
 
 class _AsyncOnly(_Probe):
     calls_sync_sdk = False
+
+
+class _Inherited(_AsyncOnly):
+    """A subclass that does not say it again (it may add a sync call): it gets the portal."""
 
 
 class _Comms(TriggerCommsDecoder):
@@ -64,7 +73,7 @@ class _Comms(TriggerCommsDecoder):
                                 password=None, port=None, extra=None)
 
 
-def _workload(trigger_id: int, trigger_class: type, call: bool = False) -> RunTrigger:
+def _workload(trigger_id: int, trigger_class: type, call: str = "") -> RunTrigger:
     return RunTrigger(id=trigger_id, classpath=f"{__name__}.{trigger_class.__name__}",
                       encrypted_kwargs=Trigger.encrypt_kwargs({"call": call}))
 
@@ -103,27 +112,60 @@ def _run(workloads: list[RunTrigger]) -> tuple[dict[int, Any], dict[int, str]]:
 
 @pytest.fixture(autouse=True)
 def _portal_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triggerer_job_runner, "greenback", _PortalOnDemand())  # as the runner's run() does
+    # as the runner's run() does
+    monkeypatch.setattr(triggerer_job_runner, "greenback", _PortalOnDemand(greenback))
     monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", None, raising=False)
 
 
 def test_only_a_trigger_that_makes_no_sync_call_runs_without_a_portal() -> None:
-    seen, failed = _run([_workload(1, _Probe), _workload(2, _AsyncOnly), _workload(3, _Probe, call=True)])
-    assert seen == {1: True, 2: False, 3: "warehouse"}  # the portal's sync call was answered
+    seen, failed = _run([_workload(1, _Probe), _workload(2, _AsyncOnly), _workload(3, _Probe, call="send"),
+                         _workload(4, _Inherited), _workload(5, _Probe, call="hook")])
+    assert seen == {1: True, 2: False, 3: "warehouse", 4: True, 5: "warehouse"}  # the sync calls answered
     assert failed == {}
 
 
 def test_a_sync_call_without_a_portal_fails_that_trigger_alone_with_the_cause() -> None:
-    seen, failed = _run([_workload(1, _AsyncOnly, call=True), _workload(2, _AsyncOnly),
-                         _workload(3, _Probe, call=True)])
-    assert list(failed) == [1]
+    seen, failed = _run([_workload(1, _AsyncOnly, call="send"), _workload(2, _AsyncOnly),
+                         _workload(3, _Probe, call="send"), _workload(4, _AsyncOnly, call="hook")])
+    assert sorted(failed) == [1, 4]
     assert "use the async equivalent" in failed[1]
-    assert seen == {1: False, 2: False, 3: "warehouse"}  # the others run on
+    assert "isn't defined" in failed[4]  # Airflow's secrets backend swallows the cause
+    assert seen == {1: False, 2: False, 3: "warehouse", 4: False}  # the others run on
+
+
+def test_our_triggers_mask_connection_extras_with_await(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a portal, Airflow's sync ``extra_dejson`` could not tell the supervisor to mask the extra's
+    values; ours asks with ``await`` (Airflow's ``aextra_dejson`` where the task SDK has one)."""
+    told: list[Any] = []
+
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        left, right = socket.socketpair()  # never written: the answer is given in ``asend``
+        comms = _Comms(async_writer=None, async_reader=None, socket=left)  # type: ignore[arg-type]
+        comms._loop, comms._loop_thread_id = asyncio.get_running_loop(), threading.get_ident()
+
+        async def asend(msg: Any) -> Any:
+            told.append(msg)
+
+        monkeypatch.setattr(comms, "asend", asend)
+        monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", comms)
+        conn = Connection(conn_id="warehouse", conn_type="postgres",
+                          extra='{"sslmode": "require", "token": "s3cr3t-extra"}')
+        ours = await aextra_dejson(conn)
+        monkeypatch.delattr(type(conn), "aextra_dejson", raising=False)  # as on the task SDK 1.3.1
+        older = await aextra_dejson(conn)
+        left.close()
+        right.close()
+        return ours, older
+
+    ours, older = asyncio.run(run())
+    assert ours == older == {"sslmode": "require", "token": "s3cr3t-extra"}
+    assert [type(msg).__name__ for msg in told] == ["MaskSecret", "MaskSecret"]
+    assert all(msg.value == ours for msg in told)
 
 
 def test_templates_to_render_keep_the_portal() -> None:
     assert needs_portal(_Probe, None) and needs_portal(_Probe, {"ds": "2026-11-27"})
-    assert not needs_portal(_AsyncOnly, None)
+    assert not needs_portal(_AsyncOnly, None) and needs_portal(_Inherited, None)
     assert needs_portal(_AsyncOnly, {"ds": "2026-11-27"})  # a template may read a Variable
 
 
