@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import greenback
@@ -73,6 +74,17 @@ class _Comms(TriggerCommsDecoder):
                                 password=None, port=None, extra=None)
 
 
+@contextmanager
+def _comms_on_this_loop() -> Iterator[_Comms]:
+    """``_Comms`` set up as the runner's ``start_reader`` would, for the running loop; its socket is never
+    written (the answers are given in ``asend``) and is closed on the way out."""
+    left, right = socket.socketpair()
+    with left, right:
+        comms = _Comms(async_writer=None, async_reader=None, socket=left)  # type: ignore[arg-type]
+        comms._loop, comms._loop_thread_id = asyncio.get_running_loop(), threading.get_ident()
+        yield comms
+
+
 def _workload(trigger_id: int, trigger_class: type, call: str = "") -> RunTrigger:
     return RunTrigger(id=trigger_id, classpath=f"{__name__}.{trigger_class.__name__}",
                       encrypted_kwargs=Trigger.encrypt_kwargs({"call": call}))
@@ -82,30 +94,26 @@ def _run(workloads: list[RunTrigger]) -> tuple[dict[int, Any], dict[int, str]]:
     """Create the workloads in our runner; what each coroutine saw, and the failures by trigger id."""
 
     async def run() -> tuple[dict[int, Any], dict[int, str]]:
-        left, right = socket.socketpair()  # never written: the answer is given in ``asend``
-        comms = _Comms(async_writer=None, async_reader=None, socket=left)  # type: ignore[arg-type]
-        comms._loop, comms._loop_thread_id = asyncio.get_running_loop(), threading.get_ident()
-        task_runner.SUPERVISOR_COMMS = comms
-        runner = SmartTriggerRunner()
-        runner.job_id = 7
-        runner.to_create.extend(workloads)
-        SEEN.clear()
-        await runner.create_triggers()
-        async with asyncio.timeout(30):  # each coroutine has run up to its sleep, or ended
-            while any(w.id not in SEEN and not runner.triggers[w.id]["task"].done() for w in workloads):
-                await asyncio.sleep(0.01)
-        ended = [d["task"] for d in runner.triggers.values() if d["task"].done()]
-        await asyncio.gather(*ended, return_exceptions=True)
-        runner._ended.extend(runner.triggers)
-        await runner.cleanup_finished_triggers()
-        failed = {trigger_id: str(error) for trigger_id, error in runner.failed_triggers}
-        running = [d["task"] for d in runner.triggers.values()]
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
-        left.close()
-        right.close()
-        return dict(SEEN), failed
+        with _comms_on_this_loop() as comms:
+            task_runner.SUPERVISOR_COMMS = comms
+            runner = SmartTriggerRunner()
+            runner.job_id = 7
+            runner.to_create.extend(workloads)
+            SEEN.clear()
+            await runner.create_triggers()
+            async with asyncio.timeout(30):  # each coroutine has run up to its sleep, or ended
+                while any(w.id not in SEEN and not runner.triggers[w.id]["task"].done() for w in workloads):
+                    await asyncio.sleep(0.01)
+            ended = [d["task"] for d in runner.triggers.values() if d["task"].done()]
+            await asyncio.gather(*ended, return_exceptions=True)
+            runner._ended.extend(runner.triggers)
+            await runner.cleanup_finished_triggers()
+            failed = {trigger_id: str(error) for trigger_id, error in runner.failed_triggers}
+            running = [d["task"] for d in runner.triggers.values()]
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            return dict(SEEN), failed
 
     return asyncio.run(run())
 
@@ -138,24 +146,18 @@ def test_our_triggers_mask_connection_extras_with_await(monkeypatch: pytest.Monk
     values; ours asks with ``await`` (Airflow's ``aextra_dejson`` where the task SDK has one)."""
     told: list[Any] = []
 
+    async def asend(msg: Any) -> Any:
+        told.append(msg)
+
     async def run() -> tuple[dict[str, Any], dict[str, Any]]:
-        left, right = socket.socketpair()  # never written: the answer is given in ``asend``
-        comms = _Comms(async_writer=None, async_reader=None, socket=left)  # type: ignore[arg-type]
-        comms._loop, comms._loop_thread_id = asyncio.get_running_loop(), threading.get_ident()
-
-        async def asend(msg: Any) -> Any:
-            told.append(msg)
-
-        monkeypatch.setattr(comms, "asend", asend)
-        monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", comms)
-        conn = Connection(conn_id="warehouse", conn_type="postgres",
-                          extra='{"sslmode": "require", "token": "s3cr3t-extra"}')
-        ours = await aextra_dejson(conn)
-        monkeypatch.delattr(type(conn), "aextra_dejson", raising=False)  # as on the task SDK 1.3.1
-        older = await aextra_dejson(conn)
-        left.close()
-        right.close()
-        return ours, older
+        with _comms_on_this_loop() as comms:
+            monkeypatch.setattr(comms, "asend", asend)
+            monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", comms)
+            conn = Connection(conn_id="warehouse", conn_type="postgres",
+                              extra='{"sslmode": "require", "token": "s3cr3t-extra"}')
+            ours = await aextra_dejson(conn)
+            monkeypatch.delattr(type(conn), "aextra_dejson", raising=False)  # as on the task SDK 1.3.1
+            return ours, await aextra_dejson(conn)
 
     ours, older = asyncio.run(run())
     assert ours == older == {"sslmode": "require", "token": "s3cr3t-extra"}
