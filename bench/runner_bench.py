@@ -48,7 +48,13 @@ from rich.table import Table
 
 from tests.helpers.task_instances import task_instance_dto
 from triggerer.heap import tune_collector
-from triggerer.runner import SmartTriggerRunner, batch_log_channel, portal_on_demand, skip_untraced_spans
+from triggerer.runner import (
+    SmartTriggerRunner,
+    batch_log_channel,
+    portal_on_demand,
+    quick_jwt_redaction,
+    skip_untraced_spans,
+)
 from triggers.http import shared_request
 
 console = Console()
@@ -156,6 +162,7 @@ def as_the_runner_starts() -> None:
     batch_log_channel()
     skip_untraced_spans()
     portal_on_demand()
+    quick_jwt_redaction()
     tune_collector()
 
 

@@ -1,5 +1,6 @@
 """``decode_kwargs`` (triggerer/identities.py) gives what Airflow's runner gives, calling Airflow's
-decoder only for values it can change."""
+decoder only for values it can change; ``decrypt_kwargs`` gives what Airflow's ``_decrypt_kwargs`` gives,
+without passing our identity marker through Airflow's deserializer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 from airflow.models.trigger import Trigger
 from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
-from triggerer.identities import decode_kwargs
+from bench.triggers import PollTrigger
+from triggerer.identities import decode_kwargs, decrypt_kwargs
+from triggers.http import HttpConditionTrigger
+from triggers.identity import IDENTITY_KWARG
 
 
 def _base_serialized(value: Any) -> Any:
@@ -44,3 +48,36 @@ def test_a_kwarg_kept_as_is_is_not_decoded() -> None:
     stored = Trigger._decrypt_kwargs(Trigger.encrypt_kwargs(kwargs))
     assert decode_kwargs(stored, as_is="marker") == stored
     assert decode_kwargs(stored) == {"marker": dt.timedelta(seconds=1)}  # decoded otherwise
+
+
+def _ours() -> list[dict[str, Any]]:
+    """Kwargs as our triggers serialize them: with the identity marker (a dict, lists in it)."""
+    http = HttpConditionTrigger(http_conn_id="api", endpoint="/status", json_path="state",
+                                expected_value="done", poll_interval=30.0)
+    return [PollTrigger("http://127.0.0.1:1", "k1", 30.0).serialize()[1], http.serialize()[1]]
+
+
+@pytest.mark.parametrize("kwargs", [*KWARGS, *_ours()])
+def test_the_decrypted_kwargs_are_airflows(kwargs: dict[str, Any]) -> None:
+    encrypted = Trigger.encrypt_kwargs(kwargs)
+    assert decrypt_kwargs(encrypted) == Trigger._decrypt_kwargs(encrypted)
+
+
+def test_our_kwargs_carry_the_marker_through_decrypting() -> None:
+    kwargs = _ours()[0]
+    assert isinstance(kwargs[IDENTITY_KWARG], dict)  # what makes it worth leaving out of the deserializer
+    assert decrypt_kwargs(Trigger.encrypt_kwargs(kwargs))[IDENTITY_KWARG] == kwargs[IDENTITY_KWARG]
+
+
+def test_unencrypted_and_older_format_rows_are_read_as_airflow_reads_them() -> None:
+    import json
+
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    marker = _ours()[0][IDENTITY_KWARG]
+    plain = json.dumps({"key": "k1", IDENTITY_KWARG: marker})  # a row some migration left unencrypted
+    assert decrypt_kwargs(plain) == Trigger._decrypt_kwargs(plain)
+    # Airflow 2's format: the new deserializer refuses it, and both fall back to the older one
+    older = json.dumps(BaseSerialization.serialize({"wait": dt.timedelta(seconds=3), IDENTITY_KWARG: marker}))
+    assert decrypt_kwargs(older) == Trigger._decrypt_kwargs(older) == {
+        "wait": dt.timedelta(seconds=3), IDENTITY_KWARG: marker}

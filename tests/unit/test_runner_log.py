@@ -109,3 +109,54 @@ def test_untraced_coroutines_share_one_no_op_span(monkeypatch: pytest.MonkeyPatc
         with triggerer_job_runner._make_trigger_span(ti=None, trigger_id=1, name=NAME) as span:
             assert span is trace.INVALID_SPAN and not span.is_recording()
     assert _lines_of(_Trigger(events=1)) == [STARTING, "Trigger fired event"]
+
+
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ0YXNrIn0.c2lnbmF0dXJl"  # a token's shape: three base64 parts
+
+
+@pytest.mark.parametrize("value", [
+    "trigger dag/run/task/-1/1 (ID 7) starting", JWT, f"Bearer {JWT} expired", f"{JWT} and {JWT}",
+    "eyJ", "xeyJy", "EYJ not a token", "", 42, None, {"token": JWT}, [JWT],
+])
+def test_the_quick_jwt_redaction_gives_airflows_output(value: object) -> None:
+    from airflow.sdk._shared.logging.structlog import redact_jwt
+
+    from triggerer.runner import redact_jwt_quickly
+
+    assert redact_jwt_quickly(None, "info", {"event": value, "other": value}) == redact_jwt(
+        None, "info", {"event": value, "other": value})
+
+
+_QUICK_REDACTION = """
+import json, sys
+import structlog
+from airflow.sdk._shared.logging.structlog import redact_jwt
+from airflow.sdk.log import configure_logging
+from triggerer.runner import quick_jwt_redaction, redact_jwt_quickly
+
+JWT = sys.argv[1]
+with open(sys.argv[2], "wb", buffering=0) as sink:
+    configure_logging(json_output=True, output=sink, sending_to_supervisor=True)
+    made_before = structlog.get_logger(logger_name="test.runner")
+    assert redact_jwt in structlog.get_config()["processors"]
+    assert quick_jwt_redaction() == 1
+    processors = structlog.get_config()["processors"]
+    assert redact_jwt not in processors and redact_jwt_quickly in processors
+    made_before.info("the token %s", JWT, header=f"Bearer {JWT}")
+"""
+
+
+def test_the_runner_redacts_tokens_with_the_quick_processor(tmp_path: Any) -> None:
+    """Replaced in the configured chain, in place: a logger made before uses it too, and a token in a line
+    is still redacted. In a process of its own: the runner's logging set-up is global."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "lines.json"
+    done = subprocess.run([sys.executable, "-c", _QUICK_REDACTION, JWT, str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = json.loads(out.read_text().splitlines()[-1])
+    assert line["event"] == "the token eyJ***" and line["header"] == "Bearer eyJ***"
+    assert JWT not in out.read_text()
