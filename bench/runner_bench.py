@@ -46,6 +46,7 @@ from airflow.models.trigger import Trigger
 from rich.console import Console
 from rich.table import Table
 
+from bench.triggers import PollTrigger
 from tests.helpers.task_instances import task_instance_dto
 from triggerer.heap import tune_collector
 from triggerer.runner import (
@@ -68,7 +69,8 @@ def workloads(url: str, count: int, round_no: int) -> list[RunTrigger]:
     for n in range(count):
         ti = task_instance_dto(id=str(uuid.uuid4()), dag_id="bench_runner", run_id=f"run_{round_no}",
                                task_id=f"wait_{n}", dag_version_id=str(uuid.uuid4()))
-        kwargs = {"url": url, "key": f"r{round_no}-{n}", "poll_interval": 3600.0}
+        # as a deferral stores them: our identity marker included
+        _, kwargs = PollTrigger(url, f"r{round_no}-{n}", poll_interval=3600.0).serialize()
         made.append(RunTrigger(id=n + 1, classpath="bench.triggers.PollTrigger",
                                encrypted_kwargs=Trigger.encrypt_kwargs(kwargs), ti=ti))
     return made
