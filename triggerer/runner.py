@@ -56,6 +56,12 @@
     pattern starts with a literal ``eyJ``, so a string without one is left alone here without a search
     (``redact_jwt_quickly``: the same output for every line). A coroutine's "trigger ... starting" line
     cost a sixth less.
+12. Nudges: an idle runner syncs with the supervisor every ``IDLE_TICK`` (half a second), and the supervisor
+    can only answer. When it has coroutines to hand over or cancel and the runner has not asked since, it
+    sends the runner ``NUDGE_SIGNAL`` (SIGURG, ignored by default), which ends the tick at once: the first
+    pile of a takeover, and a pile that was not ready at the runner's last sync (while the supervisor read
+    the next phase of a takeover), waited up to half a second for the runner's next tick; so did every new
+    deferral's coroutine.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ import asyncio
 import contextvars
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -104,6 +111,9 @@ LOG_BATCH_BYTES = 256 * 2**10  # log lines sent at once at most (sooner when the
 CREATE_YIELD_EVERY = 64  # coroutines created between two yields to the event loop (a few milliseconds)
 PREFETCH_BELOW = 1000  # during a handover, the next pile is asked for with this many left (about 0.3 s)
 # set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
+# the supervisor's nudge (item 12): its default action is to be ignored, so a nudge sent before the runner
+# listens (or to a runner of another build) does nothing
+NUDGE_SIGNAL = signal.SIGURG
 JWT_PATTERN_KNOWN = r"eyJ[\.A-Za-z0-9-_]*"  # Airflow's JWT_PATTERN (item 11): a match starts with JWT_PREFIX
 JWT_PREFIX = "eyJ"
 _WITHOUT_PORTAL: contextvars.ContextVar[bool] = contextvars.ContextVar("without_portal", default=False)
@@ -182,6 +192,16 @@ def needs_portal(trigger_class: Any, context: Any) -> bool:
     for Airflow), or it renders templates. Only the class's own word counts: a subclass (of ours, say)
     may add a sync call, so it must say ``calls_sync_sdk = False`` again."""
     return context is not None or vars(trigger_class).get("calls_sync_sdk", True) is not False
+
+
+def listen_for_nudges(wake: Callable[[], None]) -> bool:
+    """``NUDGE_SIGNAL`` ends the runner's idle tick (item 12); False where the loop cannot handle signals
+    (not the main thread)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(NUDGE_SIGNAL, wake)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def quick_jwt_redaction() -> int:
@@ -577,6 +597,7 @@ class SmartTriggerRunner(TriggerRunner):
         await self.init_comms()
         self.log.info("trigger runner started", event_loop=type(asyncio.get_running_loop()).__module__)
         self._wake = asyncio.Event()
+        nudged = listen_for_nudges(self._on_event)
         watchdog = asyncio.create_task(self.block_watchdog())
         lag_meter = asyncio.create_task(self.lag_meter.run())
         self._stop_event = anyio.Event()
@@ -608,14 +629,20 @@ class SmartTriggerRunner(TriggerRunner):
             self.stop = True
             raise
         finally:
+            if nudged:
+                asyncio.get_running_loop().remove_signal_handler(NUDGE_SIGNAL)
             lag_meter.cancel()
-            if self._prefetch is not None:
-                if self._prefetch.done() and not self._prefetch.cancelled():
-                    self._prefetch.exception()  # retrieved: the loop is ending for its own reason
-                self._prefetch.cancel()
-            if (reader_task := self.comms_decoder._reader_task) is not None:
-                reader_task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await reader_task
-            await self._shared_streams.stop_all()
+            await self._end_run()
         await watchdog
+
+    async def _end_run(self) -> None:
+        """Airflow's end of ``arun``, and the question asked ahead left unanswered."""
+        if self._prefetch is not None:
+            if self._prefetch.done() and not self._prefetch.cancelled():
+                self._prefetch.exception()  # retrieved: the loop is ending for its own reason
+            self._prefetch.cancel()
+        if (reader_task := self.comms_decoder._reader_task) is not None:
+            reader_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await reader_task
+        await self._shared_streams.stop_all()

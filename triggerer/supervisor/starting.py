@@ -4,7 +4,9 @@ during a big start) and the runner's requests answered."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import select as io_select
 import time
 from typing import Any, cast
@@ -25,6 +27,7 @@ from sqlalchemy.orm import Session, selectinload
 from triggerer.dagbag import OneBuildDagBag
 from triggerer.db_errors import cause, is_outage, is_transient
 from triggerer.groups import Group
+from triggerer.runner import NUDGE_SIGNAL
 from triggerer.store import Store
 from triggerer.supervisor.state import SupervisorState
 from triggerer.trigger_logs import PooledTriggerLoggingFactory
@@ -230,6 +233,7 @@ class GroupStarting(SupervisorState):
         cancel_ids = self.running_triggers - requested
         if cancel_ids:
             self.cancelling_triggers.update(cancel_ids)
+            self._nudge_runner()
         more = len(new_ids) > self.settings.max_new_per_loop
         if more:
             new_ids = set(sorted(new_ids)[: self.settings.max_new_per_loop])
@@ -244,10 +248,22 @@ class GroupStarting(SupervisorState):
         finally:
             self.build_bag = None  # DAGs are shared within one build only
         self.creating_triggers.extend(workloads)
+        if workloads:
+            self._nudge_runner()
         not_started = new_ids - {w.id for w in workloads}
         for trigger_id in not_started:
             self._next_leader(trigger_id)
         return bool(not_started), more
+
+    def _nudge_runner(self) -> None:
+        """Coroutines wait to be handed to the runner (or cancelled): end its idle tick now (runner.py,
+        item 12), once until it asks again. A runner that is gone or not listening yet loses nothing: its
+        next tick asks anyway."""
+        if self.nudged or self.pid is None:
+            return
+        self.nudged = True
+        with contextlib.suppress(OSError):  # exited: the loop notices and stops
+            os.kill(self.pid, NUDGE_SIGNAL)
 
     def _next_leader(self, trigger_id: int) -> None:
         """A group's leader row could not start (its task was cleared or timed out between load and start,
@@ -380,6 +396,8 @@ class GroupStarting(SupervisorState):
 
     def _handle_request(self, msg: Any, log: Any, req_id: int) -> None:
         handing_out = bool(self.creating_triggers)
+        if isinstance(msg, messages.TriggerStateChanges):
+            self.nudged = False  # it asked: what is waiting goes out with this answer
         if type(msg).__name__ in TASK_STATE_REQUESTS:
             self.task_state_requests_total += 1
         if isinstance(msg, messages.TriggerStateChanges) and msg.finished:

@@ -85,6 +85,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
+    nudged: bool = attrs.field(default=False, init=False)  # the runner was nudged and has not asked since
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
     last_cleanup: float = attrs.field(default=-math.inf, init=False)

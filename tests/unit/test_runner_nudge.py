@@ -1,0 +1,90 @@
+"""The supervisor's nudge (triggerer/runner.py, item 12): ``NUDGE_SIGNAL`` ends the runner's idle tick at
+once, a nudge before the runner listens is ignored, and the supervisor nudges a runner once until it asks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import triggerer.runner as runner_module
+from triggerer.runner import NUDGE_SIGNAL, SmartTriggerRunner, listen_for_nudges
+from triggerer.supervisor.starting import GroupStarting
+
+
+def test_a_nudge_ends_the_runners_idle_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the idle tick an hour long, the tick returns only because of the nudge."""
+    monkeypatch.setattr(runner_module, "IDLE_TICK", 3600.0)
+
+    async def tick_nudged() -> None:
+        runner = SmartTriggerRunner()
+        runner._wake = asyncio.Event()
+        assert listen_for_nudges(runner._on_event)
+        try:
+            tick = asyncio.create_task(runner._tick())
+            await asyncio.sleep(0)  # the tick is waiting
+            os.kill(os.getpid(), NUDGE_SIGNAL)
+            await asyncio.wait_for(tick, 60)
+        finally:
+            asyncio.get_running_loop().remove_signal_handler(NUDGE_SIGNAL)
+
+    asyncio.run(tick_nudged())
+
+
+def test_a_nudge_before_the_runner_listens_is_ignored() -> None:
+    """The signal's default action is to be ignored: a runner still starting (or of another build) goes on."""
+    sleeper = "import time; print('up', flush=True); time.sleep(1)"
+    child = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "up\n"
+    os.kill(child.pid, NUDGE_SIGNAL)
+    assert child.wait(60) == 0  # not killed by the signal: it slept on and ended by itself
+    child.stdout.close()
+
+
+LISTENER = """
+import signal, sys, threading
+got = threading.Event()
+signal.signal(signal.{name}, lambda *_: got.set())
+print("listening", flush=True)
+got.wait(float(sys.argv[1]))
+print("nudged" if got.is_set() else "not nudged", flush=True)
+"""
+
+
+def _listener(window: float) -> subprocess.Popen[str]:
+    """A process that says whether ``NUDGE_SIGNAL`` came within ``window`` seconds of saying it listens."""
+    child = subprocess.Popen([sys.executable, "-c", LISTENER.format(name=NUDGE_SIGNAL.name), str(window)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "listening\n"
+    return child
+
+
+def _verdict(child: subprocess.Popen[str]) -> str:
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    assert child.wait(60) == 0
+    child.stdout.close()
+    return line
+
+
+def test_the_supervisor_nudges_its_runner_once_until_it_asks() -> None:
+    first = _listener(60.0)
+    supervisor = SimpleNamespace(pid=first.pid, nudged=False)
+    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
+    assert _verdict(first) == "nudged"
+    assert supervisor.nudged  # until the runner's next request clears it (``_handle_request``)
+    # not asked since: no second signal (the listener gives its verdict after its whole window)
+    second = _listener(2.0)
+    supervisor.pid = second.pid
+    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
+    assert _verdict(second) == "not nudged"
+    # asked since, and the runner is gone meanwhile: nothing raised, and no runner yet: nothing sent
+    supervisor.nudged = False
+    supervisor.pid = first.pid
+    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
+    assert supervisor.nudged
+    GroupStarting._nudge_runner(SimpleNamespace(pid=None, nudged=False))  # type: ignore[arg-type]
