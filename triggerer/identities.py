@@ -47,7 +47,8 @@ def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
     marker is not passed through Airflow's deserializer: it is plain JSON our own ``serialize()`` wrote
     (``identity_marker``: strings, numbers, lists and dicts of them), which that deserializer gives back
     as it is, and it is the biggest kwarg of most of our triggers (a tenth of the runner's CPU for a new
-    coroutine went to decrypting and decoding kwargs; a start hashes tens of thousands of rows)."""
+    coroutine went to decrypting and decoding kwargs; a start hashes tens of thousands of rows). The
+    marker comes back as the last key (our ``serialize()`` writes it last; no reader depends on order)."""
     from airflow.models.crypto import get_fernet
     from airflow.sdk.serde import deserialize
 

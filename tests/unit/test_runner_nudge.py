@@ -46,12 +46,11 @@ def test_a_nudge_before_the_runner_listens_is_ignored() -> None:
 
 
 LISTENER = """
-import signal, sys, threading
-got = threading.Event()
-signal.signal(signal.{name}, lambda *_: got.set())
+import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.{name}}})  # taken with sigtimedwait, not by a handler
 print("listening", flush=True)
-got.wait(float(sys.argv[1]))
-print("nudged" if got.is_set() else "not nudged", flush=True)
+got = signal.sigtimedwait({{signal.{name}}}, float(sys.argv[1]))
+print("nudged" if got is not None else "not nudged", flush=True)
 """
 
 
@@ -73,7 +72,7 @@ def _verdict(child: subprocess.Popen[str]) -> str:
 
 def test_the_supervisor_nudges_its_runner_once_until_it_asks() -> None:
     first = _listener(60.0)
-    supervisor = SimpleNamespace(pid=first.pid, nudged=False)
+    supervisor = SimpleNamespace(pid=first.pid, nudged=False, _exit_code=None)
     GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
     assert _verdict(first) == "nudged"
     assert supervisor.nudged  # until the runner's next request clears it (``_handle_request``)
@@ -82,9 +81,9 @@ def test_the_supervisor_nudges_its_runner_once_until_it_asks() -> None:
     supervisor.pid = second.pid
     GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
     assert _verdict(second) == "not nudged"
-    # asked since, and the runner is gone meanwhile: nothing raised, and no runner yet: nothing sent
-    supervisor.nudged = False
-    supervisor.pid = first.pid
-    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
-    assert supervisor.nudged
-    GroupStarting._nudge_runner(SimpleNamespace(pid=None, nudged=False))  # type: ignore[arg-type]
+    # asked since, but the runner exited (reaped: its pid may be another process's now): nothing sent
+    third = _listener(2.0)
+    exited = SimpleNamespace(pid=third.pid, nudged=False, _exit_code=0)
+    GroupStarting._nudge_runner(exited)  # type: ignore[arg-type]
+    assert _verdict(third) == "not nudged"
+    GroupStarting._nudge_runner(SimpleNamespace(pid=None, nudged=False, _exit_code=None))  # type: ignore[arg-type]
