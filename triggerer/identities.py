@@ -44,9 +44,9 @@ _ABSENT: Any = object()
 
 def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
     """Airflow's ``Trigger._decrypt_kwargs`` (the same steps, the same fallback), except that the identity
-    marker is not passed through Airflow's deserializer: it is plain JSON our own ``serialize()`` wrote
-    (``identity_marker``: strings, numbers, lists and dicts of them), which that deserializer gives back
-    as it is, and it is the biggest kwarg of most of our triggers (a tenth of the runner's CPU for a new
+    marker, when it is plain JSON as our own ``serialize()`` wrote it (``identity_marker``: strings,
+    numbers, lists and dicts of them), is not passed through Airflow's deserializer, which would give it
+    back as it is: it is the biggest kwarg of most of our triggers (a tenth of the runner's CPU for a new
     coroutine went to decrypting and decoding kwargs; a start hashes tens of thousands of rows). The
     marker comes back as the last key (our ``serialize()`` writes it last; no reader depends on order)."""
     from airflow.models.crypto import get_fernet
@@ -56,7 +56,9 @@ def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
         decrypted = json.loads(encrypted)
     else:
         decrypted = json.loads(get_fernet().decrypt(encrypted.encode("utf-8")).decode("utf-8"))
-    marker = decrypted.pop(IDENTITY_KWARG, _ABSENT) if isinstance(decrypted, dict) else _ABSENT
+    marker = _ABSENT
+    if isinstance(decrypted, dict) and IDENTITY_KWARG in decrypted and _plain(decrypted[IDENTITY_KWARG]):
+        marker = decrypted.pop(IDENTITY_KWARG)
     try:
         result = cast("dict[str, Any]", deserialize(decrypted))
     except (ImportError, KeyError, AttributeError, TypeError):
@@ -69,6 +71,20 @@ def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
     if marker is not _ABSENT:
         result[IDENTITY_KWARG] = marker
     return result
+
+
+def _plain(value: Any) -> bool:
+    """JSON as our ``identity_marker`` writes it: strings, numbers, lists and dicts of them, no key an
+    encoding's tag (every one of Airflow's starts with ``__``). A marker that went through another
+    serializer (an asset watcher's trigger, built from the serialized DAG, carries it encoded by Airflow's
+    older one) is not plain and is read Airflow's way."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return True
+    if isinstance(value, list):
+        return all(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and not k.startswith("__") and _plain(v) for k, v in value.items())
+    return False
 
 
 def _decrypt(raw: str) -> dict[str, Any]:

@@ -69,6 +69,32 @@ def test_our_kwargs_carry_the_marker_through_decrypting() -> None:
     assert decrypt_kwargs(Trigger.encrypt_kwargs(kwargs))[IDENTITY_KWARG] == kwargs[IDENTITY_KWARG]
 
 
+def test_a_marker_another_serializer_encoded_is_read_airflows_way() -> None:
+    """An asset watcher's trigger row is made from the serialized DAG: its marker arrives encoded by
+    Airflow's older serializer inside kwargs of the newer one. Left out of the deserializer, it stayed
+    encoded and the identity could not be read (the chaos run's watchers failed as "kwargs unreadable")."""
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    from triggerer.identities import _decrypt
+
+    marker = {"v": 1, "shared_stream": ["conn_id", "table"], "describe": "{table} rows"}
+    encoded = BaseSerialization.serialize(marker)
+    encrypted = Trigger.encrypt_kwargs({"conn_id": "db", "table": "etl_status", IDENTITY_KWARG: encoded})
+    assert decrypt_kwargs(encrypted) == Trigger._decrypt_kwargs(encrypted)
+    assert decrypt_kwargs(encrypted)[IDENTITY_KWARG] == marker
+    assert _decrypt(encrypted)[IDENTITY_KWARG] == marker  # what the supervisor hashes
+    nested = {"v": 1, "identity": ["key"], "merge": BaseSerialization.serialize({"poll_interval": "min"})}
+    encrypted = Trigger.encrypt_kwargs({"key": "k", IDENTITY_KWARG: nested})  # a tag deeper inside
+    assert decrypt_kwargs(encrypted) == Trigger._decrypt_kwargs(encrypted)
+    assert decrypt_kwargs(encrypted)[IDENTITY_KWARG]["merge"] == {"poll_interval": "min"}
+
+
+def test_kwargs_without_a_marker_are_read_as_airflow_reads_them() -> None:
+    kwargs = {"key": "k", "poll_interval": 5.0}
+    encrypted = Trigger.encrypt_kwargs(kwargs)
+    assert decrypt_kwargs(encrypted) == Trigger._decrypt_kwargs(encrypted) == kwargs
+
+
 def test_unencrypted_and_older_format_rows_are_read_as_airflow_reads_them() -> None:
     import json
 
