@@ -41,9 +41,7 @@ def test_quick_demo_resumes_every_task_and_prints_its_summary(tmp_path: Path) ->
         rest = demo.stdout.read()  # type: ignore[union-attr]
         reader.join(10)
     finally:
-        if demo.poll() is None:
-            os.killpg(demo.pid, signal.SIGKILL)
-            demo.wait()
+        _stop(demo)
     err = "".join(err_lines)
     assert demo.returncode == 0, f"demo exited {demo.returncode}:\n{err[-4000:]}"
     assert rest == "", rest  # stdout is the JSON line and nothing else: `| jq` works
@@ -62,6 +60,20 @@ def test_quick_demo_resumes_every_task_and_prints_its_summary(tmp_path: Path) ->
     assert not env_file.exists()  # removed with the stack
     # every process it started (Airflow components run in .demo/airflow, PostgreSQL in a temp dir) is gone
     assert _running_under(tmp_path) == []
+
+
+def _stop(demo: subprocess.Popen[str]) -> None:
+    """A demo still running (a failure, a timeout) is stopped as its user would (SIGTERM: it stops the stack
+    it started, each component in a process group of its own); SIGKILL to its group only if it does not
+    exit, which would leave those components behind."""
+    if demo.poll() is not None:
+        return
+    demo.send_signal(signal.SIGTERM)
+    try:
+        demo.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
 
 
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
