@@ -111,12 +111,12 @@ LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the run
 LOG_BATCH_BYTES = 256 * 2**10  # log lines sent at once at most (sooner when the loop pass ends)
 CREATE_YIELD_EVERY = 64  # coroutines created between two yields to the event loop (a few milliseconds)
 PREFETCH_BELOW = 1000  # during a handover, the next pile is asked for with this many left (about 0.3 s)
-# set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
 # the supervisor's nudge (item 12): its default action is to be ignored, so a nudge sent before the runner
 # listens (or to a runner of another build) does nothing
 NUDGE_SIGNAL = signal.SIGURG
 JWT_PATTERN_KNOWN = r"eyJ[\.A-Za-z0-9-_]*"  # Airflow's JWT_PATTERN (item 11): a match starts with JWT_PREFIX
 JWT_PREFIX = "eyJ"
+# set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
 _WITHOUT_PORTAL: contextvars.ContextVar[bool] = contextvars.ContextVar("without_portal", default=False)
 
 
