@@ -48,14 +48,7 @@ from rich.table import Table
 
 from bench.triggers import PollTrigger
 from tests.helpers.task_instances import task_instance_dto
-from triggerer.heap import tune_collector
-from triggerer.runner import (
-    SmartTriggerRunner,
-    batch_log_channel,
-    portal_on_demand,
-    quick_jwt_redaction,
-    skip_untraced_spans,
-)
+from triggerer.runner import SmartTriggerRunner, batch_log_channel, prepare_runner_process
 from triggers.http import shared_request
 
 console = Console()
@@ -161,11 +154,7 @@ def as_the_runner_starts() -> None:
     reset_logging()
     configure_logging(json_output=True, output=open(os.devnull, "wb", buffering=0),  # noqa: SIM115
                       sending_to_supervisor=True)
-    batch_log_channel()
-    skip_untraced_spans()
-    portal_on_demand()
-    quick_jwt_redaction()
-    tune_collector()
+    prepare_runner_process()
 
 
 def report(cpu: dict[str, list[float]], wall: dict[str, list[float]], count: int) -> None:

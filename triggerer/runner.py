@@ -114,7 +114,8 @@ PREFETCH_BELOW = 1000  # during a handover, the next pile is asked for with this
 # the supervisor's nudge (item 12): its default action is to be ignored, so a nudge sent before the runner
 # listens (or to a runner of another build) does nothing
 NUDGE_SIGNAL = signal.SIGURG
-JWT_PATTERN_KNOWN = r"eyJ[\.A-Za-z0-9-_]*"  # Airflow's JWT_PATTERN (item 11): a match starts with JWT_PREFIX
+# Airflow's JWT_PATTERN as this release knows it (item 11): every match starts with JWT_PREFIX
+JWT_PATTERN = re.compile(r"eyJ[\.A-Za-z0-9-_]*")
 JWT_PREFIX = "eyJ"
 # set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
 _WITHOUT_PORTAL: contextvars.ContextVar[bool] = contextvars.ContextVar("without_portal", default=False)
@@ -210,8 +211,8 @@ def quick_jwt_redaction() -> int:
     (item 11), in place: loggers made before share the list; returns how many were replaced."""
     from airflow.sdk._shared.logging import structlog as airflow_structlog
 
-    known, theirs = re.compile(JWT_PATTERN_KNOWN), airflow_structlog.JWT_PATTERN
-    if (theirs.pattern, theirs.flags) != (known.pattern, known.flags):
+    theirs = airflow_structlog.JWT_PATTERN
+    if (theirs.pattern, theirs.flags) != (JWT_PATTERN.pattern, JWT_PATTERN.flags):
         return 0  # another Airflow's pattern or flags (IGNORECASE would match "EYJ"): its processor stays
     processors = structlog.get_config().get("processors") or []
     replaced = 0
@@ -227,9 +228,8 @@ def redact_jwt_quickly(logger: Any, method_name: str, event_dict: Any) -> Any:
     its pattern starts with the literal ``eyJ``: a plain string without it is passed over, not searched.
     Airflow's ran ``re.sub`` (a cache lookup, then the search) over every string of every line: a quarter
     of the cost of a coroutine's "trigger ... starting" line. A ``str`` subclass still goes through the
-    substitution, which gives it back as a plain ``str`` (rendered differently from the subclass)."""
-    from airflow.sdk._shared.logging.structlog import JWT_PATTERN
-
+    substitution, which gives it back as a plain ``str`` (rendered differently from the subclass). It is
+    installed only while Airflow's pattern is ``JWT_PATTERN``."""
     for key, value in event_dict.items():
         if isinstance(value, str) and (type(value) is not str or JWT_PREFIX in value):
             event_dict[key] = JWT_PATTERN.sub("eyJ***", value)
@@ -293,6 +293,19 @@ def batch_log_channel() -> BatchedLogChannel | None:
         return io
     factory.io = BatchedLogChannel(io)  # type: ignore[union-attr]
     return factory.io  # type: ignore[union-attr,no-any-return]
+
+
+def prepare_runner_process() -> BatchedLogChannel | None:
+    """What the runner process changes in Airflow's set-up before it runs (items 6, 7, 10, 11, and the
+    untraced spans), once logging is configured; returns its batched log channel. The runner bench makes
+    its process the same way."""
+    tune_collector()  # what the fork brought is not garbage; thousands of coroutines need no scans
+    widen_log_channel()
+    channel = batch_log_channel()
+    skip_untraced_spans()
+    portal_on_demand()
+    quick_jwt_redaction()
+    return channel
 
 
 class _TriggerLog:
@@ -462,7 +475,7 @@ class SmartTriggerRunner(TriggerRunner):
             return
         context = None
         try:
-            # only serialization artifacts are cleaned here, as in Airflow (not in _decrypt_kwargs)
+            # only serialization artifacts are cleaned here, as in Airflow (not in decrypt_kwargs)
             kw = decrypt_kwargs(workload.encrypted_kwargs)  # Airflow's, the identity marker left as it is
             # Airflow's decoding, where it changes anything (our identity marker: plain JSON)
             deserialised_kwargs = decode_kwargs(kw, as_is=IDENTITY_KWARG)
@@ -548,12 +561,7 @@ class SmartTriggerRunner(TriggerRunner):
 
     def run(self) -> None:
         """Airflow's entry point, on the ``[smart_triggerer] event_loop`` (validated by the supervisor)."""
-        tune_collector()  # what the fork brought is not garbage; thousands of coroutines need no scans
-        widen_log_channel()
-        self.log_channel = batch_log_channel()
-        skip_untraced_spans()
-        portal_on_demand()
-        quick_jwt_redaction()
+        self.log_channel = prepare_runner_process()
         if Settings.from_airflow().event_loop == "uvloop":
             import uvloop
 
