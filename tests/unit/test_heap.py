@@ -69,6 +69,26 @@ def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_aft
     assert gc.get_threshold() == (1000, 2, 10) and freezer.frozen == 1
 
 
+def test_a_full_collection_due_when_a_big_start_begins_waits_until_it_ends(restored_collector: None) -> None:
+    """CPython decides a full collection at the next young one after it fell due: one due as a big start
+    begins (the last middle collection before it made it so) must not run inside it, over every coroutine
+    made so far. (In CI, a pass's state left by earlier tests did exactly that.)"""
+    gc.freeze()
+    gc.collect()  # the old generation is empty: the "a quarter of it is new" condition always holds
+    gc.collect(1)  # a middle collection counts towards the old generation's threshold
+    gc.set_threshold(1000, 2, 0)  # so a full collection is due now
+    freezer = StartFreezer()
+    kept: list[Node] = []
+
+    def start() -> None:
+        with freezer.start(FREEZE_FROM):
+            kept.extend(Node() for _ in range(20 * 1000))
+
+    assert set(collected_generations(start)) == {0} and freezer.frozen == 1
+    assert gc.get_threshold() == (1000, 2, 0)
+    assert gc.get_freeze_count() >= len(kept)  # and what it made is frozen: no full collection scans it
+
+
 def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
         restored_collector: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A takeover comes in passes of a few hundred (the supervisor reads and builds in batches): the pass
