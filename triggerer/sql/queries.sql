@@ -207,8 +207,9 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 -- this never releases early). timeout_in: seconds until its deferred task's trigger_timeout, if any.
 -- The task instances of each trigger are read once, through ti_trigger_id only: conditions on ti.state
 -- outside the aggregate let the planner AND in ti_state, which scans every deferred task for each trigger
--- when its statistics lag a burst of deferrals (50,000 waiters: minutes per read).
-SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution, i.error,
+-- when its statistics lag a burst of deferrals (50,000 waiters: minutes per read). execution as text: the
+-- reader parses each distinct text once (most rows of a takeover carry the same few).
+SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution::text AS execution, i.error,
        greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
        coalesce(task.has_task, false) AS has_task,
        extract(epoch FROM task.timeout_at - clock_timestamp())::float AS timeout_in
