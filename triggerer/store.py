@@ -441,7 +441,7 @@ def _waiting(r: Any) -> WaitingTrigger:
 
 def _execution(stored: str | None) -> dict[str, Any]:
     """A member's execution kwargs from their stored text (a copy: the caller may keep it)."""
-    return dict(_parsed_execution(stored)) if stored else {}
+    return dict(_parsed_execution(stored) or {}) if stored else {}
 
 
 @lru_cache(maxsize=4096)
