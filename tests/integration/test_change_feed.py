@@ -19,7 +19,7 @@ import pytest
 
 from devkit.devstack import AirflowConfig
 from tests.helpers.seeding import Seeded, seed_deferred
-from tests.helpers.waiting import rows, ti_states
+from tests.helpers.waiting import rows, ti_states, wait_for
 from tests.integration.test_supervisor_faults import (
     AT_TIME,
     LATER,
@@ -96,14 +96,13 @@ def catch_up(supervisor: Any, reads: Reads) -> None:
     """Load until a load reads no waiter: the feed positions have passed the first load's own writes. Alone,
     one load does it; a transaction open in another database of the cluster (a test beside this one)
     holds back every snapshot's xmin, and so the positions, and loads read those rows again until it ends."""
-    deadline = time.monotonic() + 60
-    while True:
+    def read_by_a_load() -> tuple[int, int]:
         reads.full = reads.changed = 0
         load(supervisor)
-        if (reads.full, reads.changed) == (0, 0):
-            return
-        assert time.monotonic() < deadline, "the feed positions never passed the first load's writes"
-        time.sleep(0.1)
+        return reads.full, reads.changed
+
+    wait_for(read_by_a_load, lambda read: read == (0, 0), 60,
+             "the feed positions to pass the first load's writes", interval=0.1)
 
 
 def test_a_departure_is_read_from_the_feed(env: AirflowConfig) -> None:
@@ -223,15 +222,12 @@ def test_pruning_keeps_what_a_live_instance_has_not_read(env: AirflowConfig) -> 
     load(supervisor)  # hashed, loaded, and the position published with the next heartbeat
     # once its published position passes the new rows: its position is a snapshot's xmin, the cluster's,
     # which a transaction open in another database (a test running beside this one) holds back a while
-    deadline = time.monotonic() + 60
-    pruned = 0
-    while not pruned and time.monotonic() < deadline:
+    def pruned_after_a_load() -> int:
         load(supervisor)
         with _session() as session:
-            pruned = Store(session).prune_feed(6.0)
-        if not pruned:
-            time.sleep(0.1)
-    assert pruned > 0
+            return Store(session).prune_feed(6.0)
+
+    assert wait_for(pruned_after_a_load, bool, 60, "the feed rows to be pruned", interval=0.1) > 0
 
 
 def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None:
