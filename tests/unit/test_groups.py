@@ -137,6 +137,7 @@ def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
         elif groups.by_hash:
             groups.finish(rng.choice(list(groups.by_hash.values())))
         assert groups.group_count() == sum(1 for g in groups.by_hash.values() if not g.empty)
+        assert groups.runners == set(groups.hash_of_runner)
         assert {id(g) for g in groups.unstarted.values()} == {
             id(g) for g in groups.by_hash.values() if not g.empty and g.runner_id is None}
         if groups.runner_ids() != last_runners:
