@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import psycopg2
 from rich.console import Console
 from rich.table import Table
 
@@ -457,6 +458,7 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
         print_resume(result)
     finally:
         stack.stop()
+        close_probe(dsn)
         with contextlib.suppress(Exception):
             drop_database(server_dsn, name)
     return result
@@ -545,10 +547,28 @@ def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
 def not_owned_by(dsn: str, job_ids: list[int]) -> int:
     """Deferred bench waiters whose trigger none of these jobs owns, counted by the server: the bench asks
     every 0.2 s during a takeover and must not itself load the 2 cores it measures (50,000 trigger ids
-    fetched twice a poll cost the bench and PostgreSQL a third of a core)."""
-    return int(rows(dsn, "SELECT count(*) FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
-                         "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
-                         "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))", job_ids)[0][0])
+    fetched twice a poll cost the bench and PostgreSQL a third of a core). On one connection kept open:
+    a connection per question starts a PostgreSQL backend each time."""
+    query = ("SELECT count(*) FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
+             "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+             "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+    conn = _probe_connections.get(dsn)
+    if conn is None or conn.closed:
+        conn = _probe_connections[dsn] = psycopg2.connect(dsn)
+        conn.autocommit = True  # each count sees what is committed now
+    with conn.cursor() as cur:
+        cur.execute(query, (job_ids,))
+        return int(cur.fetchone()[0])
+
+
+_probe_connections: dict[str, Any] = {}
+
+
+def close_probe(dsn: str) -> None:
+    """``not_owned_by``'s connection, before its database is dropped."""
+    conn = _probe_connections.pop(dsn, None)
+    if conn is not None:
+        conn.close()
 
 
 def deferred_waits(dsn: str) -> list[int]:
