@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 from pathlib import Path
@@ -79,6 +80,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             # is redone by the next owner, so it gets a short grace (SIGINT, then SIGTERM, then SIGKILL)
             # instead of Airflow's 10 s per step, at the lowest priority.
             yield_cpu(supervisor.pid)
+            leave_the_heap()
             supervisor.log_pool.exiting = True  # the runner's last lines are written as they come
             supervisor.kill(escalation_delay=STOP_GRACE_SECONDS, force=True)
             supervisor.write_held_log_lines()
@@ -107,6 +109,16 @@ def yield_cpu(runner_pid: int) -> None:
     if os.getsid(0) == os.getpid():
         with contextlib.suppress(OSError):  # no autogroups (another kernel, a setting): nice alone
             Path("/proc/self/autogroup").write_text(str(LEAVING_NICENESS))
+
+
+def leave_the_heap() -> None:
+    """On the way out, once the leases are released: no more collections. What is left is cleanup and
+    the exit, and a collection then scans the whole heap of groups being dropped (measured at 50,000
+    waiters: a full collection of 2.3 s in a leaving supervisor, on the cores the next owner starts
+    on). Frozen, the heap is not scanned at the interpreter's exit either; the cycles made meanwhile are
+    freed with the process."""
+    gc.disable()
+    gc.freeze()
 
 
 def _proc_is_ours() -> bool:

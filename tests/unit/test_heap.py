@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from triggerer import heap
-from triggerer.heap import BURST_WINDOW_SECONDS, FREEZE_FROM, YOUNG_THRESHOLD, StartFreezer, tune_collector
+from triggerer.heap import (
+    BURST_WINDOW_SECONDS,
+    FREEZE_FROM,
+    HOLD_AT_MOST_SECONDS,
+    YOUNG_THRESHOLD,
+    OlderHeld,
+    StartFreezer,
+    tune_collector,
+)
 
 
 @pytest.fixture
@@ -149,3 +157,72 @@ def test_coroutines_of_a_frozen_start_are_freed_when_they_end(restored_collector
     watched, freed_from_frozen = asyncio.run(start_then_hand_over())
     assert all(ref() is None for ref in watched)
     assert freed_from_frozen >= 2 * FREEZE_FROM  # each task and its coroutine left the frozen heap
+
+
+def test_the_supervisor_holds_older_collections_while_a_big_start_runs_then_collects_as_before(
+        restored_collector: None) -> None:
+    """A takeover's groups are scanned by no middle collection while it starts (``OlderHeld``); the
+    collection falls due and runs once it is over. Nothing is frozen: cycles made meanwhile are freed."""
+    gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
+    held = OlderHeld()
+    kept: list[Node] = []
+
+    def load() -> None:
+        kept.extend(Node() for _ in range(20 * 1000))  # twenty young collections' worth
+
+    held.update(FREEZE_FROM - 1, starting=True)  # a small start: collected as before
+    assert 1 in collected_generations(load)
+    held.update(FREEZE_FROM, starting=True)  # a big one: young collections only
+    assert set(collected_generations(load)) == {0}
+    held.update(0, starting=True)  # all started, some still to build: still held
+    assert set(collected_generations(load)) == {0}
+    frozen = gc.get_freeze_count()
+
+    held.update(0, starting=False)  # over: the thresholds are back, and the due collection runs
+    assert gc.get_threshold() == (1000, 2, 10)
+    assert 1 in collected_generations(lambda: kept.extend(Node() for _ in range(2 * 1000)))
+    assert gc.get_freeze_count() == frozen
+
+    cycle = [Node()]
+    cycle[0].me = cycle  # type: ignore[attr-defined]
+    watched = weakref.ref(cycle[0])
+    held.update(FREEZE_FROM, starting=True)
+    del cycle
+    held.update(0, starting=False)
+    gc.collect(1)
+    assert watched() is None  # a cycle made during a hold is collected after it
+
+
+def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends(
+        restored_collector: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start stalled by a database outage (groups wait for minutes) must not keep the older generations
+    uncollected for as long: released after ``HOLD_AT_MOST_SECONDS``, held again only by the next start."""
+    gc.set_threshold(1000, 2, 10)
+    clock = [1000.0]
+    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    held = OlderHeld()
+    held.update(FREEZE_FROM, starting=True)
+    assert gc.get_threshold()[1:] == (heap.NO_OLDER_COLLECTIONS, heap.NO_OLDER_COLLECTIONS)
+    clock[0] += HOLD_AT_MOST_SECONDS
+    held.update(FREEZE_FROM, starting=True)
+    assert gc.get_threshold() == (1000, 2, 10)
+    clock[0] += 1
+    held.update(FREEZE_FROM, starting=True)  # the same start, still running: not held again
+    assert gc.get_threshold() == (1000, 2, 10)
+    held.update(0, starting=False)
+    held.update(FREEZE_FROM, starting=True)  # the next start
+    assert gc.get_threshold()[1] == heap.NO_OLDER_COLLECTIONS
+
+
+def test_a_leaving_instance_collects_nothing_more(restored_collector: None) -> None:
+    """Once its leases are released (triggerer/service.py), the heap is frozen and the collector off: the
+    exit scans nothing of the groups it drops."""
+    from triggerer.service import leave_the_heap
+
+    alive = [Node() for _ in range(1000)]
+    try:
+        leave_the_heap()
+        assert not gc.isenabled() and gc.get_freeze_count() >= len(alive)
+        assert collected_generations(lambda: alive.extend(Node() for _ in range(20 * 1000))) == []
+    finally:
+        gc.enable()

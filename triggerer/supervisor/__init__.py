@@ -66,6 +66,7 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
             self._db_step("start", self._start_groups)
         if not self._start_backlog():
             self.dag_cache.clear()  # the start is over
+        self._hold_collector()  # held from a big start's first batch; released once it is over
         self._pace_log_files()
         self._guard_log_reads()  # before the select below (see starting.py)
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at

@@ -72,6 +72,7 @@ class GroupStarting(SupervisorState):
         and renews its leases in time, and a takeover of thousands starts in seconds. A build is a batch at
         most, also for groups started while the database was away (``build_backlog``)."""
         self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
+        self._hold_collector()
         self._pace_log_files()  # before the first batch goes out: its lines come back between batches
         deadline = time.monotonic() + self._busy_budget()
         while not self.stop:
@@ -163,6 +164,12 @@ class GroupStarting(SupervisorState):
             factory.close()
         except Exception as err:  # a full disk, a stale network mount: the loop goes on (as in Airflow's)
             log.warning("could not close a trigger's log file", trigger_id=trigger_id, error=cause(err))
+
+    def _hold_collector(self) -> None:
+        """No collection of the older generations while a big start runs (``heap.OlderHeld``): groups
+        wait to start or to be built, or shards of a phased takeover are still to be read."""
+        starting = self._start_backlog() or bool(self.to_read & self.owned)
+        self.collector.update(len(self.groups.unstarted), starting)
 
     def _start_backlog(self) -> bool:
         """Groups wait for a coroutine, or started groups for their workload to be built."""

@@ -25,6 +25,7 @@ from triggerer.dagbag import DagCache, OneBuildDagBag
 from triggerer.db_errors import cause, is_outage
 from triggerer.dead_letters import DeadLetters
 from triggerer.groups import Group, Groups
+from triggerer.heap import OlderHeld
 from triggerer.notices import MembershipNotices
 from triggerer.store import Store
 from triggerer.trigger_logs import LogFilePool, open_files_allowed
@@ -88,6 +89,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     nudged: bool = attrs.field(default=False, init=False)  # the runner was nudged and has not asked since
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
+    collector: OlderHeld = attrs.field(factory=OlderHeld, init=False)  # its older generations, in a start
     last_cleanup: float = attrs.field(default=-math.inf, init=False)
     last_sweep: float = attrs.field(default=-math.inf, init=False)  # Airflow's full clean_unused
     # the partial index release_left_waits reads (see housekeeping.py): its state, when last looked at, and
