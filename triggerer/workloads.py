@@ -33,7 +33,7 @@ from airflow.models.taskinstance import TaskInstance
 from airflow.models.trigger import Trigger
 from airflow.utils.helpers import log_filename_template_renderer
 from pydantic import ValidationError
-from sqlalchemy import and_, select
+from sqlalchemy import select, true
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -118,13 +118,23 @@ def _reads_only(template: str, fields: set[str]) -> bool:
 
 
 def task_rows(session: Session, trigger_ids: Iterable[int]) -> dict[int, TaskRow]:
-    """The task triggers among these ids, with their task instance and the run's DAG version."""
-    ti_columns = [getattr(TaskInstance, name) for name in DTO_FIELDS]
+    """The task triggers among these ids, with their task instance and the run's DAG version.
+
+    Read from each trigger id through the indexes: its task instance by ``ti_trigger_id``, that task's
+    run by its key. Each step is a lateral subquery with ``OFFSET 0``, which PostgreSQL never merges into
+    the join, so the order is not the planner's to choose: with statistics lagging a burst of deferrals
+    (50,000 task instances in one run) a plain join read every task instance of the run for each batch
+    of 250, 30-60 ms a batch against 2 ms."""
+    instance = (select(*[getattr(TaskInstance, name) for name in DTO_FIELDS], TaskInstance.trigger_timeout)
+                .where(TaskInstance.trigger_id == Trigger.id).offset(0).lateral("ti"))
+    run = (select(DagRun.bundle_version, DagRun.created_dag_version_id)
+           .where(DagRun.dag_id == instance.c.dag_id, DagRun.run_id == instance.c.run_id)
+           .offset(0).lateral("run"))
     stmt = (
-        select(Trigger.id, Trigger.classpath, Trigger.encrypted_kwargs, *ti_columns,
-               TaskInstance.trigger_timeout, DagRun.bundle_version, DagRun.created_dag_version_id)
-        .join(TaskInstance, TaskInstance.trigger_id == Trigger.id)
-        .join(DagRun, and_(DagRun.dag_id == TaskInstance.dag_id, DagRun.run_id == TaskInstance.run_id))
+        select(Trigger.id, Trigger.classpath, Trigger.encrypted_kwargs,
+               *[instance.c[name] for name in DTO_FIELDS], instance.c.trigger_timeout,
+               run.c.bundle_version, run.c.created_dag_version_id)
+        .select_from(Trigger).join(instance, true()).join(run, true())
         .where(Trigger.id.in_(list(trigger_ids)))
     )
     found: dict[int, TaskRow] = {}

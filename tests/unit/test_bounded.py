@@ -18,5 +18,6 @@ def test_options_already_given_are_kept_and_ours_follow() -> None:
     params = connect_params(6.0, "-c search_path=airflow")
     assert params["options"].startswith("-c search_path=airflow -c lock_timeout=1500 ")
     assert "-c idle_in_transaction_session_timeout=3000" in params["options"]
+    assert params["options"].endswith(" -c jit=off")  # never compiled: see bounded.py
     assert params["keepalives"] == 1 and params["tcp_user_timeout"] == 3000
     assert connect_params(6.0)["options"].startswith("-c lock_timeout=1500")
