@@ -142,6 +142,50 @@ def test_a_hasher_that_dies_holding_new_rows_loses_none(env: AirflowConfig) -> N
     assert set(supervisor.member_info) == set(seeded.trigger_ids)
 
 
+def test_a_sweep_reads_on_from_its_last_batch_and_a_later_pass_hashes_what_a_peer_held(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start's sweep (rows the feed does not cover) reads in id order, each batch from where the last
+    one ended, never from the first row again; rows a peer held locked meanwhile and then let go unhashed
+    (it died) are hashed by the next pass, which starts from the first row."""
+    dsn = env.database_dsn
+    seeded = seed(env, 30)  # before the instance starts: only its sweep reads them
+    held = seeded.trigger_ids[8:12]
+    batches: list[tuple[int, list[int]]] = []  # (after_id, ids read) of each batch of a sweep
+    read = Store.unhashed_triggers
+
+    def recorded(store: Store, *args: Any, **kwargs: Any) -> Any:
+        found = read(store, *args, **kwargs)
+        if kwargs.get("after_xid") is None:
+            batches.append((kwargs.get("after_id", 0), [r[0] for r in found]))
+        return found
+
+    monkeypatch.setattr(Store, "unhashed_triggers", recorded)
+    supervisor = make_supervisor(max_new_per_loop=1)  # batches of 4 rows
+    ours = [i for i in seeded.trigger_ids if i not in held]
+
+    def hashed(ids: list[int]) -> int:
+        supervisor.read_changes()
+        query = "SELECT count(*) FROM smart_triggerer.trigger_identity WHERE trigger_id = ANY(%s)"
+        return int(rows(dsn, query, ids)[0][0])
+
+    other = psycopg2.connect(dsn)
+    try:
+        other.cursor().execute("SELECT id FROM trigger WHERE id = ANY(%s) FOR UPDATE", (held,))
+        wait_for(lambda: hashed(ours), lambda n: n == len(ours), 60, "the rows no peer holds hashed",
+                 interval=0.0)
+        assert hashed(held) == 0
+    finally:
+        other.close()  # dies: its transaction rolls back, nothing was hashed
+    first_pass = batches[:next(n for n, (_after, ids) in enumerate(batches) if len(ids) < 4) + 1]
+    for (after, ids), (_, before) in zip(first_pass[1:], first_pass, strict=False):
+        assert after == before[-1] and all(i > after for i in ids)  # on from the last row, never back
+    assert set(ours) <= {i for _after, ids in first_pass for i in ids}
+    load(supervisor)
+    load(supervisor)
+    assert hashed(seeded.trigger_ids) == len(seeded.trigger_ids)
+    assert any(after == 0 for after, _ in batches[1:])  # a later pass started from the first row
+
+
 def test_a_trigger_an_asset_watcher_starts_to_use_is_loaded(env: AirflowConfig) -> None:
     """Airflow may point a new asset watcher at an existing trigger row: no row is inserted into trigger,
     yet the row is waited on from now."""

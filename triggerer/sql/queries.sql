@@ -159,12 +159,13 @@ UPDATE smart_triggerer.instance SET stopped_at = now() WHERE job_id = :job_id;
 SELECT pg_notify(:channel, :payload);
 
 -- name: unhashed_triggers
--- Trigger rows without an identity yet: every one with :after_xid NULL (a sweep), otherwise those the
--- change feed reports as new since :after_xid. SKIP LOCKED so instances share the decrypting.
+-- Trigger rows without an identity yet, after :after_id in id order: every one with :after_xid NULL (a
+-- sweep, which goes on from where its last batch ended), otherwise those the change feed reports as new
+-- since :after_xid. SKIP LOCKED so instances share the decrypting.
 SELECT t.id, t.classpath, t.kwargs
 FROM trigger t
 LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
-WHERE i.trigger_id IS NULL
+WHERE i.trigger_id IS NULL AND t.id > :after_id
   AND (CAST(:after_xid AS xid8) IS NULL OR t.id IN (
        SELECT trigger_id FROM smart_triggerer.trigger_change
        WHERE created AND xid >= CAST(:after_xid AS xid8)))

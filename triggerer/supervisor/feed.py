@@ -74,6 +74,11 @@ class FeedLoading(SupervisorState):
         one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
         another instance is hashing, a row beyond this loop's limit)."""
         after = self.hash_xmin  # None: a sweep over every trigger row
+        if after is None and self.sweep_after:
+            # a sweep's pass under way (its last batch was full): on from there; where the feed stands is
+            # read once the pass ends (a count over every trigger row, each loop of a start otherwise)
+            log.info("hashing trigger rows the change feed does not cover", rows=self._hash_batches(None))
+            return
         if after is None:
             self._ensure_feed()
         with create_session() as session:
@@ -93,17 +98,25 @@ class FeedLoading(SupervisorState):
 
     def _hash_batches(self, after: str | None) -> int:
         """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
-        while this loop's time budget lasts; returns how many."""
+        while this loop's time budget lasts; returns how many. A sweep (``after`` None) reads on from where
+        its last batch ended, not from the first row again: at 50,000 rows a batch took 150-190 ms of the
+        database's CPU read from the first row, 4 ms from there."""
         batch = self.settings.max_new_per_loop * 4
         deadline = time.monotonic() + self._busy_budget()
         hashed = 0
         while True:
             with create_session() as session:
                 store = Store(session)
-                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after)
+                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after,
+                                               after_id=self.sweep_after if after is None else 0)
                 if rows:
                     store.insert_identities(compute_identities(rows, self.settings))
             hashed += len(rows)
+            if after is None:
+                # a full batch: the pass goes on after its last row (in id order); a short one ends it, and
+                # the next pass starts from the first row again (a row a peer held, locked, is hashed by
+                # the peer, or by that pass if the peer could not)
+                self.sweep_after = rows[-1][0] if len(rows) == batch else 0
             if len(rows) < batch or time.monotonic() >= deadline or self.stop:
                 return hashed
 

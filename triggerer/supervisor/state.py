@@ -76,6 +76,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
     load_xmin: str | None = attrs.field(default=None, init=False)
     hash_xmin: str | None = attrs.field(default=None, init=False)
+    sweep_after: int = attrs.field(default=0, init=False)  # a sweep's pass: the last trigger id it read
     # members' trigger_timeout as (database clock in epoch seconds, trigger id), soonest first
     deadlines: list[tuple[float, int]] = attrs.field(factory=list, init=False)
     # the database clock's last reading (epoch seconds) and time.monotonic() then: between two renewals the
