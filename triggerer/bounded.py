@@ -21,7 +21,8 @@ takeover.
 They are set as startup parameters of each connection, so they win over the database's and the role's
 defaults. PgBouncer refuses unknown startup parameters (``options`` before 1.20; since then ``-c`` settings
 it does not track): connect the triggerers to PostgreSQL directly (a few connections each), or list these
-settings in PgBouncer's ``track_extra_parameters``; ``ignore_startup_parameters`` would drop them silently.
+settings in PgBouncer's ``track_extra_parameters`` (1.26 and later; earlier versions track only settings
+PostgreSQL reports to its clients); ``ignore_startup_parameters`` would drop them silently.
 The idle limit is lifted for Airflow's workload-building transaction, which locks nothing and may think
 long between two statements (a big DAG to deserialize).
 """

@@ -190,7 +190,7 @@ def test_the_supervisor_holds_older_collections_while_a_big_start_runs_then_coll
     del cycle
     held.update(0, starting=False)
     gc.collect(1)
-    assert watched() is None  # a cycle made during a hold is collected after it
+    assert watched() is None  # a cycle let go during a hold is collected after it (nothing was frozen)
 
 
 def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends(

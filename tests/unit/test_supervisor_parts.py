@@ -69,3 +69,37 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
         for key, _ in selector.select(1):
             key.data[0](key.fileobj)
         assert bytes(received) == b"Trigger fired event\nnext line\n"
+
+
+def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:
+    """``_hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM`` groups
+    waiting to start while groups wait, workloads wait to be built or a phased takeover's shards wait to
+    be read; released once none does."""
+    import gc
+
+    from triggerer.groups import Groups
+    from triggerer.heap import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    supervisor = object.__new__(SmartTriggerRunnerSupervisor)
+    supervisor.groups, supervisor.collector = Groups(), OlderHeld()
+    supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
+    thresholds = gc.get_threshold()
+    try:
+        for member in range(FREEZE_FROM):
+            supervisor.groups.join(member, identity_hash=member)
+        supervisor._hold_collector()
+        assert gc.get_threshold()[1:] == (NO_OLDER_COLLECTIONS, NO_OLDER_COLLECTIONS)
+        for group in list(supervisor.groups.unstarted.values()):
+            supervisor.groups.start(group)
+        supervisor.build_backlog, supervisor.to_read = True, {2}  # started, not all built; a phase to read
+        supervisor._hold_collector()
+        assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS
+        supervisor.build_backlog = False
+        supervisor._hold_collector()
+        assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # shard 2 still to read
+        supervisor.to_read = set()
+        supervisor._hold_collector()
+        assert gc.get_threshold() == thresholds
+    finally:
+        gc.set_threshold(*thresholds)
