@@ -113,11 +113,10 @@ def yield_cpu(runner_pid: int) -> None:
 
 def leave_the_heap() -> None:
     """On the way out, once the leases are released (or their release failed: they then lapse as after
-    a crash): no more collections. What is left is cleanup and
-    the exit, and a collection then scans the whole heap of groups being dropped (measured at 50,000
-    waiters: a full collection of 2.3 s in a leaving supervisor, on the cores the next owner starts
-    on). Frozen, the heap is not scanned at the interpreter's exit either; the cycles made meanwhile are
-    freed with the process."""
+    a crash): no more collections. What is left is cleanup and the exit, and a collection then scans the
+    whole heap of groups being dropped (measured at 50,000 waiters: a full collection of 2.3 s in a
+    leaving supervisor, on the cores the next owner starts on). Frozen, the heap is not scanned at the
+    interpreter's exit either; the cycles made meanwhile are freed with the process."""
     gc.disable()
     gc.freeze()
 
