@@ -200,9 +200,6 @@ class Groups:
     def members(self) -> set[int]:
         return set(self.hash_of_member)
 
-    def runner_ids(self) -> set[int]:
-        return set(self.hash_of_runner)
-
     def waiting(self) -> Iterable[Group]:
         return (g for g in self.by_hash.values() if not g.empty)
 

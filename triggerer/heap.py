@@ -48,6 +48,13 @@ def tune_collector() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
+def hold_older_generations() -> tuple[int, int, int]:
+    """From now on, collect the young generation only; returns the thresholds to restore."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], NO_OLDER_COLLECTIONS, NO_OLDER_COLLECTIONS)
+    return thresholds
+
+
 class StartFreezer:
     """The runner's big starts, frozen as they go (see the module's docstring).
 
@@ -71,13 +78,12 @@ class StartFreezer:
         if not coroutines or self._recently_created(coroutines) < FREEZE_FROM:
             yield
             return
-        young, middle, old = gc.get_threshold()
-        gc.set_threshold(young, NO_OLDER_COLLECTIONS, NO_OLDER_COLLECTIONS)
+        thresholds = hold_older_generations()
         try:
             yield
         finally:
             gc.freeze()
-            gc.set_threshold(young, middle, old)
+            gc.set_threshold(*thresholds)
             self.frozen += 1
 
     def _recently_created(self, coroutines: int) -> int:
@@ -104,27 +110,22 @@ class OlderHeld:
     (sessions, results, rows) are collected as before, a few seconds later."""
 
     def __init__(self) -> None:
-        self.since: float | None = None  # time.monotonic() of the hold's start, while held
-        self.thresholds: tuple[int, int, int] | None = None  # the ones to restore
+        # while held: (time.monotonic() of the hold's start, the thresholds to restore)
+        self.held: tuple[float, tuple[int, int, int]] | None = None
         self.spent = False  # held for its longest within the start still running: not again before it ends
 
     def update(self, waiting: int, starting: bool) -> None:
         """``waiting``: groups waiting to start now; ``starting``: a start is still under way (groups
         to start or to build, shards still to read)."""
         now = time.monotonic()
-        if self.since is not None:
-            if not starting or now - self.since >= HOLD_AT_MOST_SECONDS:
-                self.release()
+        if self.held is not None:
+            since, thresholds = self.held
+            if not starting or now - since >= HOLD_AT_MOST_SECONDS:
+                gc.set_threshold(*thresholds)
+                self.held = None
                 self.spent = starting
             return
         if not starting:
             self.spent = False
         elif waiting >= FREEZE_FROM and not self.spent:
-            self.thresholds = gc.get_threshold()
-            gc.set_threshold(self.thresholds[0], NO_OLDER_COLLECTIONS, NO_OLDER_COLLECTIONS)
-            self.since = now
-
-    def release(self) -> None:
-        if self.thresholds is not None and self.since is not None:
-            gc.set_threshold(*self.thresholds)
-        self.since = None
+            self.held = (now, hold_older_generations())

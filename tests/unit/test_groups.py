@@ -25,7 +25,7 @@ def test_leader_leaving_keeps_the_runner() -> None:
     # Leadership passes to the next member; the coroutine (runner 3) keeps running for them.
     assert group.leader == 5
     assert groups.by_runner(3) is group
-    assert groups.runner_ids() == {3}
+    assert groups.runners == {3}
 
 
 def test_empty_group_is_reported_then_forgotten() -> None:
@@ -37,7 +37,7 @@ def test_empty_group_is_reported_then_forgotten() -> None:
     assert groups.group_count() == 0
     groups.finish(group)
     assert groups.by_runner(1) is None
-    assert groups.by_hash == {} and groups.runner_ids() == set()
+    assert groups.by_hash == {} and groups.runners == set()
 
 
 def test_leave_unknown_member_is_a_no_op() -> None:
@@ -70,7 +70,7 @@ def test_stop_runner_keeps_members_waiting() -> None:
     groups.join(2, 42)
     groups.start(group)
     groups.stop_runner(group)
-    assert group.runner_id is None and groups.runner_ids() == set()
+    assert group.runner_id is None and groups.runners == set()
     assert groups.members() == {1, 2}
 
 
@@ -84,7 +84,7 @@ def test_group_settings_are_the_most_demanding_of_its_members() -> None:
     groups.join(3, 42, {"poll_interval": ("min", 5.0)})
     assert group.stricter_than_running()
     assert groups.restart(group, runner=3) == 3
-    assert group.running_settings == {"poll_interval": 5.0} and groups.runner_ids() == {3}
+    assert group.running_settings == {"poll_interval": 5.0} and groups.runners == {3}
     assert not group.stricter_than_running()
 
 
@@ -119,7 +119,7 @@ def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
 
     rng = random.Random(7)
     groups = Groups()
-    last_runners, last_version = groups.runner_ids(), groups.version
+    last_runners, last_version = set(groups.runners), groups.version
     for _ in range(5000):
         action = rng.random()
         trigger_id = rng.randrange(200)
@@ -140,9 +140,9 @@ def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
         assert groups.runners == set(groups.hash_of_runner)
         assert {id(g) for g in groups.unstarted.values()} == {
             id(g) for g in groups.by_hash.values() if not g.empty and g.runner_id is None}
-        if groups.runner_ids() != last_runners:
+        if groups.runners != last_runners:
             assert groups.version != last_version
-        last_runners, last_version = groups.runner_ids(), groups.version
+        last_runners, last_version = set(groups.runners), groups.version
 
 
 def test_a_group_is_uniform_while_its_members_bring_the_same_execution_kwargs() -> None:

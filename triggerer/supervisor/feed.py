@@ -74,11 +74,17 @@ class FeedLoading(SupervisorState):
         one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
         another instance is hashing, a row beyond this loop's limit)."""
         after = self.hash_xmin  # None: a sweep over every trigger row
-        if after is None and self.sweep_after:
-            # a sweep's pass under way (its last batch was full): on from there; where the feed stands is
-            # read once the pass ends (a count over every trigger row, each loop of a start otherwise)
-            log.info("hashing trigger rows the change feed does not cover", rows=self._hash_batches(None))
+        # a sweep's pass under way (its last batch was full) goes on from there: where the feed stands is
+        # read between passes only (a count over every trigger row, each loop of a start otherwise)
+        if (after is not None or not self.sweep_after) and self._nothing_to_hash(after):
             return
+        hashed = self._hash_batches(after)
+        if after is None:
+            log.info("hashing trigger rows the change feed does not cover", rows=hashed)
+
+    def _nothing_to_hash(self, after: str | None) -> bool:
+        """Where the feed stands: True when no row is left to hash (the hashing position moves on) or the
+        database went back in time (everything is read again)."""
         if after is None:
             self._ensure_feed()
         with create_session() as session:
@@ -87,14 +93,12 @@ class FeedLoading(SupervisorState):
                 position = store.sweep_position(self.queue_list)
             else:
                 position = store.feed_position(after, self.queue_list)
-            if self._went_back(position.xmin):
-                return
-            if position.unhashed == 0:
-                self.hash_xmin = position.xmin
-                return
-        hashed = self._hash_batches(after)
-        if after is None:
-            log.info("hashing trigger rows the change feed does not cover", rows=hashed)
+        if self._went_back(position.xmin):
+            return True
+        if position.unhashed == 0:
+            self.hash_xmin = position.xmin
+            return True
+        return False
 
     def _hash_batches(self, after: str | None) -> int:
         """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
