@@ -28,6 +28,7 @@ import bisect
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import random
 import shutil
@@ -544,28 +545,69 @@ def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
                                     "AND ti.state = 'deferred' AND t.triggerer_id = ANY(%s)", job_ids)]
 
 
-def not_owned_by(dsn: str, job_ids: list[int]) -> int:
-    """Deferred bench waiters whose trigger none of these jobs owns, counted by the server: the bench asks
-    every 0.2 s during a takeover and must not itself load the 2 cores it measures (50,000 trigger ids
-    fetched twice a poll cost the bench and PostgreSQL a third of a core). On one connection kept open:
-    a connection per question starts a PostgreSQL backend each time."""
-    query = ("SELECT count(*) FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
-             "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
-             "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+class Unowned:
+    """The deferred bench waiters whose trigger none of ``job_ids`` owns, counted by the server every 0.2-0.5
+    s of a takeover or a start: the bench must not itself load the 2 cores it measures. Counting all 50,000
+    in each look (a join of task instances and triggers) took PostgreSQL a third of a core; each look now
+    asks only about the waiters the last one found unowned (by trigger id), and a look that finds none left
+    counts them all once more before it says so (a row seen owned may have been released since)."""
+
+    def __init__(self, dsn: str, job_ids: list[int]) -> None:
+        self.dsn, self.job_ids = dsn, job_ids
+        self.left: list[int] | None = None  # None: ask about every waiter
+        self.counted_all_at = -math.inf
+
+    def count(self) -> int:
+        if self.left is None or len(self.left) > ASK_BY_ID_UP_TO:
+            # many left: counted all together, once a second at most (the count's end is what is timed)
+            if time.monotonic() - self.counted_all_at < 1.0 and self.left is not None:
+                return len(self.left)
+            self.counted_all_at = time.monotonic()
+            self.left = unowned_waiters(self.dsn, self.job_ids, None)
+        else:
+            self.left = unowned_waiters(self.dsn, self.job_ids, self.left)
+            if not self.left:
+                self.left = unowned_waiters(self.dsn, self.job_ids, None)
+        return len(self.left)
+
+
+# a look about more waiters than this counts them all (150 ms at 50,000; by id 330 ms, 5 ms for 1,000)
+ASK_BY_ID_UP_TO = 2000
+
+
+def unowned_waiters(dsn: str, job_ids: list[int], among: list[int] | None) -> list[int]:
+    """Trigger ids of deferred bench waiters none of these jobs owns (only those ``among``, when given). On
+    one connection kept open: a connection per question starts a PostgreSQL backend each time."""
+    if among is None:
+        query = ("SELECT t.id FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
+                 "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+                 "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+        params: tuple[Any, ...] = (job_ids,)
+    else:
+        # from each id through the primary key and ti_trigger_id (OFFSET 0: never merged into a join the
+        # planner, with the bench's tables unanalysed, would drive from all 50,000 task instances)
+        query = ("SELECT asked.id FROM unnest(%s::integer[]) AS asked(id) "
+                 "CROSS JOIN LATERAL (SELECT t.triggerer_id FROM trigger t WHERE t.id = asked.id OFFSET 0) t "
+                 "CROSS JOIN LATERAL (SELECT ti.dag_id, ti.state FROM task_instance ti "
+                 "WHERE ti.trigger_id = asked.id OFFSET 0) ti "
+                 "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+                 "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+        params = (among, job_ids)
     conn = _probe_connections.get(dsn)
     if conn is None or conn.closed:
-        conn = _probe_connections[dsn] = psycopg2.connect(dsn)
-        conn.autocommit = True  # each count sees what is committed now
+        # no JIT: it compiled the 5 ms look for 15-250 ms
+        conn = _probe_connections[dsn] = psycopg2.connect(dsn, options="-c jit=off")
+        conn.autocommit = True  # each look sees what is committed now
     with conn.cursor() as cur:
-        cur.execute(query, (job_ids,))
-        return int(cur.fetchone()[0])
+        cur.execute(query, params)
+        return [row[0] for row in cur.fetchall()]
 
 
 _probe_connections: dict[str, Any] = {}
 
 
 def close_probe(dsn: str) -> None:
-    """``not_owned_by``'s connection, before its database is dropped."""
+    """``unowned_waiters``' connection, before its database is dropped."""
     conn = _probe_connections.pop(dsn, None)
     if conn is not None:
         conn.close()
@@ -634,8 +676,9 @@ def measure_takeovers(result: Result, bench: Bench,
     extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
     bench.sampler.components.append(extra[0])
     live = [*survivors, extra]
-    wait_until(lambda: not_owned_by(dsn, [job for _, job in live]) == 0,
-               waits.timeout, "every wait assigned after the replacement joined", interval=0.5)
+    unowned = Unowned(dsn, [job for _, job in live])
+    wait_until(lambda: unowned.count() == 0, waits.timeout,
+               "every wait assigned after the replacement joined", interval=0.5)
     settled(lambda: len(waiting_on(dsn, [extra[1]])), waits.timeout, "the replacement's share")
     waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]), "the replacement's share")
     quiet(bench.sampler, result.steady, "the SIGTERM")
@@ -670,7 +713,8 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     if flip_keys:
         time.sleep(1.0)
         flipped_at = source.flip_keys(flip_keys)
-    wait_until(lambda: not_owned_by(dsn, survivor_jobs) == 0, waits.timeout,
+    unowned = Unowned(dsn, survivor_jobs)
+    wait_until(lambda: unowned.count() == 0, waits.timeout,
                f"every wait owned by the survivors after {how.name}", interval=0.2)
     reassigned = time.time() - signalled
     # waits the flip resumed meanwhile poll no more: those still waiting must poll again
@@ -698,7 +742,8 @@ def resumed_at(dsn: str) -> dict[int, float]:
 def wait_started(source: PollSource, dsn: str, jobs: list[int], waits: Waits) -> None:
     """Until every waiter is assigned and every wait polled once (stock: each waiter's own coroutine)."""
     trigger_ids = list(waits.index)
-    wait_until(lambda: not_owned_by(dsn, jobs) == 0, waits.timeout,
+    unowned = Unowned(dsn, jobs)
+    wait_until(lambda: unowned.count() == 0, waits.timeout,
                "all waiters assigned", interval=0.5)
     waits.all_polling(source, 0.0, trigger_ids)
 

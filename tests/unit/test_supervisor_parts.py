@@ -103,3 +103,32 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
         assert gc.get_threshold() == thresholds
     finally:
         gc.set_threshold(*thresholds)
+
+
+def test_first_log_lines_stay_held_while_a_sweep_or_a_phased_takeover_has_more_to_hand_out() -> None:
+    """``_pace_log_files``: between two loops of a cold start, every group read so far may be running; the
+    start is not over while the sweep's pass hashes on or a takeover's shards wait to be read, and the
+    held first lines stay held (their files are made once it is over, for a moment after)."""
+    import math
+
+    from triggerer.groups import Groups
+    from triggerer.supervisor.starting import HELD_LOG_LINES_SECONDS
+    from triggerer.trigger_logs import LogFilePool
+
+    supervisor = object.__new__(SmartTriggerRunnerSupervisor)
+    supervisor.groups, supervisor.running_triggers = Groups(), set()
+    supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
+    supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
+    supervisor.hash_xmin, supervisor.sweep_after = None, 1000  # a sweep's pass under way
+    supervisor.to_read, supervisor.owned = set(), {1, 2}
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # nothing waits to start now, but the sweep goes on
+    supervisor.hash_xmin, supervisor.sweep_after, supervisor.to_read = "100", 0, {2}
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # swept; shard 2 still to read
+    supervisor.to_read = set()
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # over: held for the grace after the last hand-out
+    supervisor.handing_out_until -= HELD_LOG_LINES_SECONDS
+    supervisor._pace_log_files()
+    assert not supervisor.log_pool.holding
