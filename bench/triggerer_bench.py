@@ -28,7 +28,6 @@ import bisect
 import contextlib
 import datetime as dt
 import json
-import math
 import os
 import random
 import shutil
@@ -559,21 +558,23 @@ def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
 class Unowned:
     """The deferred bench waiters whose trigger none of ``job_ids`` owns, counted by the server every 0.2-0.5
     s of a takeover or a start: the bench must not itself load the 2 cores it measures. Counting all 50,000
-    in each look (a join of task instances and triggers) took PostgreSQL a third of a core; each look now
-    asks only about the waiters the last one found unowned (by trigger id), and a look that finds none left
-    counts them all once more before it says so (a row seen owned may have been released since)."""
+    in each look (a join of task instances and triggers, 150 ms) took PostgreSQL a third of a core. While
+    many are unowned, a look counts the trigger rows no live job owns (the trigger table alone; a trigger
+    row whose task no longer waits counts too, so the count is never lower than the waiters'); from
+    ``ASK_BY_ID_UP_TO`` down, it asks only about the waiters the last look found unowned, by id, and a
+    look that finds none left counts them all once more before it says so (a row seen owned may have
+    been released since)."""
 
     def __init__(self, dsn: str, job_ids: list[int]) -> None:
         self.dsn, self.job_ids = dsn, job_ids
-        self.left: list[int] | None = None  # None: ask about every waiter
-        self.counted_all_at = -math.inf
+        self.left: list[int] | None = None  # None: many, counted from the trigger table
 
     def count(self) -> int:
         if self.left is None or len(self.left) > ASK_BY_ID_UP_TO:
-            # many left: counted all together, once a second at most (the count's end is what is timed)
-            if time.monotonic() - self.counted_all_at < 1.0 and self.left is not None:
-                return len(self.left)
-            self.counted_all_at = time.monotonic()
+            rows_left = unowned_trigger_rows(self.dsn, self.job_ids)
+            if rows_left > ASK_BY_ID_UP_TO:
+                self.left = None
+                return rows_left
             self.left = unowned_waiters(self.dsn, self.job_ids, None)
         else:
             self.left = unowned_waiters(self.dsn, self.job_ids, self.left)
@@ -582,13 +583,20 @@ class Unowned:
         return len(self.left)
 
 
-# a look about more waiters than this counts them all (150 ms at 50,000; by id 330 ms, 5 ms for 1,000)
+# from this many unowned waiters down, looks ask about them by id (5 ms for 1,000)
 ASK_BY_ID_UP_TO = 2000
 
 
+def unowned_trigger_rows(dsn: str, job_ids: list[int]) -> int:
+    """Trigger rows none of these jobs owns (the bench's deployment has only its waiters' triggers)."""
+    with probe_connection(dsn).cursor() as cur:
+        cur.execute("SELECT count(*) FROM trigger WHERE triggerer_id IS NULL OR triggerer_id <> ALL(%s)",
+                    (job_ids,))
+        return int(cur.fetchone()[0])
+
+
 def unowned_waiters(dsn: str, job_ids: list[int], among: list[int] | None) -> list[int]:
-    """Trigger ids of deferred bench waiters none of these jobs owns (only those ``among``, when given). On
-    one connection kept open: a connection per question starts a PostgreSQL backend each time."""
+    """Trigger ids of deferred bench waiters none of these jobs owns (only those ``among``, when given)."""
     if among is None:
         query = ("SELECT t.id FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
                  "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
@@ -604,14 +612,19 @@ def unowned_waiters(dsn: str, job_ids: list[int], among: list[int] | None) -> li
                  "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
                  "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
         params = (among, job_ids)
+    with probe_connection(dsn).cursor() as cur:
+        cur.execute(query, params)
+        return [row[0] for row in cur.fetchall()]
+
+
+def probe_connection(dsn: str) -> Any:
+    """The looks' connection, kept open: a connection per look starts a PostgreSQL backend each time."""
     conn = _probe_connections.get(dsn)
     if conn is None or conn.closed:
         # no JIT: it compiled the 5 ms look for 15-250 ms
         conn = _probe_connections[dsn] = psycopg2.connect(dsn, options="-c jit=off")
         conn.autocommit = True  # each look sees what is committed now
-    with conn.cursor() as cur:
-        cur.execute(query, params)
-        return [row[0] for row in cur.fetchall()]
+    return conn
 
 
 _probe_connections: dict[str, Any] = {}

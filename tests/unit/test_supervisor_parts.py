@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import pytest
+
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
 from triggerer.supervisor.state import SupervisorState
 
@@ -105,30 +107,95 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
         gc.set_threshold(*thresholds)
 
 
-def test_first_log_lines_stay_held_while_a_sweep_or_a_phased_takeover_has_more_to_hand_out() -> None:
-    """``_pace_log_files``: between two loops of a cold start, every group read so far may be running; the
-    start is not over while the sweep's pass hashes on or a takeover's shards wait to be read, and the
-    held first lines stay held (their files are made once it is over, for a moment after)."""
+def test_first_log_lines_stay_held_while_a_sweep_or_a_phased_takeover_has_more_to_hand_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_pace_log_files`` (on a clock of the test's): between two loops of a cold start every group read
+    so far may be running; a hold begun by a big hand-out goes on while the sweep's pass hashes on or shards
+    of this instance wait to be read."""
+    from triggerer.supervisor import starting
+
+    clock = FakeClock(monkeypatch)
+    supervisor = pacing_supervisor()
+    supervisor._pace_log_files()
+    assert not supervisor.log_pool.holding  # nothing handed out: a start under way begins no hold
+
+    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)  # the first read: a big hand-out begins the hold
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding
+    all_running(supervisor)
+    clock.now += 10 * starting.HELD_LOG_LINES_SECONDS
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # nothing left to run, but the sweep goes on
+    supervisor.hash_xmin, supervisor.sweep_after, supervisor.to_read = "100", 0, {2, 3}
+    clock.now += 10 * starting.HELD_LOG_LINES_SECONDS
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # swept; shard 2, ours, still to read
+    supervisor.to_read = {3}  # not ours: nothing of this instance's start is left
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding  # the grace after the last hand-out
+    clock.now += starting.HELD_LOG_LINES_SECONDS
+    supervisor._pace_log_files()
+    assert not supervisor.log_pool.holding
+
+
+def test_a_sweep_that_does_not_end_holds_first_log_lines_no_longer_than_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's pass that cannot end (the database away mid-pass, a batch failing again) extends a hold
+    only up to ``HOLD_LOG_LINES_MAX_SECONDS``; once it ended there, the sweep alone does not begin it
+    again, and the held files are made."""
+    from triggerer.supervisor import starting
+
+    clock = FakeClock(monkeypatch)
+    supervisor = pacing_supervisor()
+    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)
+    supervisor._pace_log_files()
+    began = clock.now
+    all_running(supervisor)
+    while clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
+        clock.now += 1.0
+        supervisor._pace_log_files()
+        if not supervisor.log_pool.holding:
+            break
+    assert not supervisor.log_pool.holding
+    assert clock.now - began <= starting.HOLD_LOG_LINES_MAX_SECONDS + starting.HELD_LOG_LINES_SECONDS + 1
+    for _ in range(100):
+        clock.now += 1.0
+        supervisor._pace_log_files()
+        assert not supervisor.log_pool.holding
+
+
+def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
+    """A supervisor with what ``_pace_log_files`` reads, a start-up sweep's pass under way."""
     import math
 
     from triggerer.groups import Groups
-    from triggerer.supervisor.starting import HELD_LOG_LINES_SECONDS
     from triggerer.trigger_logs import LogFilePool
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.running_triggers = Groups(), set()
     supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
     supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
-    supervisor.hash_xmin, supervisor.sweep_after = None, 1000  # a sweep's pass under way
+    supervisor.hash_xmin, supervisor.sweep_after = None, 1000
     supervisor.to_read, supervisor.owned = set(), {1, 2}
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # nothing waits to start now, but the sweep goes on
-    supervisor.hash_xmin, supervisor.sweep_after, supervisor.to_read = "100", 0, {2}
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # swept; shard 2 still to read
-    supervisor.to_read = set()
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # over: held for the grace after the last hand-out
-    supervisor.handing_out_until -= HELD_LOG_LINES_SECONDS
-    supervisor._pace_log_files()
-    assert not supervisor.log_pool.holding
+    return supervisor
+
+
+def hand_out(supervisor: SmartTriggerRunnerSupervisor, count: int) -> None:
+    """``count`` groups read and waiting to start."""
+    for member in range(count):
+        supervisor.groups.join(member, identity_hash=member)
+
+
+def all_running(supervisor: SmartTriggerRunnerSupervisor) -> None:
+    for group in list(supervisor.groups.unstarted.values()):
+        supervisor.running_triggers.add(supervisor.groups.start(group))
+
+
+class FakeClock:
+    """``time.monotonic`` of the supervisor's starting part, moved by the test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from triggerer.supervisor import starting
+
+        self.now = 1000.0
+        monkeypatch.setattr(starting.time, "monotonic", lambda: self.now)

@@ -97,8 +97,9 @@ class GroupStarting(SupervisorState):
         if not self.log_pool.holding:
             self.holding_since = now
         if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS:
-            if (to_run >= HOLD_LOG_LINES_FROM or self._start_under_way()
-                    or (self.log_pool.holding and to_run > 0)):
+            # a start under way extends a hold, never begins one: past the cap the hold ends for good
+            if (to_run >= HOLD_LOG_LINES_FROM
+                    or (self.log_pool.holding and (to_run > 0 or self._start_under_way()))):
                 self.handing_out_until = now + HELD_LOG_LINES_SECONDS
             elif self.log_pool.holding:
                 # reported running is not started yet: a runner given thousands at once runs their first
