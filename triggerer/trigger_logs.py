@@ -70,7 +70,7 @@ class LogFilePool:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: OrderedDict[PooledLogFile, BinaryIO] = OrderedDict()
-        self._settings: tuple[str, int] | None = None
+        self._settings: tuple[str, int, int] | None = None
         # files whose lines are held (not made yet, or not open while others wait), in the order their first
         # held line came; those that got a line after the hold are written first
         self.held: dict[PooledLogFile, None] = {}
@@ -116,13 +116,15 @@ class LogFilePool:
         within = now - start < REOPEN_WINDOW_SECONDS
         self._reopen_window = (start, spent + seconds) if within else (now, seconds)
 
-    def file_settings(self) -> tuple[str, int]:
-        """Airflow's base log folder and new log files' permissions, read from its config once."""
+    def file_settings(self) -> tuple[str, int, int]:
+        """Airflow's base log folder and the permissions of new log files and folders, read from its config
+        once."""
         if self._settings is None:
             from airflow.sdk.configuration import conf
 
-            permissions = conf.get("logging", "file_task_handler_new_file_permissions", fallback="0o664")
-            self._settings = (conf.get("logging", "base_log_folder"), int(permissions, 8))
+            files = conf.get("logging", "file_task_handler_new_file_permissions", fallback="0o664")
+            folders = conf.get("logging", "file_task_handler_new_folder_permissions", fallback="0o775")
+            self._settings = (conf.get("logging", "base_log_folder"), int(files, 8), int(folders, 8))
         return self._settings
 
     def __len__(self) -> int:
@@ -183,11 +185,11 @@ class PooledLogFile:
         try:
             handle = self._open()
         except FileNotFoundError:
-            # its folder is missing (never made, or removed by log retention while the trigger waited): made
-            # as Airflow makes it, with the configured permissions
-            from airflow.sdk.log import init_log_file
-
-            init_log_file(self.name)
+            # its folder is missing (never made here: the worker ran elsewhere, or log retention removed it
+            # while the trigger waited): made as Airflow's ``init_log_folder`` makes it (the configured mode
+            # on the last folder), without its ``init_log_file`` reading three settings and touching the
+            # file first (half of a held file's cost after a takeover of thousands; bench/RESULTS.md)
+            os.makedirs(os.path.dirname(self.name), mode=self._pool.file_settings()[2], exist_ok=True)
             handle = self._open()
         self._opened = True
         return handle
@@ -334,7 +336,7 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     def __call__(self, processors: Iterable[Any]) -> Any:
         if hasattr(self, "bound_logger"):
             return self._holding_logger
-        base_folder, _ = self.pool.file_settings()
+        base_folder = self.pool.file_settings()[0]
         # where Airflow's init_log_file places it; a plain string: parsing a Path for each new coroutine's
         # first line cost 14 us a coroutine (5,000 first lines: 0.18 s, 0.11 s without; bench/RESULTS.md)
         path = os.path.join(base_folder, self.log_path)
