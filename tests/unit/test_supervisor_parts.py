@@ -157,11 +157,41 @@ def test_a_sweep_that_does_not_end_holds_first_log_lines_no_longer_than_the_cap(
         if not supervisor.log_pool.holding:
             break
     assert not supervisor.log_pool.holding
-    assert clock.now - began <= starting.HOLD_LOG_LINES_MAX_SECONDS + starting.HELD_LOG_LINES_SECONDS + 1
+    assert (starting.HOLD_LOG_LINES_MAX_SECONDS <= clock.now - began
+            <= starting.HOLD_LOG_LINES_MAX_SECONDS + starting.HELD_LOG_LINES_SECONDS + 1)
     for _ in range(100):
         clock.now += 1.0
         supervisor._pace_log_files()
         assert not supervisor.log_pool.holding
+
+
+def test_groups_that_never_report_running_hold_first_log_lines_no_longer_than_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big hand-out whose groups never report running (started, not built: the database away) holds up
+    to ``HOLD_LOG_LINES_MAX_SECONDS``; the same hand-out begins no new hold after it, a new arrival
+    does."""
+    from triggerer.supervisor import starting
+
+    clock = FakeClock(monkeypatch)
+    supervisor = pacing_supervisor()
+    supervisor.hash_xmin, supervisor.sweep_after = "100", 0  # no sweep: the groups alone
+    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)
+    for group in list(supervisor.groups.unstarted.values()):
+        supervisor.groups.start(group)  # handed out, never reported running
+    supervisor._pace_log_files()
+    began = clock.now
+    while supervisor.log_pool.holding and clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
+        clock.now += 1.0
+        supervisor._pace_log_files()
+    assert not supervisor.log_pool.holding
+    assert clock.now - began >= starting.HOLD_LOG_LINES_MAX_SECONDS
+    for _ in range(100):
+        clock.now += 1.0
+        supervisor._pace_log_files()
+        assert not supervisor.log_pool.holding  # the same hand-out: no new hold
+    supervisor.groups.join(10_000, identity_hash=10_000)  # a new arrival
+    supervisor._pace_log_files()
+    assert supervisor.log_pool.holding
 
 
 def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
@@ -175,6 +205,7 @@ def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
     supervisor.groups, supervisor.running_triggers = Groups(), set()
     supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
     supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
+    supervisor.hold_capped_at = None
     supervisor.hash_xmin, supervisor.sweep_after = None, 1000
     supervisor.to_read, supervisor.owned = set(), {1, 2}
     return supervisor
@@ -192,10 +223,12 @@ def all_running(supervisor: SmartTriggerRunnerSupervisor) -> None:
 
 
 class FakeClock:
-    """``time.monotonic`` of the supervisor's starting part, moved by the test."""
+    """The clock of the supervisor's starting part alone (not the process's), moved by the test."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from types import SimpleNamespace
+
         from triggerer.supervisor import starting
 
         self.now = 1000.0
-        monkeypatch.setattr(starting.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(starting, "time", SimpleNamespace(monotonic=lambda: self.now))

@@ -96,16 +96,21 @@ class GroupStarting(SupervisorState):
         to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
         if not self.log_pool.holding:
             self.holding_since = now
-        if now - self.holding_since < HOLD_LOG_LINES_MAX_SECONDS:
-            # a start under way extends a hold, never begins one: past the cap the hold ends for good
-            if (to_run >= HOLD_LOG_LINES_FROM
-                    or (self.log_pool.holding and (to_run > 0 or self._start_under_way()))):
-                self.handing_out_until = now + HELD_LOG_LINES_SECONDS
-            elif self.log_pool.holding:
-                # reported running is not started yet: a runner given thousands at once runs their first
-                # steps (and their first lines) for seconds after; hold while new files' lines still come
-                self.handing_out_until = max(self.handing_out_until,
-                                             self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
+        if to_run < HOLD_LOG_LINES_FROM:
+            self.hold_capped_at = None
+        if now - self.holding_since >= HOLD_LOG_LINES_MAX_SECONDS:
+            # held long enough: groups that never report running (a database away while they are built)
+            # begin no new hold for the same hand-out; a new arrival, or a new pile once under the mark, does
+            self.hold_capped_at = self.groups.arrivals
+        elif ((to_run >= HOLD_LOG_LINES_FROM and self.hold_capped_at != self.groups.arrivals)
+                # a start under way extends a hold a big hand-out began, never begins one
+                or (self.log_pool.holding and (to_run > 0 or self._start_under_way()))):
+            self.handing_out_until = now + HELD_LOG_LINES_SECONDS
+        elif self.log_pool.holding:
+            # reported running is not started yet: a runner given thousands at once runs their first
+            # steps (and their first lines) for seconds after; hold while new files' lines still come
+            self.handing_out_until = max(self.handing_out_until,
+                                         self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
         self.log_pool.holding = now < self.handing_out_until
         if now - self.held_written_at < WRITE_HELD_EVERY_SECONDS:
             return

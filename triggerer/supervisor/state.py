@@ -140,6 +140,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     start_order_arrivals: int = attrs.field(default=-1, init=False)
     handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
     holding_since: float = attrs.field(default=-math.inf, init=False)
+    # ``groups.arrivals`` when the cap ended a hold: that hand-out begins no new one (None: none ended)
+    hold_capped_at: int | None = attrs.field(default=None, init=False)
     held_written_at: float = attrs.field(default=-math.inf, init=False)
     # ended coroutines' log files, closed a time budget per loop (starting.py, ``_close_ended``)
     ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
