@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import attrs
 import structlog
@@ -64,13 +64,21 @@ def open_files_allowed() -> int:
     return max(1, min(MAX_OPEN_LOG_FILES, soft // 4))
 
 
+class FileSettings(NamedTuple):
+    """Airflow's base log folder and the permission bits of new log files and folders."""
+
+    base_folder: str
+    file_mode: int
+    folder_mode: int
+
+
 class LogFilePool:
     """The open handles of pooled log files, least recently written first."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: OrderedDict[PooledLogFile, BinaryIO] = OrderedDict()
-        self._settings: tuple[str, int, int] | None = None
+        self._settings: FileSettings | None = None
         # files whose lines are held (not made yet, or not open while others wait), in the order their first
         # held line came; those that got a line after the hold are written first
         self.held: dict[PooledLogFile, None] = {}
@@ -116,15 +124,15 @@ class LogFilePool:
         within = now - start < REOPEN_WINDOW_SECONDS
         self._reopen_window = (start, spent + seconds) if within else (now, seconds)
 
-    def file_settings(self) -> tuple[str, int, int]:
-        """Airflow's base log folder and the permissions of new log files and folders, read from its config
-        once."""
+    def file_settings(self) -> FileSettings:
+        """Read from Airflow's config once."""
         if self._settings is None:
             from airflow.sdk.configuration import conf
 
             files = conf.get("logging", "file_task_handler_new_file_permissions", fallback="0o664")
             folders = conf.get("logging", "file_task_handler_new_folder_permissions", fallback="0o775")
-            self._settings = (conf.get("logging", "base_log_folder"), int(files, 8), int(folders, 8))
+            self._settings = FileSettings(conf.get("logging", "base_log_folder"), int(files, 8),
+                                          int(folders, 8))
         return self._settings
 
     def __len__(self) -> int:
@@ -189,14 +197,15 @@ class PooledLogFile:
             # while the trigger waited): made as Airflow's ``init_log_folder`` makes it (the configured mode
             # on the last folder), without its ``init_log_file`` reading three settings and touching the
             # file first (half of a held file's cost after a takeover of thousands; bench/RESULTS.md)
-            os.makedirs(os.path.dirname(self.name), mode=self._pool.file_settings()[2], exist_ok=True)
+            folder_mode = self._pool.file_settings().folder_mode
+            os.makedirs(os.path.dirname(self.name), mode=folder_mode, exist_ok=True)
             handle = self._open()
         self._opened = True
         return handle
 
     def _open(self) -> BinaryIO:
         how = os.O_APPEND if self._opened else os.O_TRUNC
-        descriptor = os.open(self.name, os.O_WRONLY | os.O_CREAT | how, self._pool.file_settings()[1])
+        descriptor = os.open(self.name, os.O_WRONLY | os.O_CREAT | how, self._pool.file_settings().file_mode)
         return os.fdopen(descriptor, "ab" if self._opened else "wb")
 
     def write(self, data: bytes) -> int:
@@ -336,7 +345,7 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     def __call__(self, processors: Iterable[Any]) -> Any:
         if hasattr(self, "bound_logger"):
             return self._holding_logger
-        base_folder = self.pool.file_settings()[0]
+        base_folder = self.pool.file_settings().base_folder
         # where Airflow's init_log_file places it; a plain string: parsing a Path for each new coroutine's
         # first line cost 14 us a coroutine (5,000 first lines: 0.18 s, 0.11 s without; bench/RESULTS.md)
         path = os.path.join(base_folder, self.log_path)
