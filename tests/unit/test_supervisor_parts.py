@@ -149,20 +149,11 @@ def test_a_sweep_that_does_not_end_holds_first_log_lines_no_longer_than_the_cap(
     supervisor = pacing_supervisor()
     hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)
     supervisor._pace_log_files()
-    began = clock.now
     all_running(supervisor)
-    while clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
-        clock.now += 1.0
-        supervisor._pace_log_files()
-        if not supervisor.log_pool.holding:
-            break
-    assert not supervisor.log_pool.holding
-    assert (starting.HOLD_LOG_LINES_MAX_SECONDS <= clock.now - began
+    held = seconds_held(supervisor, clock)
+    assert (starting.HOLD_LOG_LINES_MAX_SECONDS <= held
             <= starting.HOLD_LOG_LINES_MAX_SECONDS + starting.HELD_LOG_LINES_SECONDS + 1)
-    for _ in range(100):
-        clock.now += 1.0
-        supervisor._pace_log_files()
-        assert not supervisor.log_pool.holding
+    assert_no_hold_for(supervisor, clock, 100)
 
 
 def test_groups_that_never_report_running_hold_first_log_lines_no_longer_than_the_cap(
@@ -179,16 +170,8 @@ def test_groups_that_never_report_running_hold_first_log_lines_no_longer_than_th
     for group in list(supervisor.groups.unstarted.values()):
         supervisor.groups.start(group)  # handed out, never reported running
     supervisor._pace_log_files()
-    began = clock.now
-    while supervisor.log_pool.holding and clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
-        clock.now += 1.0
-        supervisor._pace_log_files()
-    assert not supervisor.log_pool.holding
-    assert clock.now - began >= starting.HOLD_LOG_LINES_MAX_SECONDS
-    for _ in range(100):
-        clock.now += 1.0
-        supervisor._pace_log_files()
-        assert not supervisor.log_pool.holding  # the same hand-out: no new hold
+    assert seconds_held(supervisor, clock) >= starting.HOLD_LOG_LINES_MAX_SECONDS
+    assert_no_hold_for(supervisor, clock, 100)  # the same hand-out: no new hold
     supervisor.groups.join(10_000, identity_hash=10_000)  # a new arrival
     supervisor._pace_log_files()
     assert supervisor.log_pool.holding
@@ -220,6 +203,25 @@ def hand_out(supervisor: SmartTriggerRunnerSupervisor, count: int) -> None:
 def all_running(supervisor: SmartTriggerRunnerSupervisor) -> None:
     for group in list(supervisor.groups.unstarted.values()):
         supervisor.running_triggers.add(supervisor.groups.start(group))
+
+
+def seconds_held(supervisor: SmartTriggerRunnerSupervisor, clock: FakeClock) -> float:
+    """A second at a time until the hold ends (twice the cap at most, then it must have ended)."""
+    from triggerer.supervisor import starting
+
+    began = clock.now
+    while supervisor.log_pool.holding and clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
+        clock.now += 1.0
+        supervisor._pace_log_files()
+    assert not supervisor.log_pool.holding
+    return clock.now - began
+
+
+def assert_no_hold_for(supervisor: SmartTriggerRunnerSupervisor, clock: FakeClock, seconds: int) -> None:
+    for _ in range(seconds):
+        clock.now += 1.0
+        supervisor._pace_log_files()
+        assert not supervisor.log_pool.holding
 
 
 class FakeClock:
