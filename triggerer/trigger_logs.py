@@ -358,9 +358,11 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
         return self._holding_logger
 
     def upload_to_remote(self) -> None:
-        # the upload reads the file: lines still held go to it first
-        if isinstance(self._filehandle, PooledLogFile) and self._filehandle.has_held():
-            self._filehandle.write_held()
+        # the upload reads the file: lines still held go to it first. A coroutine that logged nothing (a
+        # handover right after its start) has no file: Airflow's upload then does nothing
+        log_file = getattr(self, "_filehandle", None)
+        if isinstance(log_file, PooledLogFile) and log_file.has_held():
+            log_file.write_held()
         super().upload_to_remote()
 
     @classmethod

@@ -116,6 +116,17 @@ def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: py
     assert relative_path_from_logger(factory.bound_logger._logger) == Path("dag_id=d/t.log.trigger.7.log")
 
 
+def test_a_factory_that_wrote_nothing_uploads_and_closes_without_error(tmp_path: Path) -> None:
+    """A coroutine handed over before its first line has a factory but no file: ending it (upload, then
+    close, as the supervisor does) must neither fail nor make a file."""
+    pool = LogFilePool(limit=1)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
+                                          ti=None, pool=pool)
+    factory.upload_to_remote()
+    factory.close()
+    assert not (tmp_path / "dag_id=d").exists() and len(pool) == 0
+
+
 def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_permissions(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file is created by its first open (no separate touch), where Airflow's init_log_file would put
