@@ -73,17 +73,25 @@ def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
     return result
 
 
+_SCALARS = (str, int, float, bool)
+
+
 def _plain(value: Any) -> bool:
     """JSON as our ``identity_marker`` writes it: strings, numbers, lists and dicts of them, no key an
     encoding's tag (every one of Airflow's starts with ``__``). A marker that went through another
     serializer (an asset watcher's trigger, built from the serialized DAG, carries it encoded by Airflow's
-    older one) is not plain and is read Airflow's way."""
-    if value is None or isinstance(value, str | int | float | bool):
+    older one) is not plain and is read Airflow's way. A tuple of types and a plain loop over a dict: with
+    a union type and generators it cost 4 us for our usual marker, 2 us so (once per new coroutine in the
+    runner, once per hashed row in the supervisor)."""
+    if value is None or isinstance(value, _SCALARS):
         return True
     if isinstance(value, list):
         return all(_plain(item) for item in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and not k.startswith("__") and _plain(v) for k, v in value.items())
+        for key, item in value.items():
+            if not isinstance(key, str) or key.startswith("__") or not _plain(item):
+                return False
+        return True
     return False
 
 
