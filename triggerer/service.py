@@ -161,13 +161,23 @@ def preflight(settings: Settings) -> None:
         Store(session).check_shards(settings.shards)
 
 
-def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> int:
+def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
+    """Airflow's trigger log server beside the instance, as ``airflow triggerer`` runs it; skipped, its
+    module is not even imported (Airflow's own context manager imports the server's web stack either way:
+    0.4 s of every start, two instances starting together on two cores)."""
+    if skip:
+        return contextlib.nullcontext()
     from airflow.cli.commands.triggerer_command import _serve_logs
+
+    return _serve_logs(False)
+
+
+def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> int:
     from airflow.configuration import conf
 
     bound_waits(settings.lease_seconds)  # before the first connection of the run: every one carries them
     preflight(settings)
-    with _serve_logs(skip_serve_logs):
+    with log_server(skip_serve_logs):
         runner = SmartTriggererJobRunner(
             Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings
         )
