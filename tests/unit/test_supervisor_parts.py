@@ -234,3 +234,79 @@ class FakeClock:
 
         self.now = 1000.0
         monkeypatch.setattr(starting, "time", SimpleNamespace(monotonic=lambda: self.now))
+
+
+class TickingClock:
+    """A clock of the starting part and of the log pool that moves ``tick`` seconds at every look: each
+    file written costs time, whatever the machine."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float) -> None:
+        from types import SimpleNamespace
+
+        from triggerer import trigger_logs
+        from triggerer.supervisor import starting
+
+        self.now, self.tick = 1000.0, tick
+        for module in (starting, trigger_logs):
+            monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=self.look))
+
+    def look(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> SmartTriggerRunnerSupervisor:
+    """A supervisor on its way out with ``held`` files whose first line is held (a recent takeover's) and
+    ``ended`` ended coroutines' files, each holding a line too."""
+    from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
+
+    supervisor = pacing_supervisor()
+    supervisor.log_pool.holding = True
+    for n in range(held):
+        PooledLogFile(tmp_path / f"held-{n}.log", supervisor.log_pool).write(b"trigger starting\n")
+    for n in range(ended):
+        factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / f"ended-{n}.log"), ti=None,
+                                              pool=supervisor.log_pool)
+        factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")  # a line each
+        supervisor.ended_logs[n] = factory
+    assert len(supervisor.log_pool.held) == held + ended and not list(tmp_path.iterdir())
+    return supervisor
+
+
+def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rolling restart stops the instance that took thousands over while their first lines are still
+    held (made in the background at a quarter of a core): the exit writes them, at a cost per file that
+    took the whole second an exit used to get, and says nothing is left."""
+    from structlog.testing import capture_logs
+
+    from triggerer.supervisor import starting
+
+    TickingClock(monkeypatch, tick=0.005)  # 300 files, two looks each: 3 s of writing
+    supervisor = exiting_supervisor(tmp_path, held=200, ended=100)
+    with capture_logs() as logs:
+        supervisor.write_held_log_lines()
+    assert len(list(tmp_path.glob("held-*.log"))) == 200
+    assert all(path.read_text() == "trigger starting\n" for path in tmp_path.glob("held-*.log"))
+    assert all(path.read_text() == "trigger completed\n" for path in tmp_path.glob("ended-*.log"))
+    assert not supervisor.ended_logs and not supervisor.log_pool.held
+    assert [line["event"] for line in logs if line["log_level"] == "warning"] == []
+    assert starting.EXIT_LOG_SECONDS <= 30 - 3 * 0.75  # within a 30 s grace, after the runner's escalation
+
+
+def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from structlog.testing import capture_logs
+
+    from triggerer.supervisor import starting
+
+    monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
+    TickingClock(monkeypatch, tick=starting.EXIT_LOG_SECONDS / 20)  # about ten files fit in the budget
+    supervisor = exiting_supervisor(tmp_path, held=50, ended=0)
+    with capture_logs() as logs:
+        supervisor.write_held_log_lines()
+    written = len(list(tmp_path.glob("held-*.log")))
+    assert 0 < written < 50
+    said = {line["event"]: line for line in logs}
+    assert said["writing trigger log files before exit"]["files"] == 50
+    assert said["trigger log lines not written at exit"]["files"] == 50 - written
