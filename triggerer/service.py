@@ -6,6 +6,7 @@ import contextlib
 import gc
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,20 @@ from triggerer.config import Settings
 from triggerer.health import HealthServer
 from triggerer.heap import tune_collector
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
+from triggerer.supervisor.starting import EXIT_LOG_SECONDS
 
 log = structlog.get_logger(logger_name=__name__)
 
-# per signal of the runner's stop escalation; SIGTERM -> exit within about 2 s (5-6 s with 25,000 waiters)
+# per signal of the runner's stop escalation; SIGTERM -> exit within about 2 s (5-6 s with 25,000 waiters;
+# up to EXIT_LOG_SECONDS after the signal while log files a recent takeover left are written)
 STOP_GRACE_SECONDS = 0.75
 LEAVING_NICENESS = 19
 
 
 class SmartTriggererJobRunner(TriggererJobRunner):
     """Airflow's triggerer job (same job type, so Airflow's health checks count it) with our supervisor."""
+
+    signalled_at: float | None = None  # the first stop signal, on the monotonic clock
 
     def __init__(self, job: Job, capacity: int | None, queues: set[str] | None, settings: Settings) -> None:
         super().__init__(job, capacity=capacity, queues=queues)
@@ -38,6 +43,8 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         """Airflow's (stop at the end of this loop; a second signal forces the exit), and the loop's wait
         for the runner ends now: the leases are released at once (waker.py)."""
         super()._exit_gracefully(signum, frame)
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
         if isinstance(self.trigger_runner, SmartTriggerRunnerSupervisor):
             self.trigger_runner.wake()
 
@@ -71,6 +78,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             self._shutdown(supervisor, health)
 
     def _shutdown(self, supervisor: SmartTriggerRunnerSupervisor | None, health: HealthServer | None) -> None:
+        exit_by = (self.signalled_at or time.monotonic()) + EXIT_LOG_SECONDS
         if supervisor is not None:
             # Release first: the next owner takes the shards within one of its loops.
             with contextlib.suppress(SQLAlchemyError):
@@ -83,7 +91,11 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             leave_the_heap()
             supervisor.log_pool.exiting = True  # the runner's last lines are written as they come
             supervisor.kill(escalation_delay=STOP_GRACE_SECONDS, force=True)
-            supervisor.write_held_log_lines()
+            if health is not None:  # nothing left to report on: the writes below may take seconds
+                health.stop()
+                health = None
+            # up to EXIT_LOG_SECONDS after the stop signal, one second at least
+            supervisor.write_held_log_lines(max(exit_by - time.monotonic(), 1.0))
         if health is not None:
             health.stop()
         log.info("smart triggerer stopped")

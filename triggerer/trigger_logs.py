@@ -87,13 +87,16 @@ class LogFilePool:
         self.exiting = False  # on the way out: every line is written at once (nothing would write it later)
         self._reopen_window = (-float("inf"), 0.0)  # (start, seconds spent reopening in it)
         self.new_file_held_at = -float("inf")  # when a file not made yet last got its first held line
+        self.dropped_files = 0  # files whose lines could not be written (each warned about once)
 
-    def write_held(self, budget_seconds: float) -> bool:
-        """Make held files and write their lines, oldest first, for up to ``budget_seconds``; True when
-        some are left."""
+    def write_held(self, budget_seconds: float, *, dropped_at_most: int | None = None) -> bool:
+        """Make held files and write their lines, oldest first, for up to ``budget_seconds`` and, with
+        ``dropped_at_most``, until that many more files could not be written (a full disk, a read-only
+        mount: the rest would fail alike); True when some are left."""
         deadline = time.monotonic() + budget_seconds
+        stop_at = None if dropped_at_most is None else self.dropped_files + dropped_at_most
         turn = 0
-        while self.held and time.monotonic() < deadline:
+        while self.held and time.monotonic() < deadline and (stop_at is None or self.dropped_files < stop_at):
             # files with news and the oldest in turn: news never starve a file holding only its first line
             log_file = next(iter(self.sooner if self.sooner and turn % 2 == 0 else self.held))
             turn += 1
@@ -294,6 +297,7 @@ class PooledLogFile:
             log.warning("cannot write a trigger log file; its lines are dropped", path=self.name,
                         error=str(err))
             self._warned = True
+            self._pool.dropped_files += 1
 
     def flush(self) -> None:
         self._pool.flush(self)

@@ -256,8 +256,8 @@ class TickingClock:
 
 
 def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> SmartTriggerRunnerSupervisor:
-    """A supervisor on its way out with ``held`` files whose first line is held (a recent takeover's) and
-    ``ended`` ended coroutines' files, each holding a line too."""
+    """A supervisor on its way out (as ``_shutdown`` leaves it) with ``held`` files whose first line is
+    held (a recent takeover's) and ``ended`` ended coroutines' files, each holding a line too."""
     from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
     supervisor = pacing_supervisor()
@@ -270,28 +270,53 @@ def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> SmartTriggerRun
         factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")  # a line each
         supervisor.ended_logs[n] = factory
     assert len(supervisor.log_pool.held) == held + ended and not list(tmp_path.iterdir())
+    supervisor.log_pool.exiting = True
     return supervisor
+
+
+def written(tmp_path: Path, prefix: str, line: str) -> int:
+    files = list(tmp_path.glob(f"{prefix}-*.log"))
+    assert all(path.read_text() == line for path in files)
+    return len(files)
 
 
 def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_second(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rolling restart stops the instance that took thousands over while their first lines are still
-    held (made in the background at a quarter of a core): the exit writes them, at a cost per file that
-    took the whole second an exit used to get, and says nothing is left."""
+    held (made in the background at a quarter of a core): the exit writes them within its budget, at a
+    cost per file that took the whole second an exit used to get."""
     from structlog.testing import capture_logs
 
-    from triggerer.supervisor import starting
-
-    TickingClock(monkeypatch, tick=0.005)  # 300 files, two looks each: 3 s of writing
+    TickingClock(monkeypatch, tick=0.005)  # 300 files, about four looks each: 6 s of writing
     supervisor = exiting_supervisor(tmp_path, held=200, ended=100)
     with capture_logs() as logs:
-        supervisor.write_held_log_lines()
-    assert len(list(tmp_path.glob("held-*.log"))) == 200
-    assert all(path.read_text() == "trigger starting\n" for path in tmp_path.glob("held-*.log"))
-    assert all(path.read_text() == "trigger completed\n" for path in tmp_path.glob("ended-*.log"))
+        supervisor.write_held_log_lines(20.0)
+    assert written(tmp_path, "held", "trigger starting\n") == 200
+    assert written(tmp_path, "ended", "trigger completed\n") == 100
     assert not supervisor.ended_logs and not supervisor.log_pool.held
     assert [line["event"] for line in logs if line["log_level"] == "warning"] == []
-    assert starting.EXIT_LOG_SECONDS <= 30 - 3 * 0.75  # within a 30 s grace, after the runner's escalation
+
+
+def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ended coroutines' files are uploaded when closed (remote logging): a remote that takes seconds a
+    file uses the budget up, but every held line is written locally first; the files left unclosed are
+    said."""
+    from structlog.testing import capture_logs
+
+    from triggerer.trigger_logs import PooledTriggerLoggingFactory
+
+    clock = TickingClock(monkeypatch, tick=0.0)
+    monkeypatch.setattr(PooledTriggerLoggingFactory, "upload_to_remote",
+                        lambda _self: setattr(clock, "now", clock.now + 3.0))  # 3 s a file
+    supervisor = exiting_supervisor(tmp_path, held=50, ended=20)
+    with capture_logs() as logs:
+        supervisor.write_held_log_lines(10.0)
+    assert written(tmp_path, "held", "trigger starting\n") == 50
+    assert written(tmp_path, "ended", "trigger completed\n") == 20  # written, only not all uploaded
+    said = {line["event"]: line for line in logs}
+    assert 0 < said["ended triggers' log files not closed at exit"]["files"] < 20
+    assert "trigger log lines not written at exit" not in said
 
 
 def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
@@ -301,12 +326,40 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
     from triggerer.supervisor import starting
 
     monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
-    TickingClock(monkeypatch, tick=starting.EXIT_LOG_SECONDS / 20)  # about ten files fit in the budget
+    TickingClock(monkeypatch, tick=0.1)  # about four looks a file: a few files fit in 2 s
     supervisor = exiting_supervisor(tmp_path, held=50, ended=0)
     with capture_logs() as logs:
-        supervisor.write_held_log_lines()
-    written = len(list(tmp_path.glob("held-*.log")))
-    assert 0 < written < 50
+        supervisor.write_held_log_lines(2.0)
+    done = written(tmp_path, "held", "trigger starting\n")
+    assert 0 < done < 50
     said = {line["event"]: line for line in logs}
-    assert said["writing trigger log files before exit"]["files"] == 50
-    assert said["trigger log lines not written at exit"]["files"] == 50 - written
+    assert said["writing trigger log files before exit"]["held"] == 50
+    assert said["trigger log lines not written at exit"]["files"] == 50 - done
+
+
+def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk or a read-only mount refuses every file alike: after ``EXIT_DROPPED_AT_MOST`` files
+    the rest are given up on (one warning for each refused file, one for the rest), not tried for the
+    whole budget."""
+    from structlog.testing import capture_logs
+
+    from triggerer.supervisor import starting
+    from triggerer.trigger_logs import PooledLogFile
+
+    monkeypatch.setattr(starting, "EXIT_DROPPED_AT_MOST", 5)
+    TickingClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it
+    supervisor = pacing_supervisor()
+    supervisor.log_pool.holding = True
+    blocked = tmp_path / "logs"
+    for n in range(30):
+        PooledLogFile(blocked / "dag_id=d" / f"t{n}.log", supervisor.log_pool).write(b"trigger starting\n")
+    blocked.write_text("a file where the log folder should be")
+    supervisor.log_pool.exiting = True
+    with capture_logs() as logs:
+        supervisor.write_held_log_lines(60.0)
+    refused = [line for line in logs if line["event"].startswith("cannot write a trigger log file")]
+    assert len(refused) == 5
+    said = {line["event"]: line for line in logs}
+    left = said["trigger log lines not written at exit"]
+    assert (left["log_level"], left["files"], left["unwritable_files"]) == ("warning", 25, 5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import selectors
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -70,9 +71,12 @@ def test_a_stop_signal_wakes_the_smart_supervisor() -> None:
     job_runner = object.__new__(SmartTriggererJobRunner)
     job_runner.trigger_runner = supervisor
     try:
+        before = time.monotonic()
         job_runner._exit_gracefully(signal.SIGTERM, None)
         assert supervisor.stop is True
         assert supervisor.waker.reader.recv(16) == b"\0"  # the wait in select ends now
+        signalled_at = job_runner.signalled_at  # the exit's log files are written until a time after it
+        assert signalled_at is not None and before <= signalled_at <= time.monotonic()
     finally:
         supervisor.waker.close()
 

@@ -56,12 +56,13 @@ WRITE_HELD_SECONDS = 0.05
 
 WRITE_HELD_EVERY_SECONDS = 0.2
 
-# on the way out (the leases already released, at the lowest CPU priority): log files still to write, for
-# up to this long. Made in the background at a quarter of a core, a takeover's held first lines take tens
-# of seconds to write at 25,000 waiters; a rolling restart stops the instance that took them over within
-# that time, and with a second of it 9,230 of those files lost their lines (bench/RESULTS.md). Within a
-# grace period of 30 s with the runner's 2.25 s of escalation.
-EXIT_LOG_SECONDS = 20.0
+# on the way out (the leases already released, at the lowest CPU priority): log files still to write, up
+# to this long after the stop signal. Made in the background at a quarter of a core, a takeover's held
+# first lines take tens of seconds to write at 25,000 waiters; a rolling restart stops the instance that
+# took them over within that time, and with a second for them 9,230 of those files lost their lines
+# (bench/RESULTS.md). Inside a grace period of 30 s (Kubernetes' default), with a few seconds to spare.
+EXIT_LOG_SECONDS = 25.0
+EXIT_DROPPED_AT_MOST = 100  # files that cannot be written at exit before the rest are given up on
 EXIT_SAY_FILES_FROM = 1000  # so many files to write at exit: said before, as the exit takes seconds
 
 class _RowCannotBeBuilt(Exception):
@@ -142,19 +143,25 @@ class GroupStarting(SupervisorState):
         fifth of them in the time meant for all)."""
         return bool(self.ended_logs or self.log_pool.held)
 
-    def write_held_log_lines(self) -> None:
-        """On the way out: ended coroutines' files, then the held first lines of the coroutines of a
-        recent start or takeover, for up to ``EXIT_LOG_SECONDS``; what is left is said, not silently
-        lost."""
+    def write_held_log_lines(self, budget_seconds: float) -> None:
+        """On the way out, for up to ``budget_seconds``: the held lines of every file first (a recent
+        start's or takeover's first lines, ended coroutines' last ones), written locally, then ended
+        coroutines' files closed (and uploaded, where remote logging is set: a slow remote must not cost
+        the local lines). What is left is said, not silently lost."""
+        deadline = time.monotonic() + budget_seconds
         self.log_pool.holding = False
-        files = len(self.ended_logs) + len(self.log_pool.held)
-        if files >= EXIT_SAY_FILES_FROM:
-            log.info("writing trigger log files before exit", files=files, at_most_seconds=EXIT_LOG_SECONDS)
-        left = self._close_ended(EXIT_LOG_SECONDS)
+        held, ended = len(self.log_pool.held), len(self.ended_logs)
+        if held + ended >= EXIT_SAY_FILES_FROM:
+            log.info("writing trigger log files before exit", held=held, ended=ended,
+                     at_most_seconds=round(budget_seconds, 1))
+        dropped = self.log_pool.dropped_files
+        if self.log_pool.write_held(budget_seconds, dropped_at_most=EXIT_DROPPED_AT_MOST):
+            log.warning("trigger log lines not written at exit", files=len(self.log_pool.held),
+                        unwritable_files=self.log_pool.dropped_files - dropped)
+        if self.ended_logs:
+            self._close_ended(max(deadline - time.monotonic(), 0.0))
         if self.ended_logs:
             log.warning("ended triggers' log files not closed at exit", files=len(self.ended_logs))
-        if self.log_pool.write_held(left):
-            log.warning("trigger log lines not written at exit", files=len(self.log_pool.held))
 
     def _close_later(self, finished: Any) -> None:
         """Airflow closes (and uploads) an ended coroutine's log file while it handles the runner's
