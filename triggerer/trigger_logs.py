@@ -29,6 +29,7 @@ once, held lines first.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -87,16 +88,16 @@ class LogFilePool:
         self.exiting = False  # on the way out: every line is written at once (nothing would write it later)
         self._reopen_window = (-float("inf"), 0.0)  # (start, seconds spent reopening in it)
         self.new_file_held_at = -float("inf")  # when a file not made yet last got its first held line
-        self.dropped_files = 0  # files whose lines could not be written (each warned about once)
+        self.refused_writes = 0  # writes the file system refused (OSError), every one (a file warns once)
 
-    def write_held(self, budget_seconds: float, *, dropped_at_most: int | None = None) -> bool:
+    def write_held(self, budget_seconds: float, *, refused_at_most: int | None = None) -> bool:
         """Make held files and write their lines, oldest first, for up to ``budget_seconds`` and, with
-        ``dropped_at_most``, until that many more files could not be written (a full disk, a read-only
-        mount: the rest would fail alike); True when some are left."""
+        ``refused_at_most``, until the file system refused that many more writes (a full disk, a
+        read-only mount: the rest would fail alike); True when some are left."""
         deadline = time.monotonic() + budget_seconds
-        stop_at = None if dropped_at_most is None else self.dropped_files + dropped_at_most
+        stop_at = math.inf if refused_at_most is None else self.refused_writes + refused_at_most
         turn = 0
-        while self.held and time.monotonic() < deadline and (stop_at is None or self.dropped_files < stop_at):
+        while self.held and time.monotonic() < deadline and self.refused_writes < stop_at:
             # files with news and the oldest in turn: news never starve a file holding only its first line
             log_file = next(iter(self.sooner if self.sooner and turn % 2 == 0 else self.held))
             turn += 1
@@ -154,8 +155,12 @@ class LogFilePool:
         handle = log_file.open_handle()  # first: a file that cannot open closes no other
         self._reopened(time.monotonic() - began)
         while len(self._open) >= self.limit:
-            _oldest, evicted = self._open.popitem(last=False)
-            evicted.close()
+            oldest, evicted = self._open.popitem(last=False)
+            try:
+                evicted.close()
+            except OSError as err:  # its buffered line could not be flushed: its own loss, not the new file's
+                log.warning("cannot close a trigger log file; its last lines are dropped", path=oldest.name,
+                            error=str(err))
         self._open[log_file] = handle
         return handle
 
@@ -293,11 +298,12 @@ class PooledLogFile:
     def _dropped(self, err: Exception) -> None:
         self._held = []
         self._pool.forget_held(self)
+        if isinstance(err, OSError):  # the file system refused it (a processor's error is the line's own)
+            self._pool.refused_writes += 1
         if not self._warned:
             log.warning("cannot write a trigger log file; its lines are dropped", path=self.name,
                         error=str(err))
             self._warned = True
-            self._pool.dropped_files += 1
 
     def flush(self) -> None:
         self._pool.flush(self)

@@ -287,7 +287,7 @@ def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_seco
     cost per file that took the whole second an exit used to get."""
     from structlog.testing import capture_logs
 
-    TickingClock(monkeypatch, tick=0.005)  # 300 files, about four looks each: 6 s of writing
+    TickingClock(monkeypatch, tick=0.005)  # 300 files, three looks or so each: about 5 s of writing
     supervisor = exiting_supervisor(tmp_path, held=200, ended=100)
     with capture_logs() as logs:
         supervisor.write_held_log_lines(20.0)
@@ -326,7 +326,7 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
     from triggerer.supervisor import starting
 
     monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
-    TickingClock(monkeypatch, tick=0.1)  # about four looks a file: a few files fit in 2 s
+    TickingClock(monkeypatch, tick=0.1)  # three looks or so a file: a few files fit in 2 s
     supervisor = exiting_supervisor(tmp_path, held=50, ended=0)
     with capture_logs() as logs:
         supervisor.write_held_log_lines(2.0)
@@ -339,27 +339,39 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
 
 def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A full disk or a read-only mount refuses every file alike: after ``EXIT_DROPPED_AT_MOST`` files
-    the rest are given up on (one warning for each refused file, one for the rest), not tried for the
-    whole budget."""
+    """A full disk or a read-only mount refuses every file alike: after ``EXIT_REFUSED_AT_MOST`` refused
+    writes the rest are given up on, ended files included (one warning for each refused file, one for
+    the rest), not tried for the whole budget. A file that was refused already while the instance ran
+    (warned about then) counts too."""
     from structlog.testing import capture_logs
 
     from triggerer.supervisor import starting
-    from triggerer.trigger_logs import PooledLogFile
+    from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
-    monkeypatch.setattr(starting, "EXIT_DROPPED_AT_MOST", 5)
+    monkeypatch.setattr(starting, "EXIT_REFUSED_AT_MOST", 5)
     TickingClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it
     supervisor = pacing_supervisor()
-    supervisor.log_pool.holding = True
     blocked = tmp_path / "logs"
+    blocked.write_text("a file where the log folder should be")
+    earlier = [PooledLogFile(blocked / "dag_id=d" / f"e{n}.log", supervisor.log_pool) for n in range(3)]
+    for log_file in earlier:  # refused while the instance ran: warned about then
+        log_file.write(b"trigger starting\n")
+    supervisor.log_pool.holding = True
+    for log_file in earlier:  # and lines held for them again since
+        log_file.write(b"trigger fired\n")
     for n in range(30):
         PooledLogFile(blocked / "dag_id=d" / f"t{n}.log", supervisor.log_pool).write(b"trigger starting\n")
-    blocked.write_text("a file where the log folder should be")
+    for n in range(10):
+        factory = PooledTriggerLoggingFactory(log_path=str(blocked / "dag_id=d" / f"ended-{n}.log"), ti=None,
+                                              pool=supervisor.log_pool)
+        factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")
+        supervisor.ended_logs[n] = factory
     supervisor.log_pool.exiting = True
     with capture_logs() as logs:
         supervisor.write_held_log_lines(60.0)
     refused = [line for line in logs if line["event"].startswith("cannot write a trigger log file")]
-    assert len(refused) == 5
+    assert len(refused) == 2  # the three refused before warn no more: 5 refusals, 2 of them new files
     said = {line["event"]: line for line in logs}
     left = said["trigger log lines not written at exit"]
-    assert (left["log_level"], left["files"], left["unwritable_files"]) == ("warning", 25, 5)
+    assert (left["log_level"], left["files"], left["refused_writes"]) == ("warning", 43 - 5, 5)
+    assert said["ended triggers' log files not closed at exit"]["files"] == 10

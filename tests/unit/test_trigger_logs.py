@@ -8,6 +8,7 @@ import resource
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -374,3 +375,34 @@ def test_files_with_news_do_not_starve_files_holding_only_their_first_line(
     made = files_made_in_order(monkeypatch)
     assert pool.write_held(budget_seconds=60) is False
     assert made == [busy[0], quiet[0], busy[1], quiet[1], busy[2], busy[3]]
+
+
+def test_a_file_that_fails_to_close_when_evicted_costs_the_next_file_nothing(tmp_path: Path) -> None:
+    """Closing the least recently written file to make room flushes what it still buffers; if that fails,
+    the loss is that file's (said once), and the file being opened gets its line."""
+    from structlog.testing import capture_logs
+
+    pool = LogFilePool(limit=1)
+    first = PooledLogFile(tmp_path / "first.log", pool)
+    first.write(b"written\n")
+    first.flush()
+    pool._open[first] = RefusingClose(pool.handle(first))  # type: ignore[assignment]  # a full disk
+    second = PooledLogFile(tmp_path / "second.log", pool)
+    with capture_logs() as logs:
+        assert second.write(b"line\n") == len(b"line\n")
+        second.flush()
+    assert (tmp_path / "second.log").read_text() == "line\n"
+    assert [(line["event"], line["path"]) for line in logs] == [
+        ("cannot close a trigger log file; its last lines are dropped", str(tmp_path / "first.log"))]
+
+
+class RefusingClose:
+    """An open log file whose last flush, at close, the disk refuses (the descriptor is closed all the
+    same, as Python's own file objects do)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def close(self) -> None:
+        self.handle.close()
+        raise OSError(28, "No space left on device")

@@ -62,7 +62,7 @@ WRITE_HELD_EVERY_SECONDS = 0.2
 # took them over within that time, and with a second for them 9,230 of those files lost their lines
 # (bench/RESULTS.md). Inside a grace period of 30 s (Kubernetes' default), with a few seconds to spare.
 EXIT_LOG_SECONDS = 25.0
-EXIT_DROPPED_AT_MOST = 100  # files that cannot be written at exit before the rest are given up on
+EXIT_REFUSED_AT_MOST = 100  # writes the file system refuses at exit before the rest are given up on
 EXIT_SAY_FILES_FROM = 1000  # so many files to write at exit: said before, as the exit takes seconds
 
 class _RowCannotBeBuilt(Exception):
@@ -147,18 +147,19 @@ class GroupStarting(SupervisorState):
         """On the way out, for up to ``budget_seconds``: the held lines of every file first (a recent
         start's or takeover's first lines, ended coroutines' last ones), written locally, then ended
         coroutines' files closed (and uploaded, where remote logging is set: a slow remote must not cost
-        the local lines). What is left is said, not silently lost."""
+        the local lines; an upload under way is not cut short). A file system that refuses
+        ``EXIT_REFUSED_AT_MOST`` writes ends it early. What is left is said, not silently lost."""
         deadline = time.monotonic() + budget_seconds
         self.log_pool.holding = False
         held, ended = len(self.log_pool.held), len(self.ended_logs)
         if held + ended >= EXIT_SAY_FILES_FROM:
             log.info("writing trigger log files before exit", held=held, ended=ended,
                      at_most_seconds=round(budget_seconds, 1))
-        dropped = self.log_pool.dropped_files
-        if self.log_pool.write_held(budget_seconds, dropped_at_most=EXIT_DROPPED_AT_MOST):
+        refused = self.log_pool.refused_writes
+        if self.log_pool.write_held(budget_seconds, refused_at_most=EXIT_REFUSED_AT_MOST):
             log.warning("trigger log lines not written at exit", files=len(self.log_pool.held),
-                        unwritable_files=self.log_pool.dropped_files - dropped)
-        if self.ended_logs:
+                        refused_writes=self.log_pool.refused_writes - refused)
+        if self.ended_logs and self.log_pool.refused_writes - refused < EXIT_REFUSED_AT_MOST:
             self._close_ended(max(deadline - time.monotonic(), 0.0))
         if self.ended_logs:
             log.warning("ended triggers' log files not closed at exit", files=len(self.ended_logs))
