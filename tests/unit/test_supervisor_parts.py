@@ -225,22 +225,11 @@ def assert_no_hold_for(supervisor: SmartTriggerRunnerSupervisor, clock: FakeCloc
 
 
 class FakeClock:
-    """The clock of the supervisor's starting part alone (not the process's), moved by the test."""
+    """The clock of the supervisor's starting part and of its log pool (not the process's): moved by the
+    test, and ``tick`` seconds more at every look (each file written then costs time, whatever the
+    machine)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from types import SimpleNamespace
-
-        from triggerer.supervisor import starting
-
-        self.now = 1000.0
-        monkeypatch.setattr(starting, "time", SimpleNamespace(monotonic=lambda: self.now))
-
-
-class TickingClock:
-    """A clock of the starting part and of the log pool that moves ``tick`` seconds at every look: each
-    file written costs time, whatever the machine."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float = 0.0) -> None:
         from types import SimpleNamespace
 
         from triggerer import trigger_logs
@@ -287,7 +276,7 @@ def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_seco
     cost per file that took the whole second an exit used to get."""
     from structlog.testing import capture_logs
 
-    TickingClock(monkeypatch, tick=0.005)  # 300 files, three looks or so each: about 5 s of writing
+    FakeClock(monkeypatch, tick=0.005)  # 300 files, three looks or so each: about 5 s of writing
     supervisor = exiting_supervisor(tmp_path, held=200, ended=100)
     with capture_logs() as logs:
         supervisor.write_held_log_lines(20.0)
@@ -306,7 +295,7 @@ def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
 
     from triggerer.trigger_logs import PooledTriggerLoggingFactory
 
-    clock = TickingClock(monkeypatch, tick=0.0)
+    clock = FakeClock(monkeypatch, tick=0.0)
     monkeypatch.setattr(PooledTriggerLoggingFactory, "upload_to_remote",
                         lambda _self: setattr(clock, "now", clock.now + 3.0))  # 3 s a file
     supervisor = exiting_supervisor(tmp_path, held=50, ended=20)
@@ -326,7 +315,7 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
     from triggerer.supervisor import starting
 
     monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
-    TickingClock(monkeypatch, tick=0.1)  # three looks or so a file: a few files fit in 2 s
+    FakeClock(monkeypatch, tick=0.1)  # three looks or so a file: a few files fit in 2 s
     supervisor = exiting_supervisor(tmp_path, held=50, ended=0)
     with capture_logs() as logs:
         supervisor.write_held_log_lines(2.0)
@@ -349,7 +338,7 @@ def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(tmp_path: Path
     from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
     monkeypatch.setattr(starting, "EXIT_REFUSED_AT_MOST", 5)
-    TickingClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it
+    FakeClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it
     supervisor = pacing_supervisor()
     blocked = tmp_path / "logs"
     blocked.write_text("a file where the log folder should be")
