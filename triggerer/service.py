@@ -91,13 +91,11 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             leave_the_heap()
             supervisor.log_pool.exiting = True  # the runner's last lines are written as they come
             supervisor.kill(escalation_delay=STOP_GRACE_SECONDS, force=True)
-            if health is not None:  # nothing left to report on: the writes below may take seconds
-                stop_health(health)
-                health = None
+        if health is not None:  # nothing left to report on: the log files below may take seconds
+            stop_health(health)
+        if supervisor is not None:
             # up to EXIT_LOG_SECONDS after the stop signal, one second at least
             supervisor.write_held_log_lines(max(exit_by - time.monotonic(), 1.0))
-        if health is not None:
-            stop_health(health)
         log.info("smart triggerer stopped")
 
 
@@ -184,7 +182,7 @@ def preflight(settings: Settings) -> None:
 def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
     """Airflow's trigger log server beside the instance, as ``airflow triggerer`` runs it; skipped, its
     module is not even imported (Airflow's own context manager imports the server's web stack either way:
-    0.4 s of every start, two instances starting together on two cores)."""
+    about 0.4 s of every start under py-spy, two instances starting together on two cores)."""
     if skip:
         return contextlib.nullcontext()
     from airflow.cli.commands.triggerer_command import _serve_logs
