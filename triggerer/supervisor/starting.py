@@ -65,6 +65,7 @@ EXIT_LOG_SECONDS = 25.0
 EXIT_REFUSED_AT_MOST = 100  # writes the file system refuses at exit before the rest are given up on
 EXIT_SAY_FILES_FROM = 1000  # so many files to write at exit: said before, as the exit takes seconds
 
+
 class _RowCannotBeBuilt(Exception):
     """A database error building one row's workload that is not an outage nor a lock: that row cannot
     lead its group, and the build's transaction is lost (the others are built again)."""
