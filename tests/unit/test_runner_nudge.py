@@ -87,3 +87,13 @@ def test_the_supervisor_nudges_its_runner_once_until_it_asks() -> None:
     GroupStarting._nudge_runner(exited)  # type: ignore[arg-type]
     assert _verdict(third) == "not nudged"
     GroupStarting._nudge_runner(SimpleNamespace(pid=None, nudged=False, _exit_code=None))  # type: ignore[arg-type]
+
+
+def test_a_runner_pid_of_zero_or_less_signals_no_process_group() -> None:
+    """``kill(0, ...)`` signals every process of the caller's group (a negative pid, another group): a
+    supervisor without a runner process (pid 0, as the fault tests build one) nudged the other test
+    processes of its group, among them a listener of the test above expecting no signal."""
+    listener = _listener(2.0)  # started by this process: in its process group
+    for pid in (0, -os.getpgid(0)):
+        GroupStarting._nudge_runner(SimpleNamespace(pid=pid, nudged=False, _exit_code=None))  # type: ignore[arg-type]
+    assert _verdict(listener) == "not nudged"

@@ -304,8 +304,10 @@ class GroupStarting(SupervisorState):
         """Coroutines wait to be handed to the runner (or cancelled): end its idle tick now (runner.py,
         item 12), once until it asks again. A runner that is gone or not listening yet loses nothing: its
         next tick asks anyway."""
-        if self.nudged or self.pid is None or self._exit_code is not None:
-            return  # asked already, not started, or exited (reaped: its pid may be another process's)
+        if self.nudged or self.pid is None or self.pid <= 0 or self._exit_code is not None:
+            # asked already; not started (0 or less would signal a whole process group: ours); or exited
+            # (reaped: its pid may be another process's)
+            return
         self.nudged = True
         with contextlib.suppress(OSError):  # exited: the loop notices and stops
             os.kill(self.pid, NUDGE_SIGNAL)
