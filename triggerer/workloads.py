@@ -127,8 +127,9 @@ def task_rows(session: Session, trigger_ids: Iterable[int]) -> dict[int, TaskRow
     of 250, 30-60 ms a batch against 2 ms.
 
     The statement is built once and run on the session's connection (plain rows, the columns' types
-    applied as through the ORM): built again for each batch and read through the ORM's result machinery,
-    it was a fifth of a takeover's supervisor CPU (bench/RESULTS.md)."""
+    applied as through the ORM). This read was a fifth of a takeover's supervisor CPU under py-spy;
+    building the statement for each batch and reading it through the ORM's result machinery were 40% of
+    it (7.0-7.7 ms of CPU per batch of 250, 4.4 ms now; bench/RESULTS.md)."""
     found: dict[int, TaskRow] = {}
     for row in session.connection().execute(_task_rows_statement(), {"ids": list(trigger_ids)}):
         trigger_id, classpath, kwargs, *ti_values, timeout, bundle_version, created = row
