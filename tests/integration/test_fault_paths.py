@@ -514,6 +514,7 @@ def test_a_database_refusing_every_writer_keeps_every_event_and_failure_and_fail
     supervisor.events.append(event_entry(r2, {"moment": other_time(3)}))
     supervisor.failed_triggers.append((r3, ["ValueError: the warehouse said no\n"]))
     set_read_only(dsn, True)
+    supervisor.last_renewal = time.monotonic()  # renewed by load(): no renewal falls due in the loops below
     try:
         for _ in range(2):
             supervisor._db_step("events", supervisor.handle_events)
@@ -543,12 +544,6 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     from triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     dsn = env.database_dsn
-    # lock waits of 0.5 s (a lease of 2 s bounds the connections) under a lease of 8 s: the chunk's and
-    # then the event's lock wait end long before the leases fall due for renewal (4.8 s). With lease and
-    # bound equal (4 s: two waits of 1 s against renewal at 2.4 s), a slow host reached the renewal, which
-    # met the read-only database and stopped every shard (right: nothing is stored without a lease), so
-    # the second event was left for the shard's next owner instead of meeting the refusal this test is about
-    bounded(2.0)
     supervisor = make_supervisor(lease_seconds=8.0)
     locked, free = seed(env, 2), seed(env, 2, moment=other_time(3))
     load(supervisor)
@@ -565,6 +560,14 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
             raise
 
     monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", store)
+    # lock waits of 0.5 s (a lease of 2 s bounds the connections opened from here) under a lease of 8 s,
+    # renewed by load() just now: the chunk's and then the event's lock wait end long before the leases
+    # fall due for renewal (4.8 s). With lease and bound equal (4 s: two waits of 1 s against renewal at
+    # 2.4 s, after the shards' read), a slow host reached the renewal, which met the read-only database and
+    # stopped every shard (right: nothing is stored without a lease), so the second event was left for the
+    # shard's next owner instead of meeting the refusal this test is about
+    bounded(2.0)
+    supervisor.last_renewal = time.monotonic()
     holder = psycopg2.connect(dsn)
     try:
         holder.cursor().execute("SELECT 1 FROM task_instance WHERE id = %s FOR UPDATE", (locked.ti_ids[0],))
@@ -573,6 +576,8 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
         supervisor._db_step("events", supervisor.handle_events)
         queued = [e.trigger_id for e in supervisor.events]
         print("\nqueued after the loop:", queued, "| last error:", supervisor.last_error)
+        assert supervisor.owned, "the leases were dropped (a renewal met the read-only database)"
+        assert "read-only" in (supervisor.last_error or "")
         assert sorted(queued) == sorted([locked_runner, free_runner])
     finally:
         holder.close()
