@@ -689,3 +689,41 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
         assert kept and kept <= set(first.member_info)
     finally:
         lingering.close()
+
+
+def test_sessions_ended_from_outside_again_and_again_fail_no_event(
+        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chaos run's db_error fault (every session of the instance terminated again and again for a
+    second) failed two innocent tasks: each attempt lost its session at once while a fresh connection
+    still answered, which was counted as the event's own slow listener three times. Only an attempt that
+    sat as long as the idle limit counts: these stay queued and are stored once the sessions live on."""
+    from triggerer import fanout
+
+    dsn = env.database_dsn
+    supervisor = make_supervisor()
+    seeded = seed(env, 2)
+    load(supervisor)
+    runner = runner_of(supervisor, seeded)
+    supervisor.running_triggers.add(runner)
+    original, ended = fanout.resume, []
+
+    def ended_from_outside(session: Any, batches: Any) -> Any:
+        if len(ended) < 6:  # each loop: the chunk, then the event alone (three strikes on the old code)
+            from sqlalchemy import text
+            pid = session.execute(text("SELECT pg_backend_pid()")).scalar()
+            rows(dsn, "SELECT pg_terminate_backend(%s)", pid)
+            ended.append(pid)
+        return original(session, batches)
+
+    monkeypatch.setattr(fanout, "resume", ended_from_outside)
+    supervisor.events.append(event_entry(runner, {"moment": LATER}))
+    for _ in range(3):
+        supervisor._db_step("events", supervisor.handle_events)
+    print("\nsessions ended:", len(ended), "| queued:", len(supervisor.events), "| failed:",
+          failed_with(dsn, seeded.dag_id), "| last error:", supervisor.last_error)
+    assert len(ended) == 6
+    assert not failed_with(dsn, seeded.dag_id)
+    assert [e.trigger_id for e in supervisor.events] == [runner]
+    supervisor._db_step("events", supervisor.handle_events)
+    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+    assert not supervisor.events

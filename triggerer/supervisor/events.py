@@ -126,6 +126,7 @@ class EventFanout(SupervisorState):
         for _ in range(count):
             self._guard_leases()
             entry = self.events[0]
+            started = time.monotonic()
             try:
                 self._store_events([entry])
             except Exception as err:
@@ -135,7 +136,7 @@ class EventFanout(SupervisorState):
                     later.append(entry)
                 elif blames_event(err):
                     self._poisoned(entry, err)
-                elif not self._lost_its_session_again(entry, err):
+                elif not self._lost_its_session_again(entry, err, time.monotonic() - started):
                     raise  # the database refuses every writer: this and every later event stay queued
                 elif self.outage_strikes[entry.trigger_id] >= OUTAGE_STRIKES:
                     self._poisoned(entry, err, why=(
@@ -147,10 +148,14 @@ class EventFanout(SupervisorState):
                 self.outage_strikes.pop(entry.trigger_id, None)
             self.events.popleft()
 
-    def _lost_its_session_again(self, entry: TriggerEventEntry, err: Exception) -> bool:
-        """An event stored alone lost its connection while the database answers: count it (a one-off
-        network blip is retried; the same event losing its session every time is its own doing)."""
-        if not is_outage(err) or not self._database_answers():
+    def _lost_its_session_again(self, entry: TriggerEventEntry, err: Exception, seconds: float) -> bool:
+        """An event stored alone lost its connection while the database answers, after an attempt as long
+        as the server's idle-in-transaction limit (half a lease, bounded.py): count it (a one-off network
+        blip is retried; the same event losing its session every time is its own doing). A session ended
+        sooner was not idle that long: terminated or restarted from outside, which to the client looks the
+        same ("server closed the connection"); counted, it failed innocent tasks when sessions were ended
+        again and again for a second while a fresh connection still answered. That is an outage."""
+        if not is_outage(err) or seconds < self.settings.lease_seconds / 2 or not self._database_answers():
             return False
         self.outage_strikes[entry.trigger_id] = self.outage_strikes.get(entry.trigger_id, 0) + 1
         return True
