@@ -40,12 +40,17 @@ LIBPQ_DRIVERS = ("psycopg2", "psycopg")  # both take libpq's connection keywords
 PLANNER = {"jit": "off"}  # not a wait's limit: what our statements need of the planner (see above)
 
 
+def idle_limit_seconds(lease_seconds: float) -> float:
+    """How long the server lets a session of ours sit idle inside its transaction before ending it."""
+    return lease_seconds / 2
+
+
 def limits(lease_seconds: float) -> dict[str, int]:
     """The server settings each of our connections starts with, for this lease."""
     keepalive_idle = max(1, math.floor(lease_seconds / 4))
     return {
         "lock_timeout": _ms(lease_seconds / 4),
-        "idle_in_transaction_session_timeout": _ms(lease_seconds / 2),
+        "idle_in_transaction_session_timeout": _ms(idle_limit_seconds(lease_seconds)),
         "tcp_user_timeout": _ms(lease_seconds / 2),
         "tcp_keepalives_idle": keepalive_idle,
         "tcp_keepalives_interval": KEEPALIVE_INTERVAL_SECONDS,

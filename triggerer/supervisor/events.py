@@ -17,6 +17,7 @@ from airflow.triggers.base import TriggerEvent
 from airflow.utils.session import create_session
 
 from triggerer import fanout
+from triggerer.bounded import idle_limit_seconds
 from triggerer.db_errors import blames_event, cause, is_outage, is_transient
 from triggerer.dead_letters import DEAD_AFTER, payload_text
 from triggerer.groups import Group
@@ -155,7 +156,8 @@ class EventFanout(SupervisorState):
         sooner was not idle that long: terminated or restarted from outside, which to the client looks the
         same ("server closed the connection"); counted, it failed innocent tasks when sessions were ended
         again and again for a second while a fresh connection still answered. That is an outage."""
-        if not is_outage(err) or seconds < self.settings.lease_seconds / 2 or not self._database_answers():
+        if (not is_outage(err) or seconds < idle_limit_seconds(self.settings.lease_seconds)
+                or not self._database_answers()):
             return False
         self.outage_strikes[entry.trigger_id] = self.outage_strikes.get(entry.trigger_id, 0) + 1
         return True
