@@ -697,6 +697,8 @@ def test_sessions_ended_from_outside_again_and_again_fail_no_event(
     second) failed two innocent tasks: each attempt lost its session at once while a fresh connection
     still answered, which was counted as the event's own slow listener three times. Only an attempt that
     sat as long as the idle limit counts: these stay queued and are stored once the sessions live on."""
+    from sqlalchemy import text
+
     from triggerer import fanout
 
     dsn = env.database_dsn
@@ -709,7 +711,6 @@ def test_sessions_ended_from_outside_again_and_again_fail_no_event(
 
     def ended_from_outside(session: Any, batches: Any) -> Any:
         if len(ended) < 6:  # each loop: the chunk, then the event alone (three strikes on the old code)
-            from sqlalchemy import text
             pid = session.execute(text("SELECT pg_backend_pid()")).scalar()
             rows(dsn, "SELECT pg_terminate_backend(%s)", pid)
             ended.append(pid)
