@@ -217,13 +217,23 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
     """Timeouts are kept from the load (no query per loop) and fire when due, by the database clock."""
     dsn = env.database_dsn
     supervisor = make_supervisor()
-    seeded = seed(env, 2, trigger_timeout=dt.timedelta(seconds=2))
+    seeded = seed(env, 2, trigger_timeout=dt.timedelta(seconds=6))
     load(supervisor)
     supervisor._timeout_members()
+    # read after the check: the deadline still ahead by the database clock (6 s: a busy host's seed and
+    # load took most of the 2 s this test once had)
+    assert rows(dsn, "SELECT bool_and(trigger_timeout > clock_timestamp()) FROM task_instance "
+                     "WHERE dag_id = %s", seeded.dag_id) == [(True,)]
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
-    time.sleep(2.2)
-    supervisor._timeout_members()
-    assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
+
+    def timed_out() -> dict[int, str]:
+        load(supervisor)  # a loop: the leases renewed (a time-out is written under them, fenced)
+        supervisor._timeout_members()
+        return ti_states(dsn, seeded.dag_id)
+
+    wait_for(timed_out, lambda s: set(s.values()) == {"scheduled"}, 30, "the tasks timed out", interval=0.2)
+    assert rows(dsn, "SELECT bool_and(trigger_timeout <= clock_timestamp()) FROM task_instance "
+                     "WHERE dag_id = %s", seeded.dag_id) == [(True,)]
     assert supervisor.member_info == {}
 
 

@@ -59,6 +59,7 @@ def lock_one_task_of(dsn: str, job_id: int) -> tuple[psycopg2.extensions.connect
     return conn, found[0][0]
 
 
+@pytest.mark.alone  # asserts a time bound (lease + 3 s): no other test's stack beside it
 def test_a_peer_frozen_inside_its_transaction_is_taken_over_and_fenced(audited: AirflowStack) -> None:
     dsn = audited.config.database_dsn
     with ControlledServer().running() as source:

@@ -16,7 +16,7 @@ from airflow.utils.net import get_hostname
 from devkit.devstack import AirflowConfig
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import seed_deferred
-from tests.helpers.waiting import rows
+from tests.helpers.waiting import rows, wait_for
 from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor, unhashed
 from triggerer import page
 
@@ -201,6 +201,10 @@ def test_a_stopped_instance_is_not_carried_into_its_successors_minutes(env: Airf
     """A restart: job 1 stops, job 2 (its successor, a new job id) samples the same waiters. The chart must
     not count them twice while job 1's last sample is still fresh; nor may the hour's first minute dip."""
     make_supervisor()
+    # the samples are placed by the minute of the insert, the chart by the minute of its read: both in one
+    # minute (a minute turning between the two shifted the hour's first point)
+    wait_for(lambda: float(rows(env.database_dsn, "SELECT extract(second FROM clock_timestamp())")[0][0]),
+             lambda second: second < 45, 20, "a minute with 15 s left", interval=0.5)
     rows(env.database_dsn, """
         WITH m AS (SELECT date_trunc('minute', now() - interval '20 minutes') AS m)
         INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, stopped_at)

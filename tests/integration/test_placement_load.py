@@ -16,9 +16,11 @@ from devkit.devstack import AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.throttle import RunnerThrottle
+from tests.helpers.triggers import FlagFileTrigger
 from tests.helpers.waiting import execute, lease_owners, settled_owners, ti_states, wait_for
 from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
 from triggerer.rendezvous import Member, assign, shards_of
+from triggers.identity import IdentityPolicy, shard_of
 
 
 @pytest.fixture
@@ -37,6 +39,31 @@ def seed_flag_waits(stack: AirflowStack, flag: Path, count: int) -> Seeded:
     execute(stack.config.database_dsn, AUDIT_DDL)
     return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
                          classpath=FLAG_FILE, kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)})
+
+
+def flag_keys(flag: Path, per_shard: int) -> list[str]:
+    """Keys of flag waits whose identities (as the triggerer computes them from the serialized kwargs) put
+    exactly ``per_shard`` groups on every shard, found by trying k0, k1, ...: the flag's path differs per
+    run, so keys k0..kN fall on shards at random, and placement by load then moves shards by chance."""
+    policy = IdentityPolicy.with_extra(())
+    found: dict[int, list[str]] = {shard: [] for shard in range(SHARDS)}
+    for n in range(100 * per_shard * SHARDS):
+        classpath, kwargs = FlagFileTrigger(f"k{n}", str(flag)).serialize()
+        keys = found[shard_of(policy.identity(classpath, kwargs, 0).hash, SHARDS)]
+        if len(keys) < per_shard:
+            keys.append(f"k{n}")
+        if sum(len(k) for k in found.values()) == per_shard * SHARDS:
+            return [key for shard in range(SHARDS) for key in found[shard]]
+    raise AssertionError(f"no {per_shard} keys found for some shard")
+
+
+def seed_even_flag_waits(stack: AirflowStack, flag: Path, per_shard: int) -> Seeded:
+    """``per_shard`` waits on every shard, each its own group, all firing once ``flag`` exists (audited as
+    ``seed_flag_waits``): equal shards, so that where placement puts them depends on no chance."""
+    keys = flag_keys(flag, per_shard)
+    execute(stack.config.database_dsn, AUDIT_DDL)
+    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=len(keys),
+                         classpath=FLAG_FILE, kwargs_for=lambda i: {"key": keys[i], "flag": str(flag)})
 
 
 def instances(stack: AirflowStack) -> dict[int, dict[str, object]]:
@@ -127,14 +154,15 @@ def test_a_lagging_instance_sheds_shards_and_takes_them_again_once_calm(
 
 def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: Path) -> None:
     """Four instances of equal capacity hold 4 of 16 shards each (plain rendezvous hashing over small job
-    ids gave one of them 28 of 64)."""
+    ids gave one of them 28 of 64). Three groups on every shard: with waits at random (the flag's path
+    differs per run) four shards could weigh more than a share, and placement by load rightly moved one."""
     flag = tmp_path / "go"
-    seeded = seed_flag_waits(stack, flag, 40)
+    seeded = seed_even_flag_waits(stack, flag, 3)
     components = [start(stack, f"smart-{n}") for n in range(4)]
     urls = [health_url(c) for c in components]
     spread = wait_for(lambda: [metrics(u) for u in urls],
                       lambda ms: sorted(m["smart_triggerer_shards_owned"] for m in ms) == [4, 4, 4, 4]
-                      and sum(m["smart_triggerer_coroutines"] for m in ms) == 40, 90, "4 shards each")
+                      and sum(m["smart_triggerer_coroutines"] for m in ms) == 48, 90, "4 shards each")
     assert len(spread) == SHARDS // 4
     resume_all_once(stack, flag, seeded, urls)
 
@@ -142,13 +170,13 @@ def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: 
 def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, tmp_path: Path) -> None:
     """A fourth instance joining three takes shards and at most one shard passes between the three; its
     graceful leave hands back the shards it held and at most one more (bounded-load placement with
-    minimal moves). 640 groups over 16 shards: no shard weighs much against a share (with 48, a shard
-    could hold a sixth of one and uneven packing moved more; unit-tested in tests/unit/test_placement.py,
-    and this setup simulated over 1,000 random spreads and job ids without a second extra move)."""
+    minimal moves). 40 groups on every shard: with waits at random (the flag's path differs per run) a
+    spread that packs unevenly could move a second shard now and then (uneven loads are unit-tested over
+    seeded spreads in tests/unit/test_placement.py)."""
     dsn = stack.config.database_dsn
     flag = tmp_path / "go"
-    waits = 640
-    seeded = seed_flag_waits(stack, flag, waits)
+    seeded = seed_even_flag_waits(stack, flag, 40)
+    waits = len(seeded.ti_ids)
     components = [start(stack, f"smart-{n}") for n in range(3)]
     urls = [health_url(c) for c in components]
     wait_for(lambda: [metrics(u) for u in urls],
@@ -198,6 +226,8 @@ def test_while_an_older_release_is_live_every_instance_places_shards_as_it_does(
              "the new instance alone owning every shard")
     job = _job_id(url)
     old_job = job + 1000
+    while not 0 < len(shards_of(job, assign(SHARDS, [Member(job, 1000), Member(old_job, 1000)]))) < SHARDS:
+        old_job += 1  # a job id that rendezvous gives some shards and not all (almost any)
     # the previous release's register_instance: no placement column, so the default (1)
     execute(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity) VALUES (%s, %s, 1000)",
             old_job, "old-release")

@@ -190,6 +190,7 @@ def _job_of(url: str) -> int:
     return int(body["job_id"])
 
 
+@pytest.mark.alone  # asserts a time bound (2.3 s after a SIGTERM): no other test's stack beside it
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str) -> None:
     dsn = stack.config.database_dsn

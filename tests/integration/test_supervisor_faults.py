@@ -655,7 +655,8 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
     wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10, "the second restart",
              interval=0.05)
     second_wait = time.monotonic() - failed_at
-    assert 0.9 <= first_wait < 1.5 and 1.9 <= second_wait < 2.5, (first_wait, second_wait)
+    # 1 s, then 2 s: each under the next step's wait (a busy host's loop adds a little, never a step)
+    assert 0.9 <= first_wait < 1.9 <= second_wait < 3.9, (first_wait, second_wait)
     assert supervisor.watcher_restarts_total == 2
     assert supervisor.failures_total == 0  # nothing to fail: no task waits on it
 
