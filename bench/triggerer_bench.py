@@ -135,6 +135,45 @@ class Result:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class CpuBudget:
+    """Where the machine's cores went from now until ``report``: all of them (busy core-seconds against
+    what the cores could give), the taker's supervisor and its runner(s), the bench; the rest is
+    PostgreSQL, the leaving instance and anything else. A takeover that keeps every core busy is bound by
+    the work it does, not by a wait: the wall time cannot go under that work over the cores."""
+
+    def __init__(self, taker: Component) -> None:
+        self.taker = taker
+        self.machine = psutil.cpu_times()
+        self.started = time.monotonic()
+        self.processes = self._processes()
+
+    def _processes(self) -> dict[int, float]:
+        seen = {}
+        for proc in self.taker.tree():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                times = proc.cpu_times()
+                seen[proc.pid] = times.user + times.system
+        return seen
+
+    def report(self, bench_cpu: float) -> str:
+        wall = time.monotonic() - self.started
+        now = psutil.cpu_times()
+        busy = _busy(now) - _busy(self.machine)
+        spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in self._processes().items()}
+        supervisor = spent.pop(self.taker.pid, 0.0)
+        runners = sum(spent.values())
+        rest = busy - supervisor - runners - bench_cpu
+        cores = psutil.cpu_count() or 1
+        return (f"cores busy {busy:.1f} of {cores * wall:.1f} core-seconds ({busy / wall:.2f} of {cores} "
+                f"cores): taker's supervisor {supervisor:.1f}s, its runner {runners:.1f}s, the bench "
+                f"{bench_cpu:.1f}s, PostgreSQL, the leaver and the rest {rest:.1f}s")
+
+
+def _busy(times: Any) -> float:
+    """Seconds the cores ran something (guest time is inside user on Linux; steal is not ours)."""
+    return float(times.user + times.nice + times.system + times.irq + times.softirq)
+
+
 class TreeSampler:
     """Samples CPU and RSS of the triggerer process trees every 0.5 s."""
 
@@ -731,6 +770,7 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
                             f"{bench.mode}-{how.name.lower()}")
              if bench.args.profile_takeover else [])
     own = psutil.Process().cpu_times()  # the bench's own (its source included): it shares the cores
+    budget = CpuBudget(survivors[0][0])
     signalled = time.time()
     os.killpg(victim[0].pid, how)
     flipped_at = 0.0
@@ -745,8 +785,9 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     still = [t for t in mine if waits.key(t) not in flip_keys]
     polling = waits.all_polling(source, signalled, still, how.name)
     now = psutil.Process().cpu_times()
-    console.print(f"  the bench's own CPU meanwhile (its HTTP source included): "
-                  f"{now.user + now.system - own.user - own.system:.1f}s")
+    bench_cpu = now.user + now.system - own.user - own.system
+    console.print(f"  the bench's own CPU meanwhile (its HTTP source included): {bench_cpu:.1f}s")
+    console.print(f"  {budget.report(bench_cpu)}")
     stop_profiles(spies, bench.args.profile_takeover, f"{bench.mode}-{how.name.lower()}")
     wait_until(lambda: bool(exited), 60, f"the {how.name} victim's exit")
     took = Takeover(len(mine), reassigned, polling, exited[0] - signalled, flipped_at, flip_keys)
