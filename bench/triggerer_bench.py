@@ -137,36 +137,62 @@ class Result:
 
 class CpuBudget:
     """Where the machine's cores went from now until ``report``: all of them (busy core-seconds against
-    what the cores could give), the taker's supervisor and its runner(s), the bench; the rest is
-    PostgreSQL, the leaving instance and anything else. A takeover that keeps every core busy is bound by
-    the work it does, not by a wait: the wall time cannot go under that work over the cores."""
+    what the cores could give), the taker's supervisor and its runner, the leaving instance (the sampler's
+    last look at its processes), PostgreSQL's processes, the bench; the rest is anything else. A takeover
+    that keeps every core busy is bound by the work it does, not by a wait: the wall time cannot go under
+    that work over the cores."""
 
-    def __init__(self, taker: Component) -> None:
+    def __init__(self, taker: Component, leaver: Component, sampler: TreeSampler) -> None:
         self.taker = taker
+        self.sampler = sampler
         self.machine = psutil.cpu_times()
         self.started = time.monotonic()
-        self.processes = self._processes()
-
-    def _processes(self) -> dict[int, float]:
-        seen = {}
-        for proc in self.taker.tree():
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                times = proc.cpu_times()
-                seen[proc.pid] = times.user + times.system
-        return seen
+        self.processes = _tree_cpu(taker)
+        self.leaver = _tree_cpu(leaver)
+        self.postgres = postgres_cpu()
 
     def report(self, bench_cpu: float) -> str:
         wall = time.monotonic() - self.started
         now = psutil.cpu_times()
         busy = _busy(now) - _busy(self.machine)
-        spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in self._processes().items()}
+        spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in _tree_cpu(self.taker).items()}
         supervisor = spent.pop(self.taker.pid, 0.0)
-        runners = sum(spent.values())
-        rest = busy - supervisor - runners - bench_cpu
+        runner = sum(spent.values())
+        # the leaver may have exited: its processes' last CPU as the sampler saw them (every 0.5 s)
+        leaver = sum(self.sampler.cpu.get(pid, cpu) - cpu for pid, cpu in self.leaver.items())
+        postgres = postgres_cpu() - self.postgres
+        rest = busy - supervisor - runner - leaver - postgres - bench_cpu
         cores = psutil.cpu_count() or 1
         return (f"cores busy {busy:.1f} of {cores * wall:.1f} core-seconds ({busy / wall:.2f} of {cores} "
-                f"cores): taker's supervisor {supervisor:.1f}s, its runner {runners:.1f}s, the bench "
-                f"{bench_cpu:.1f}s, PostgreSQL, the leaver and the rest {rest:.1f}s")
+                f"cores): taker's supervisor {supervisor:.1f}s, its runner {runner:.1f}s, the leaver "
+                f"{leaver:.1f}s, PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, "
+                f"the rest {rest:.1f}s")
+
+
+def _tree_cpu(component: Component) -> dict[int, float]:
+    seen = {}
+    for proc in component.tree():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = proc.cpu_times()
+            seen[proc.pid] = times.user + times.system
+    return seen
+
+
+def postgres_cpu() -> float:
+    """CPU seconds of every PostgreSQL process so far: the live ones, and (through each postmaster's
+    children times) the backends that ended: a backend that ends between two looks counts whole in the
+    second and in part in the first, so the difference is what it spent between them."""
+    total = 0.0
+    for proc in psutil.process_iter(["name", "ppid"]):
+        if proc.info["name"] != "postgres":
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = proc.cpu_times()
+            total += times.user + times.system
+            parent = psutil.Process(proc.info["ppid"]) if proc.info["ppid"] else None
+            if parent is None or parent.name() != "postgres":  # a postmaster: its ended backends
+                total += times.children_user + times.children_system
+    return total
 
 
 def _busy(times: Any) -> float:
@@ -770,7 +796,7 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
                             f"{bench.mode}-{how.name.lower()}")
              if bench.args.profile_takeover else [])
     own = psutil.Process().cpu_times()  # the bench's own (its source included): it shares the cores
-    budget = CpuBudget(survivors[0][0])
+    budget = CpuBudget(survivors[0][0], victim[0], bench.sampler)
     signalled = time.time()
     os.killpg(victim[0].pid, how)
     flipped_at = 0.0
