@@ -137,10 +137,12 @@ class Result:
 
 class CpuBudget:
     """Where the machine's cores went from now until ``report``: all of them (busy core-seconds against
-    what the cores could give), the taker's supervisor and its runner, the leaving instance (the sampler's
-    last look at its processes), PostgreSQL's processes, the bench; the rest is anything else. A takeover
-    that keeps every core busy is bound by the work it does, not by a wait: the wall time cannot go under
-    that work over the cores."""
+    what the cores could give), the first taker's supervisor and its runner (with more than two instances
+    the other takers fall in the rest), the leaving instance (the sampler's last look at its processes,
+    every 0.5 s: up to that much of its end missed), every process named ``postgres`` on the machine (a
+    bench machine runs one server), the bench; the rest is anything else. A takeover that keeps every core
+    busy is bound by the work it does, not by a wait: the wall time cannot go under that work over the
+    cores."""
 
     def __init__(self, taker: Component, leaver: Component, sampler: TreeSampler) -> None:
         self.taker = taker

@@ -232,8 +232,12 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
         return ti_states(dsn, seeded.dag_id)
 
     wait_for(timed_out, lambda s: set(s.values()) == {"scheduled"}, 30, "the tasks timed out", interval=0.2)
-    assert rows(dsn, "SELECT bool_and(trigger_timeout <= clock_timestamp()) FROM task_instance "
-                     "WHERE dag_id = %s", seeded.dag_id) == [(True,)]
+    # timed out when due: the write (scheduled_dttm, its transaction's start) came within a loop (a look
+    # just before the deadline by the database clock is taken again a loop later) and this test's looks
+    late = rows(dsn, "SELECT min(extract(epoch FROM scheduled_dttm - trigger_timeout)), "
+                     "max(extract(epoch FROM scheduled_dttm - trigger_timeout)) FROM task_instance "
+                     "WHERE dag_id = %s", seeded.dag_id)[0]
+    assert float(late[0]) > -0.5 and float(late[1]) < 3.0, late
     assert supervisor.member_info == {}
 
 
