@@ -673,7 +673,7 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
     lease = bounded(6.0)
     first = make_supervisor(lease_seconds=lease)
     # Identities until every shard holds one: whichever shards the peer takes, the first keeps a wait
-    # (with a fixed eight, all of them missed its kept shards about once in a few dozen runs).
+    # (with a fixed eight, all of them missed the two shards it keeps in one run in 256).
     waits: list[int] = []
     for k in range(64):
         waits += seed(env, 1, moment=other_time(5 + k)).trigger_ids
