@@ -15,12 +15,12 @@ import pytest
 from devkit.devstack import AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes
 from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.shards import keys_per_shard
 from tests.helpers.throttle import RunnerThrottle
 from tests.helpers.triggers import FlagFileTrigger
 from tests.helpers.waiting import execute, lease_owners, settled_owners, ti_states, wait_for
 from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
 from triggerer.rendezvous import Member, assign, shards_of
-from triggers.identity import IdentityPolicy, shard_of
 
 
 @pytest.fixture
@@ -41,26 +41,10 @@ def seed_flag_waits(stack: AirflowStack, flag: Path, count: int) -> Seeded:
                          classpath=FLAG_FILE, kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)})
 
 
-def flag_keys(flag: Path, per_shard: int) -> list[str]:
-    """Keys of flag waits whose identities (as the triggerer computes them from the serialized kwargs) put
-    exactly ``per_shard`` groups on every shard, found by trying k0, k1, ...: the flag's path differs per
-    run, so keys k0..kN fall on shards at random, and placement by load then moves shards by chance."""
-    policy = IdentityPolicy.with_extra(())
-    found: dict[int, list[str]] = {shard: [] for shard in range(SHARDS)}
-    for n in range(100 * per_shard * SHARDS):
-        classpath, kwargs = FlagFileTrigger(f"k{n}", str(flag)).serialize()
-        keys = found[shard_of(policy.identity(classpath, kwargs, 0).hash, SHARDS)]
-        if len(keys) < per_shard:
-            keys.append(f"k{n}")
-        if sum(len(k) for k in found.values()) == per_shard * SHARDS:
-            return [key for shard in range(SHARDS) for key in found[shard]]
-    raise AssertionError(f"no {per_shard} keys found for some shard")
-
-
 def seed_even_flag_waits(stack: AirflowStack, flag: Path, per_shard: int) -> Seeded:
     """``per_shard`` waits on every shard, each its own group, all firing once ``flag`` exists (audited as
     ``seed_flag_waits``): equal shards, so that where placement puts them depends on no chance."""
-    keys = flag_keys(flag, per_shard)
+    keys = keys_per_shard(lambda key: FlagFileTrigger(key, str(flag)), SHARDS, per_shard)
     execute(stack.config.database_dsn, AUDIT_DDL)
     return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=len(keys),
                          classpath=FLAG_FILE, kwargs_for=lambda i: {"key": keys[i], "flag": str(flag)})

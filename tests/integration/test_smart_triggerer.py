@@ -21,9 +21,9 @@ import pytest
 
 from devkit.devstack import AirflowStack, Component
 from tests.helpers.seeding import Seeded, seed_deferred
+from tests.helpers.shards import keys_per_shard
 from tests.helpers.triggers import KillMarkerTrigger
 from tests.helpers.waiting import lease_owners, rows, ti_states, wait_for
-from triggers.identity import IdentityPolicy, shard_of
 
 ROOT = Path(__file__).resolve().parents[2]
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
@@ -271,25 +271,12 @@ def test_unimportable_or_undecryptable_triggers_fail_alone(stack: AirflowStack) 
     assert component.running()
 
 
-def one_key_per_shard(marker_dir: str) -> list[str]:
-    """KillMarkerTrigger keys whose identities (as the triggerer computes them from the serialized kwargs)
-    fall one into each shard, found by trying k0, k1, ..."""
-    policy = IdentityPolicy.with_extra(())
-    found: dict[int, str] = {}
-    for n in range(10_000):
-        classpath, kwargs = KillMarkerTrigger(f"k{n}", marker_dir).serialize()
-        found.setdefault(shard_of(policy.identity(classpath, kwargs, 0).hash, SHARDS), f"k{n}")
-        if len(found) == SHARDS:
-            return [found[shard] for shard in range(SHARDS)]
-    raise AssertionError("no key found for some shard")
-
-
 def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, tmp_path: Path) -> None:
     dsn = stack.config.database_dsn
     markers = tmp_path / "markers"
     markers.mkdir()
     # One group in every shard, so whichever shards the second instance takes, groups are handed over to it
-    keys = one_key_per_shard(str(markers))
+    keys = keys_per_shard(lambda key: KillMarkerTrigger(key, str(markers)), SHARDS)
     shared = seed(stack, 2 * SHARDS, "tests.helpers.triggers.KillMarkerTrigger",
                   lambda i: {"key": keys[i % SHARDS], "marker_dir": str(markers)})
     lone = seed(stack, 2, "tests.helpers.triggers.LoneKillMarkerTrigger",
