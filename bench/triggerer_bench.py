@@ -140,9 +140,9 @@ class CpuBudget:
     what the cores could give), the first taker's supervisor and its runner (with more than two instances
     the other takers fall in the rest), the leaving instance (the sampler's last look at its processes,
     every 0.5 s: up to that much of its end missed), every process named ``postgres`` on the machine (a
-    bench machine runs one server), the bench; the rest is anything else. A takeover that keeps every core
-    busy is bound by the work it does, not by a wait: the wall time cannot go under that work over the
-    cores."""
+    bench machine runs one server), the bench (its HTTP source included); the rest is anything else. A
+    takeover that keeps every core busy is bound by the work it does, not by a wait: the wall time cannot
+    go under that work over the cores."""
 
     def __init__(self, taker: Component, leaver: Component, sampler: TreeSampler) -> None:
         self.taker = taker
@@ -152,9 +152,11 @@ class CpuBudget:
         self.processes = _tree_cpu(taker)
         self.leaver = _tree_cpu(leaver)
         self.postgres = postgres_cpu()
+        self.bench = _own_cpu()  # the bench's own (its HTTP source included): it shares the cores
 
-    def report(self, bench_cpu: float) -> str:
+    def report(self) -> str:
         wall = time.monotonic() - self.started
+        bench_cpu = _own_cpu() - self.bench
         now = psutil.cpu_times()
         busy = _busy(now) - _busy(self.machine)
         spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in _tree_cpu(self.taker).items()}
@@ -195,6 +197,11 @@ def postgres_cpu() -> float:
             if parent is None or parent.name() != "postgres":  # a postmaster: its ended backends
                 total += times.children_user + times.children_system
     return total
+
+
+def _own_cpu() -> float:
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
 
 
 def _busy(times: Any) -> float:
@@ -797,7 +804,6 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     spies = (start_profiles(survivors[0][0], waits.timeout, Path(bench.args.profile_takeover),
                             f"{bench.mode}-{how.name.lower()}")
              if bench.args.profile_takeover else [])
-    own = psutil.Process().cpu_times()  # the bench's own (its source included): it shares the cores
     budget = CpuBudget(survivors[0][0], victim[0], bench.sampler)
     signalled = time.time()
     os.killpg(victim[0].pid, how)
@@ -812,10 +818,7 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     # waits the flip resumed meanwhile poll no more: those still waiting must poll again
     still = [t for t in mine if waits.key(t) not in flip_keys]
     polling = waits.all_polling(source, signalled, still, how.name)
-    now = psutil.Process().cpu_times()
-    bench_cpu = now.user + now.system - own.user - own.system
-    console.print(f"  the bench's own CPU meanwhile (its HTTP source included): {bench_cpu:.1f}s")
-    console.print(f"  {budget.report(bench_cpu)}")
+    console.print(f"  {budget.report()}")
     stop_profiles(spies, bench.args.profile_takeover, f"{bench.mode}-{how.name.lower()}")
     wait_until(lambda: bool(exited), 60, f"the {how.name} victim's exit")
     took = Takeover(len(mine), reassigned, polling, exited[0] - signalled, flipped_at, flip_keys)
