@@ -150,6 +150,7 @@ class CpuBudget:
         self.machine = psutil.cpu_times()
         self.started = time.monotonic()
         self.processes = _tree_cpu(taker)
+        self.system = _tree_cpu(taker, system_only=True)
         self.leaver = _tree_cpu(leaver)
         self.postgres = postgres_cpu()
         self.bench = _own_cpu()  # the bench's own (its HTTP source included): it shares the cores
@@ -162,23 +163,29 @@ class CpuBudget:
         spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in _tree_cpu(self.taker).items()}
         supervisor = spent.pop(self.taker.pid, 0.0)
         runner = sum(spent.values())
+        # the kernel's part of the runner's (page faults of a growing heap count here, not in user time)
+        runner_system = sum(cpu - self.system.get(pid, 0.0)
+                            for pid, cpu in _tree_cpu(self.taker, system_only=True).items()
+                            if pid != self.taker.pid)
         # the leaver may have exited: its processes' last CPU as the sampler saw them (every 0.5 s)
         leaver = sum(self.sampler.cpu.get(pid, cpu) - cpu for pid, cpu in self.leaver.items())
         postgres = postgres_cpu() - self.postgres
         rest = busy - supervisor - runner - leaver - postgres - bench_cpu
+        # time the hypervisor gave the cores to someone else: wall time no work of ours fills
+        steal = getattr(now, "steal", 0.0) - getattr(self.machine, "steal", 0.0)
         cores = psutil.cpu_count() or 1
         return (f"cores busy {busy:.1f} of {cores * wall:.1f} core-seconds ({busy / wall:.2f} of {cores} "
-                f"cores): taker's supervisor {supervisor:.1f}s, its runner {runner:.1f}s, the leaver "
-                f"{leaver:.1f}s, PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, "
-                f"the rest {rest:.1f}s")
+                f"cores; stolen by the host {steal:.1f}s): taker's supervisor {supervisor:.1f}s, its runner "
+                f"{runner:.1f}s ({runner_system:.1f}s of it in the kernel), the leaver {leaver:.1f}s, "
+                f"PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, the rest {rest:.1f}s")
 
 
-def _tree_cpu(component: Component) -> dict[int, float]:
+def _tree_cpu(component: Component, *, system_only: bool = False) -> dict[int, float]:
     seen = {}
     for proc in component.tree():
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             times = proc.cpu_times()
-            seen[proc.pid] = times.user + times.system
+            seen[proc.pid] = times.system if system_only else times.user + times.system
     return seen
 
 
