@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import os
 import shutil
 import statistics
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--coroutines", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode, alternating")
+    parser.add_argument("--json", action="store_true",
+                        help="print each mode's median microseconds a coroutine as JSON at the end")
     args = parser.parse_args(argv)
     import uvloop
 
@@ -142,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"CPU a coroutine, {took:.2f} s for {args.coroutines}")
     source.communicate("")
     report(cpu, wall, args.coroutines)
+    if args.json:
+        print(json.dumps({mode: round(statistics.median(cpu[mode]) / args.coroutines * 1e6)
+                          for mode in MODES}))
     return 0
 
 

@@ -1011,11 +1011,14 @@ def main() -> int:
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the instances' logs here at the end")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json", action="store_true", help="print each mode's figures as JSON at the end")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="skip measuring the machine's speed first (bench/runner_bench.py)")
     args = parser.parse_args()
     # SIGTERM stops the run like Ctrl-C: the triggerers, the source and the databases are cleaned up
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, Result] = {}
     broke: dict[str, str] = {}
+    speed = None if args.no_calibration else machine_speed()
     with migrated_template("st_bench_template", args.keep_logs) as (server_dsn, template):
         for mode in args.modes.split(","):
             try:
@@ -1028,8 +1031,27 @@ def main() -> int:
     if args.write:
         append_result("Triggerer", "bench.triggerer_bench", markdown)
     if args.json:
-        print(json.dumps({mode: figures(r) for mode, r in results.items()} | {"broke": broke}, indent=1))
+        print(json.dumps({mode: figures(r) for mode, r in results.items()}
+                         | {"broke": broke, "machine_us_per_coroutine": speed}, indent=1))
     return 0
+
+
+def machine_speed() -> int | None:
+    """This machine's speed before the run, in the unit bench/RESULTS.md quotes: the runner's CPU for each
+    new coroutine up to its first poll (``bench/runner_bench.py``, 2,000 coroutines, ours). The same kind of
+    machine moved between about 140 and 780 us within days, and failover and start times at 50,000 waiters
+    move with it: a figure is read against the speed it was taken at."""
+    argv = [sys.executable, "-m", "bench.runner_bench", "--coroutines", "2000", "--rounds", "1", "--json"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        console.print(f"[yellow]the machine's speed was not measured (exit {done.returncode}): "
+                      f"{done.stderr.strip()[-300:]}[/]")
+        return None
+    speed = int(json.loads(lines[-1])["smart"])
+    console.print(f"machine speed: {speed} us of runner CPU per new coroutine (bench/runner_bench.py; "
+                  "lower is faster)")
+    return speed
 
 
 def figures(result: Result) -> dict[str, Any]:
