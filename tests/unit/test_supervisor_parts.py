@@ -73,6 +73,48 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
         assert bytes(received) == b"Trigger fired event\nnext line\n"
 
 
+def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_bound() -> None:
+    """Airflow reads the runner's log channel 4 KB per pass of its loop: a takeover's first lines took
+    1,200 passes. One pass now reads what is there, up to ``LOG_READS_PER_PASS`` reads (the comms socket
+    is served between passes), and a closed channel is still reported closed."""
+    import socket
+
+    from triggerer.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
+
+    runner_end, supervisor_end = socket.socketpair()
+    received = bytearray()
+    calls = 0
+
+    def read(sock: socket.socket) -> bool:  # as Airflow's reader: one blocking recv of 4 KB
+        nonlocal calls
+        calls += 1
+        data = sock.recv(4096)
+        received.extend(data)
+        return bool(data)
+
+    with runner_end, supervisor_end:
+        sent = b"x" * (20 * 4096 + 10)  # well within any socket buffer: all there before the pass
+        runner_end.sendall(sent)
+        assert reading_only_ready(read)(supervisor_end) is True
+        assert bytes(received) == sent and calls == 21  # one pass, every read while data was there
+        assert reading_only_ready(read)(supervisor_end) is True and calls == 21  # nothing there: no read
+        runner_end.close()
+        assert reading_only_ready(read)(supervisor_end) is False  # closed: Airflow's loop closes it
+
+    calls = 0
+    runner_end, supervisor_end = socket.socketpair()
+
+    def read_without_taking(sock: socket.socket) -> bool:  # the channel never empties
+        nonlocal calls
+        calls += 1
+        return True
+
+    with runner_end, supervisor_end:
+        runner_end.sendall(b"line\n")
+        assert reading_only_ready(read_without_taking)(supervisor_end) is True
+        assert calls == LOG_READS_PER_PASS  # bounded: the loop goes on to its other sockets
+
+
 def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:
     """``_hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM`` groups
     waiting to start while groups wait, workloads wait to be built or a phased takeover's shards wait to

@@ -30,7 +30,7 @@ from triggerer.groups import Group
 from triggerer.runner import NUDGE_SIGNAL
 from triggerer.store import Store
 from triggerer.supervisor.state import SupervisorState
-from triggerer.trigger_logs import PooledTriggerLoggingFactory
+from triggerer.trigger_logs import PooledTriggerLoggingFactory, reading_only_ready
 from triggerer.workloads import StartFromTrigger, log_renderer, plain_workload, task_rows
 
 log = structlog.get_logger(logger_name=__name__)
@@ -467,7 +467,7 @@ class GroupStarting(SupervisorState):
         for key in self._log_keys():
             read, on_close = key.data
             if not getattr(read, "reads_only_ready", False):
-                self.selector.modify(key.fileobj, key.events, data=(_reading_only_ready(read), on_close))
+                self.selector.modify(key.fileobj, key.events, data=(reading_only_ready(read), on_close))
 
     def _log_keys(self) -> list[Any]:
         """The selector keys of the runner's log channel."""
@@ -486,13 +486,3 @@ class GroupStarting(SupervisorState):
                 if not ready or not read(key.fileobj):
                     break  # nothing more now, or the channel closed (the loop's next select handles that)
 
-
-def _reading_only_ready(read: Any) -> Any:
-    """``read`` (Airflow's log reader, a blocking ``recv``), called only when the socket has data now."""
-
-    def reading(sock: Any) -> bool:
-        ready, _, _ = io_select.select([sock], [], [], 0)
-        return bool(read(sock)) if ready else True  # True: keep the socket; nothing to read yet
-
-    reading.reads_only_ready = True  # type: ignore[attr-defined]
-    return reading
