@@ -406,4 +406,5 @@ def reading_only_ready(read: Any) -> Any:
         return True
 
     reading.reads_only_ready = True  # type: ignore[attr-defined]
+    reading.raw = read  # type: ignore[attr-defined]  # for reads that count Airflow's 4 KB reads themselves
     return reading

@@ -75,10 +75,14 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
 
 def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_bound() -> None:
     """Airflow reads the runner's log channel 4 KB per pass of its loop: a takeover's first lines took
-    1,200 passes. One pass now reads what is there, up to ``LOG_READS_PER_PASS`` reads (the comms socket
-    is served between passes), and a closed channel is still reported closed."""
+    1,200 passes. One pass now reads what is there, up to ``LOG_READS_PER_PASS`` reads (the loop's other
+    sockets are served after it), and a closed channel is still reported closed. A request's read-through
+    (``_read_sent_log_lines``) still counts Airflow's 4 KB reads: ``LOG_READS_BEFORE_FINISHING`` at most."""
+    import selectors
     import socket
+    from types import SimpleNamespace
 
+    from triggerer.supervisor.starting import LOG_READS_BEFORE_FINISHING, GroupStarting
     from triggerer.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
 
     runner_end, supervisor_end = socket.socketpair()
@@ -93,7 +97,8 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
         return bool(data)
 
     with runner_end, supervisor_end:
-        sent = b"x" * (20 * 4096 + 10)  # well within any socket buffer: all there before the pass
+        runner_end.settimeout(5)  # a socket buffer smaller than the test's bytes fails, never hangs
+        sent = b"x" * (20 * 4096 + 10)  # within Linux's default socket buffer: all there before the pass
         runner_end.sendall(sent)
         assert reading_only_ready(read)(supervisor_end) is True
         assert bytes(received) == sent and calls == 21  # one pass, every read while data was there
@@ -113,6 +118,15 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
         runner_end.sendall(b"line\n")
         assert reading_only_ready(read_without_taking)(supervisor_end) is True
         assert calls == LOG_READS_PER_PASS  # bounded: the loop goes on to its other sockets
+
+        calls = 0
+        with selectors.DefaultSelector() as selector:  # as the loop installs it, then a request reads through
+            selector.register(supervisor_end, selectors.EVENT_READ, (read_without_taking, lambda sock: None))
+            supervisor = SimpleNamespace(selector=selector, _open_sockets={supervisor_end: "logs"})
+            supervisor._log_keys = lambda: GroupStarting._log_keys(supervisor)  # type: ignore[arg-type]
+            GroupStarting._guard_log_reads(supervisor)  # type: ignore[arg-type]
+            GroupStarting._read_sent_log_lines(supervisor)  # type: ignore[arg-type]
+        assert calls == LOG_READS_BEFORE_FINISHING  # Airflow's reads, not passes of 64 each
 
 
 def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:

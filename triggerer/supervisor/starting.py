@@ -476,11 +476,11 @@ class GroupStarting(SupervisorState):
 
     def _read_sent_log_lines(self) -> None:
         """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
-        sync reports it ended, and reads the log channel 4 KB per loop pass: the runner sends its lines in
+        sync reports it ended, and its reader takes 4 KB a call: the runner sends its lines in
         batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
         files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
         for key in self._log_keys():
-            read, _on_close = key.data
+            read = getattr(key.data[0], "raw", key.data[0])  # Airflow's reader: its 4 KB reads are counted
             for _ in range(LOG_READS_BEFORE_FINISHING):
                 ready, _, _ = io_select.select([key.fileobj], [], [], 0)
                 if not ready or not read(key.fileobj):
