@@ -149,9 +149,8 @@ class CpuBudget:
         self.sampler = sampler
         self.machine = psutil.cpu_times()
         self.started = time.monotonic()
-        self.processes = _tree_cpu(taker)
-        self.system = _tree_cpu(taker, system_only=True)
-        self.leaver = _tree_cpu(leaver)
+        self.processes = _tree_times(taker)
+        self.leaver = {pid: total for pid, (total, _) in _tree_times(leaver).items()}
         self.postgres = postgres_cpu()
         self.bench = _own_cpu()  # the bench's own (its HTTP source included): it shares the cores
 
@@ -160,13 +159,14 @@ class CpuBudget:
         bench_cpu = _own_cpu() - self.bench
         now = psutil.cpu_times()
         busy = _busy(now) - _busy(self.machine)
-        spent = {pid: cpu - self.processes.get(pid, 0.0) for pid, cpu in _tree_cpu(self.taker).items()}
-        supervisor = spent.pop(self.taker.pid, 0.0)
-        runner = sum(spent.values())
+        spent = {}
+        for pid, (total, system) in _tree_times(self.taker).items():
+            total_before, system_before = self.processes.get(pid, (0.0, 0.0))
+            spent[pid] = (total - total_before, system - system_before)
+        supervisor = spent.pop(self.taker.pid, (0.0, 0.0))[0]
+        runner = sum(total for total, _ in spent.values())
         # the kernel's part of the runner's (page faults of a growing heap count here, not in user time)
-        runner_system = sum(cpu - self.system.get(pid, 0.0)
-                            for pid, cpu in _tree_cpu(self.taker, system_only=True).items()
-                            if pid != self.taker.pid)
+        runner_system = sum(system for _, system in spent.values())
         # the leaver may have exited: its processes' last CPU as the sampler saw them (every 0.5 s)
         leaver = sum(self.sampler.cpu.get(pid, cpu) - cpu for pid, cpu in self.leaver.items())
         postgres = postgres_cpu() - self.postgres
@@ -180,12 +180,13 @@ class CpuBudget:
                 f"PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, the rest {rest:.1f}s")
 
 
-def _tree_cpu(component: Component, *, system_only: bool = False) -> dict[int, float]:
+def _tree_times(component: Component) -> dict[int, tuple[float, float]]:
+    """CPU seconds of each process of ``component``'s tree so far: (user and system, system)."""
     seen = {}
     for proc in component.tree():
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             times = proc.cpu_times()
-            seen[proc.pid] = times.system if system_only else times.user + times.system
+            seen[proc.pid] = (times.user + times.system, times.system)
     return seen
 
 

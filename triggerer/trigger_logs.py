@@ -387,24 +387,29 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
         return cls(log_path=factory.log_path, ti=factory.ti, pool=pool)
 
 
+def read_while_ready(read: Any, sock: Any, reads: int) -> bool:
+    """Call ``read`` (Airflow's log reader: one blocking ``recv`` of 4 KB) while ``sock`` has data now, up
+    to ``reads`` times; False once the channel closed (the reader said so)."""
+    for _ in range(reads):
+        ready, _, _ = select.select([sock], [], [], 0)
+        if not ready:
+            return True  # keep the socket: nothing (more) to read now
+        if not read(sock):
+            return False
+    return True
+
+
 def reading_only_ready(read: Any) -> Any:
-    """``read`` (Airflow's log reader: one blocking ``recv`` of 4 KB) as the supervisor's loop calls it for
-    the runner's log channel: only while the socket has data now (the loop's select may be stale: a runner
-    request handled since may have read the channel through), and again while it still has, up to
-    ``LOG_READS_PER_PASS`` reads. Airflow reads 4 KB per pass of its loop: at the end of a takeover of
-    25,000 waits the runner's first lines (about 4 MB) took 1,200 passes of the whole loop in 0.6 s, each
-    with its lease checks, metrics and a ``waitpid``, on the cores the runner was starting them on
-    (bench/RESULTS.md)."""
+    """``read`` as the supervisor's loop calls it for the runner's log channel: only while the socket has
+    data now (the loop's select may be stale: a runner request handled since may have read the channel
+    through), and again while it still has, up to ``LOG_READS_PER_PASS`` reads. Airflow reads 4 KB per pass
+    of its loop: at the end of a takeover of 25,000 waits the runner's first lines (about 4 MB) took 1,200
+    passes of the whole loop in 0.6 s, each with its lease checks, metrics and a ``waitpid``, on the cores
+    the runner was starting them on (bench/RESULTS.md). ``raw`` is Airflow's reader, for reads that count
+    its 4 KB reads themselves (and tells a wrapped reader)."""
 
     def reading(sock: Any) -> bool:
-        for _ in range(LOG_READS_PER_PASS):
-            ready, _, _ = select.select([sock], [], [], 0)
-            if not ready:
-                return True  # keep the socket: nothing (more) to read now
-            if not read(sock):
-                return False  # the channel closed: Airflow's loop closes it
-        return True
+        return read_while_ready(read, sock, LOG_READS_PER_PASS)
 
-    reading.reads_only_ready = True  # type: ignore[attr-defined]
-    reading.raw = read  # type: ignore[attr-defined]  # for reads that count Airflow's 4 KB reads themselves
+    reading.raw = read  # type: ignore[attr-defined]
     return reading

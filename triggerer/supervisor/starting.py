@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import select as io_select
 import time
 from typing import Any, cast
 
@@ -30,7 +29,7 @@ from triggerer.groups import Group
 from triggerer.runner import NUDGE_SIGNAL
 from triggerer.store import Store
 from triggerer.supervisor.state import SupervisorState
-from triggerer.trigger_logs import PooledTriggerLoggingFactory, reading_only_ready
+from triggerer.trigger_logs import PooledTriggerLoggingFactory, read_while_ready, reading_only_ready
 from triggerer.workloads import StartFromTrigger, log_renderer, plain_workload, task_rows
 
 log = structlog.get_logger(logger_name=__name__)
@@ -466,7 +465,7 @@ class GroupStarting(SupervisorState):
         only what is there."""
         for key in self._log_keys():
             read, on_close = key.data
-            if not getattr(read, "reads_only_ready", False):
+            if not hasattr(read, "raw"):  # not wrapped yet
                 self.selector.modify(key.fileobj, key.events, data=(reading_only_ready(read), on_close))
 
     def _log_keys(self) -> list[Any]:
@@ -480,9 +479,7 @@ class GroupStarting(SupervisorState):
         batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
         files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
         for key in self._log_keys():
-            read = getattr(key.data[0], "raw", key.data[0])  # Airflow's reader: its 4 KB reads are counted
-            for _ in range(LOG_READS_BEFORE_FINISHING):
-                ready, _, _ = io_select.select([key.fileobj], [], [], 0)
-                if not ready or not read(key.fileobj):
-                    break  # nothing more now, or the channel closed (the loop's next select handles that)
+            # Airflow's reader, its 4 KB reads counted; a closed channel is left to the loop's next select
+            raw = getattr(key.data[0], "raw", key.data[0])
+            read_while_ready(raw, key.fileobj, LOG_READS_BEFORE_FINISHING)
 
