@@ -52,6 +52,9 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
     def run_once(self) -> None:
         """Load once per ``loop_seconds`` (at once when a peer joined, stopped or handed shards over); in
         between, handle runner messages (events) as they come."""
+        # first: a load or a start services the runner's sockets too (feed.py, starting.py), and a
+        # blocking log reader must never be live there (see starting.py)
+        self._guard_log_reads()
         self._guard_leases()
         self.listen_for_peers()
         self.waker.attach(self.selector)
@@ -68,7 +71,6 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
             self.dag_cache.clear()  # the start is over
         self._hold_collector()  # held from a big start's first batch; released once it is over
         self._pace_log_files()
-        self._guard_log_reads()  # before the select below (see starting.py)
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
