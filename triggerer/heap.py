@@ -12,14 +12,19 @@ A big start in the runner (a takeover, a cold start) then makes thousands of cor
 their tasks resume. The young collections find them alive and promote them, and each collection of the
 middle generation scans them all again and frees nothing: at 50,000 waiters, pauses of 0.2-0.7 s of the
 runner's loop in the middle of a takeover (measured with ``gc.callbacks``), each reported by Airflow's
-watchdog as "likely caused by a badly-written trigger". ``StartFreezer`` keeps the middle and the old
-generations uncollected while a big start runs and freezes what it made at its end: the coroutines are
-never scanned while they wait. When they end, reference counting frees them as before; only a cycle
-that a frozen object is part of is never collected (measured: 0.2 objects left per ended coroutine,
-greenback's portal, 10,000 coroutines cancelled). Frozen objects are never given back to the
-collector: a full collection over them would also write to every object the runner inherited frozen
-from its supervisor, copying those pages (about 60 MB per runner, measured) and pausing the loop over
-the whole heap.
+watchdog as "likely caused by a badly-written trigger". ``StartFreezer`` freezes what is alive when a big
+start's pass begins, collects nothing while it runs and freezes what it made at its end: the coroutines
+are never scanned while they wait. Young collections are held too: in the runner they found no garbage
+during a start (``collected=0`` in every one), and the first one of a takeover scanned all that the
+waiting coroutines had made since the last collection (their current sleeps, their last responses):
+260-280 ms of the runner's loop at 25,000 waits, then 20-60 ms each (bench/RESULTS.md). A cycle that is
+garbage when a pass begins or ends is frozen with the rest and never collected: the runner makes next
+to none (the same measurements), and a big start is a rare event. When frozen coroutines end, reference
+counting frees them as before; only a cycle that a frozen object is part of is never collected
+(measured: 0.2 objects left per ended coroutine, greenback's portal, 10,000 coroutines cancelled).
+Frozen objects are never given back to the collector: a full collection over them would also write to
+every object the runner inherited frozen from its supervisor, copying those pages (about 60 MB per
+runner, measured) and pausing the loop over the whole heap.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ BURST_WINDOW_SECONDS = 10.0  # FREEZE_FROM coroutines created within this long: 
 # old generation is held too: a full collection falls due at a middle one (CPython counts them) but runs
 # at the next young collection, which may be inside the start (a unit test caught one in CI).
 NO_OLDER_COLLECTIONS = 1 << 30
+NO_COLLECTIONS = (NO_OLDER_COLLECTIONS,) * 3
 
 
 def tune_collector() -> None:
@@ -46,6 +52,20 @@ def tune_collector() -> None:
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+
+
+def collect_young_while_idle() -> bool:
+    """Collect the young generation now if it is half way to its threshold; for a loop with nothing to
+    do. Between collections the young generation gathers what waiting coroutines keep (their current
+    sleeps, their last responses: at 25,000 waits a young collection scanning them took 150-280 ms of
+    the runner's loop), and the allocations of a takeover's first piles, before ``StartFreezer`` sees a
+    big start, made that collection fall inside the takeover in two runs of three (bench/RESULTS.md).
+    Collected while idle, a takeover begins with half a threshold of room: its first piles collect
+    nothing, and its big passes freeze the rest unscanned. Returns whether it collected."""
+    if not gc.isenabled() or gc.get_count()[0] < max(gc.get_threshold()[0] // 2, 1):
+        return False
+    gc.collect(0)
+    return True
 
 
 def hold_older_generations() -> tuple[int, int, int]:
@@ -73,12 +93,13 @@ class StartFreezer:
     @contextmanager
     def start(self, coroutines: int) -> Iterator[None]:
         """Around the creation of ``coroutines`` coroutines: nothing within a small start; within a big
-        one, no collection of the middle or old generation while the pass runs and everything alive frozen
-        after it."""
+        one, everything alive frozen before the pass and after it, and no collection while it runs."""
         if not coroutines or self._recently_created(coroutines) < FREEZE_FROM:
             yield
             return
-        thresholds = hold_older_generations()
+        gc.freeze()  # what the waiting coroutines made since the last collection: never scanned by the pass
+        thresholds = gc.get_threshold()
+        gc.set_threshold(*NO_COLLECTIONS)
         try:
             yield
         finally:

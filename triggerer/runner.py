@@ -31,10 +31,10 @@
    fifth of the runner's CPU. Here they are gathered and sent in one write (``BatchedLogChannel``) before
    each sync with the supervisor (which closes an ended coroutine's file), before the loop sleeps, and as
    soon as ``LOG_BATCH_BYTES`` are waiting; a "Trigger fired event" line goes at once, as Airflow's.
-7. Collector: a big start (a takeover, a cold start) is frozen when it ends, and the middle and old
-   generations are not collected while it runs (``triggerer.heap.StartFreezer``): those collections
-   scanned every new coroutine again, freed nothing and stopped the loop for up to 0.7 s each at 50,000
-   waiters. Ended coroutines are still freed by reference counting.
+7. Collector: a big start (a takeover, a cold start) is frozen when each pass of it begins and ends, and
+   nothing is collected while it runs (``triggerer.heap.StartFreezer``): those collections scanned every
+   new coroutine again, freed nothing and stopped the loop for up to 0.7 s each at 50,000 waiters. Ended
+   coroutines are still freed by reference counting.
 8. Creating coroutines: Airflow's ``create_triggers`` yields to the event loop twice per trigger (before
    each, and after loading its class); each yield is a pass of the loop with its poll of the sockets. At a
    takeover of 15,000 that was a tenth of the runner's CPU. Here the same steps yield once per
@@ -93,7 +93,7 @@ from airflow.jobs.triggerer_job_runner import (  # type: ignore[attr-defined]  #
 from airflow.triggers.base import TriggerEvent
 
 from triggerer.config import Settings
-from triggerer.heap import StartFreezer, tune_collector
+from triggerer.heap import StartFreezer, collect_young_while_idle, tune_collector
 from triggerer.identities import decode_kwargs, decrypt_kwargs
 from triggerer.loop_lag import LagBoard, LagMeter
 from triggers.identity import IDENTITY_KWARG
@@ -585,6 +585,8 @@ class SmartTriggerRunner(TriggerRunner):
         no sooner than ``EVENT_GATHER`` after the last sync (one sync carries the events of that time)."""
         assert self._wake is not None
         if not self.events:
+            if not self._handing_over and not self.to_create:
+                collect_young_while_idle()  # not within the next start's first piles (heap.py)
             with suppress(TimeoutError):
                 async with asyncio.timeout(BUSY_TICK if self._handing_over else IDLE_TICK):
                     await self._wake.wait()
