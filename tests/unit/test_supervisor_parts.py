@@ -132,7 +132,7 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
 def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:
     """``_hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM`` groups
     waiting to start while groups wait, workloads wait to be built or a phased takeover's shards wait to
-    be read; released once none does."""
+    be read, or piles handed to the runner wait to be reported running; released once none does."""
     import gc
 
     from triggerer.groups import Groups
@@ -142,6 +142,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.collector = Groups(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
+    supervisor.running_triggers = set()
     thresholds = gc.get_threshold()
     try:
         for member in range(FREEZE_FROM):
@@ -157,6 +158,9 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
         supervisor._hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # shard 2 still to read
         supervisor.to_read = set()
+        supervisor._hold_collector()
+        assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # the runner has not reported them running
+        supervisor.running_triggers = set(supervisor.groups.hash_of_runner)
         supervisor._hold_collector()
         assert gc.get_threshold() == thresholds
     finally:
