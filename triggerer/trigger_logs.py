@@ -326,17 +326,30 @@ class PooledLogFile:
 
 class _HoldingLogger:
     """The trigger's logger as Airflow's supervisor uses it (``log(level, event, **kw)`` per runner line):
-    while its file is held, a call is kept unprocessed; otherwise, and for anything else, the logger."""
+    while its file is held, a call is kept unprocessed; otherwise, and for anything else, the logger. The
+    logger itself is made at its first use, not with the first line: while a takeover's first lines are
+    held, making structlog's logger for each new coroutine (its ``BytesLogger`` and ``bind``, 28 us) was
+    0.4 s of the supervisor's CPU at 15,000 coroutines, spent while the runner still created them."""
 
-    def __init__(self, logger: Any, log_file: PooledLogFile) -> None:
-        self._logger = logger
+    def __init__(self, make_logger: Callable[[], Any], log_file: PooledLogFile) -> None:
+        self._make_logger = make_logger
+        self._made: Any = None
         self._file = log_file
+
+    @property
+    def _logger(self) -> Any:
+        if self._made is None:
+            self._made = self._make_logger()
+        return self._made
 
     def log(self, level: int, event: Any = None, *args: Any, **kw: Any) -> Any:
         if self._file.holds():
-            self._file.hold(partial(self._logger.log, level, event, *args, **kw))
+            self._file.hold(partial(self._log_held, level, event, args, kw))
             return None
         self._release()
+        return self._logger.log(level, event, *args, **kw)
+
+    def _log_held(self, level: int, event: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         return self._logger.log(level, event, *args, **kw)
 
     def __getattr__(self, name: str) -> Any:
@@ -358,19 +371,24 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
     _holding_logger: _HoldingLogger = attrs.field(init=False, repr=False)
 
     def __call__(self, processors: Iterable[Any]) -> Any:
-        if hasattr(self, "bound_logger"):
-            return self._holding_logger
+        holding = getattr(self, "_holding_logger", None)
+        if holding is not None:
+            return holding
         base_folder = self.pool.file_settings().base_folder
         # where Airflow's init_log_file places it; a plain string: parsing a Path for each new coroutine's
         # first line cost 14 us a coroutine (5,000 first lines: 0.18 s, 0.11 s without; bench/RESULTS.md)
         path = os.path.join(base_folder, self.log_path)
         log_file = PooledLogFile(path, self.pool)
         self._filehandle = log_file  # type: ignore[assignment]
-        logger = structlog.wrap_logger(structlog.BytesLogger(log_file),  # type: ignore[arg-type]
-                                       processors=processors).bind()
-        self.bound_logger = logger
-        self._holding_logger = _HoldingLogger(logger, log_file)
+        self._holding_logger = _HoldingLogger(partial(self._bind, log_file, list(processors)), log_file)
         return self._holding_logger
+
+    def _bind(self, log_file: PooledLogFile, processors: list[Any]) -> Any:
+        """Airflow's logger for the file (``bound_logger``: its remote upload reads the file's path there)."""
+        if not hasattr(self, "bound_logger"):
+            self.bound_logger = structlog.wrap_logger(structlog.BytesLogger(log_file),  # type: ignore[arg-type]
+                                                      processors=processors).bind()
+        return self.bound_logger
 
     def upload_to_remote(self) -> None:
         # the upload reads the file: lines still held go to it first. A coroutine that logged nothing (a

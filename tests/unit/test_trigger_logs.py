@@ -233,6 +233,7 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
     logger.log(20, "trigger starting", timestamp="2026-01-01T00:00:00Z")
     logger.log(20, "polling", n=1)
     assert processed == [] and not Path(factory.log_path).exists() and list(pool.held)
+    assert not hasattr(factory, "bound_logger")  # structlog's logger too is made only when the file is
     pool.holding = False
     logger.log(20, "fired", n=2)  # after the hold: held behind the others, processed when the file is made
     assert processed == [] and list(pool.sooner)
@@ -242,6 +243,7 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
     assert [line["event"] for line in lines] == processed
     assert lines[0]["timestamp"] == "2026-01-01T00:00:00Z"
     assert not pool.held
+    assert factory([renderer]) is logger and hasattr(factory, "bound_logger")  # one of each per factory
 
 
 def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alone(
