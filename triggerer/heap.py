@@ -13,14 +13,16 @@ their tasks resume. The young collections find them alive and promote them, and 
 middle generation scans them all again and frees nothing: at 50,000 waiters, pauses of 0.2-0.7 s of the
 runner's loop in the middle of a takeover (measured with ``gc.callbacks``), each reported by Airflow's
 watchdog as "likely caused by a badly-written trigger". ``StartFreezer`` freezes what is alive when a big
-start's pass begins, collects nothing while it runs and freezes what it made at its end: the coroutines
-are never scanned while they wait. Young collections are held too: in the runner they found no garbage
-during a start (``collected=0`` in every one), and the first one of a takeover scanned all that the
-waiting coroutines had made since the last collection (their current sleeps, their last responses):
-260-280 ms of the runner's loop at 25,000 waits, then 20-60 ms each (bench/RESULTS.md). A cycle that is
-garbage when a pass begins or ends is frozen with the rest and never collected: the runner makes next
-to none (the same measurements), and a big start is a rare event. When frozen coroutines end, reference
-counting frees them as before; only a cycle that a frozen object is part of is never collected
+start's pass begins, keeps the middle and the old generations uncollected while it runs and freezes what
+it made at its end: the coroutines are never scanned while they wait. The freeze at the pass's beginning
+is for what the waiting coroutines made since the last young collection (their current sleeps, their last
+responses): the first young collection of a takeover scanned it all, 260-280 ms of the runner's loop at
+25,000 waits (bench/RESULTS.md). Young collections still run within a pass, for the garbage the waiting
+coroutines make meanwhile. What is garbage when a pass begins or ends is frozen with the rest and never
+collected: at most what the young generation held then (it is collected at ``YOUNG_THRESHOLD``
+allocations, and at half of them when the runner is idle), once per pass of a big start, a rare event;
+the bench's runner made none (``collected=0`` in every young collection). When frozen coroutines end,
+reference counting frees them as before; only a cycle that a frozen object is part of is never collected
 (measured: 0.2 objects left per ended coroutine, greenback's portal, 10,000 coroutines cancelled).
 Frozen objects are never given back to the collector: a full collection over them would also write to
 every object the runner inherited frozen from its supervisor, copying those pages (about 60 MB per
@@ -42,7 +44,6 @@ BURST_WINDOW_SECONDS = 10.0  # FREEZE_FROM coroutines created within this long: 
 # old generation is held too: a full collection falls due at a middle one (CPython counts them) but runs
 # at the next young collection, which may be inside the start (a unit test caught one in CI).
 NO_OLDER_COLLECTIONS = 1 << 30
-NO_COLLECTIONS = (NO_OLDER_COLLECTIONS,) * 3
 
 
 def tune_collector() -> None:
@@ -93,13 +94,13 @@ class StartFreezer:
     @contextmanager
     def start(self, coroutines: int) -> Iterator[None]:
         """Around the creation of ``coroutines`` coroutines: nothing within a small start; within a big
-        one, everything alive frozen before the pass and after it, and no collection while it runs."""
+        one, everything alive frozen before the pass and after it, and no collection of the middle or old
+        generation while it runs."""
         if not coroutines or self._recently_created(coroutines) < FREEZE_FROM:
             yield
             return
         gc.freeze()  # what the waiting coroutines made since the last collection: never scanned by the pass
-        thresholds = gc.get_threshold()
-        gc.set_threshold(*NO_COLLECTIONS)
+        thresholds = hold_older_generations()
         try:
             yield
         finally:

@@ -60,7 +60,8 @@ def collected_generations(during: Callable[[], None]) -> list[int]:
     return seen
 
 
-def test_a_big_start_is_never_scanned_and_is_frozen_after(restored_collector: None) -> None:
+def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_after(
+        restored_collector: None) -> None:
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
     freezer = StartFreezer()
     kept: list[Node] = []
@@ -72,14 +73,14 @@ def test_a_big_start_is_never_scanned_and_is_frozen_after(restored_collector: No
 
     assert 1 in collected_generations(lambda: start(FREEZE_FROM - 1))  # a small start: as before
     assert freezer.frozen == 0 and gc.get_freeze_count() == frozen_before
-    assert collected_generations(lambda: start(FREEZE_FROM)) == []  # a big one: no collection at all
+    assert set(collected_generations(lambda: start(FREEZE_FROM))) == {0}  # a big one: young ones only
     assert gc.get_freeze_count() >= frozen_before + len(kept)
     assert gc.get_threshold() == (1000, 2, 10) and freezer.frozen == 1
 
 
 def test_what_waited_before_a_big_start_is_frozen_before_it_runs(restored_collector: None) -> None:
     """The waiting coroutines' young objects (their sleeps, their last responses) are frozen as a big
-    pass begins: its collections would have scanned them all (260-270 ms of the runner's loop at the
+    pass begins: its collections would have scanned them all (260-280 ms of the runner's loop at the
     first one of a takeover of 25,000 waits)."""
     gc.set_threshold(1_000_000, 10, 10)  # they piled up in the young generation, as between collections
     waiting = [Node() for _ in range(10 * 1000)]
@@ -123,7 +124,7 @@ def test_a_full_collection_due_when_a_big_start_begins_waits_until_it_ends(resto
         with freezer.start(FREEZE_FROM):
             kept.extend(Node() for _ in range(20 * 1000))
 
-    assert collected_generations(start) == [] and freezer.frozen == 1
+    assert set(collected_generations(start)) == {0} and freezer.frozen == 1
     assert gc.get_threshold() == (1000, 2, 0)
     assert gc.get_freeze_count() >= frozen_before + len(kept)  # what it made is frozen: never scanned
 
@@ -150,8 +151,8 @@ def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
 
     assert 1 in a_pass() and 1 in a_pass() and 1 in a_pass(0)  # small so far (nothing created: no count)
     assert a_pass() and freezer.frozen == 0  # three quarters
-    assert a_pass() == [] and freezer.frozen == 1  # the fourth makes the start big: frozen
-    assert a_pass() == [] and freezer.frozen == 2  # and so are the passes after it
+    assert set(a_pass()) == {0} and freezer.frozen == 1  # the fourth makes the start big: frozen
+    assert set(a_pass()) == {0} and freezer.frozen == 2  # and so are the passes after it
     assert gc.get_threshold() == (1000, 2, 10)
 
     clock[0] += BURST_WINDOW_SECONDS + 1  # later: a pass of a few is a small start again

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,7 +38,6 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
     import selectors
     import socket
     import threading
-    from types import SimpleNamespace
 
     from triggerer.supervisor.starting import GroupStarting
 
@@ -80,7 +80,6 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
     (``_read_sent_log_lines``) still counts Airflow's 4 KB reads: ``LOG_READS_BEFORE_FINISHING`` at most."""
     import selectors
     import socket
-    from types import SimpleNamespace
 
     from triggerer.supervisor.starting import LOG_READS_BEFORE_FINISHING, GroupStarting
     from triggerer.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
@@ -129,10 +128,32 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
         assert calls == LOG_READS_BEFORE_FINISHING  # Airflow's reads, not passes of 64 each
 
 
+def test_run_once_wraps_the_log_reader_before_anything_else() -> None:
+    """A load or a start services the runner's sockets itself (feed.py, starting.py): on the very first
+    pass too, Airflow's blocking log reader must be wrapped before (``_guard_log_reads``)."""
+    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+
+    class Stop(Exception):
+        pass
+
+    calls: list[str] = []
+
+    def guard_leases() -> None:
+        calls.append("leases")
+        raise Stop  # the rest of the pass needs a whole supervisor: the order so far is what is checked
+
+    supervisor = object.__new__(SmartTriggerRunnerSupervisor)
+    supervisor._guard_log_reads = lambda: calls.append("log reads")  # type: ignore[method-assign]
+    supervisor._guard_leases = guard_leases  # type: ignore[method-assign]
+    with pytest.raises(Stop):
+        supervisor.run_once()
+    assert calls == ["log reads", "leases"]
+
+
 def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:
     """``_hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM`` groups
     waiting to start while groups wait, workloads wait to be built or a phased takeover's shards wait to
-    be read, or piles handed to the runner wait to be reported running; released once none does."""
+    be read, or a big hand-out's first log lines are still held; released once none does."""
     import gc
 
     from triggerer.groups import Groups
@@ -142,7 +163,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.collector = Groups(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
-    supervisor.running_triggers = set()
+    supervisor.log_pool = SimpleNamespace(holding=False)
     thresholds = gc.get_threshold()
     try:
         for member in range(FREEZE_FROM):
@@ -157,10 +178,10 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
         supervisor.build_backlog = False
         supervisor._hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # shard 2 still to read
-        supervisor.to_read = set()
+        supervisor.to_read, supervisor.log_pool.holding = set(), True
         supervisor._hold_collector()
-        assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # the runner has not reported them running
-        supervisor.running_triggers = set(supervisor.groups.hash_of_runner)
+        assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # the runner still makes their first lines
+        supervisor.log_pool.holding = False
         supervisor._hold_collector()
         assert gc.get_threshold() == thresholds
     finally:
@@ -290,8 +311,6 @@ class FakeClock:
     machine)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float = 0.0) -> None:
-        from types import SimpleNamespace
-
         from triggerer import trigger_logs
         from triggerer.supervisor import starting
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
 import shutil
 import stat
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -103,18 +105,55 @@ def test_a_removed_folder_is_made_again_and_an_unwritable_file_drops_lines(tmp_p
     assert len(pool) == 1 and other.write(b"still written\n") > 0  # the failed open closed nothing else
 
 
-def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Airflow's upload reads the path from the logger's file (``relative_path_from_logger``)."""
-    from airflow.sdk.log import relative_path_from_logger
+class FakeRemoteLogs:
+    """What Airflow's ``upload_to_remote`` hands the configured remote log handler."""
 
+    def __init__(self) -> None:
+        self.uploaded: list[str] = []
+
+    def upload(self, path: str, ti: object) -> None:
+        self.uploaded.append(path)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["written at once", "held until the upload"])
+def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 held: bool) -> None:
+    """Airflow's upload reads the path from the factory's logger's file (``relative_path_from_logger``),
+    whether the trigger's lines were written as they came or were still held when it ended."""
+    import airflow.sdk.log
+
+    remote = FakeRemoteLogs()
+    monkeypatch.setattr(airflow.sdk.log, "load_remote_log_handler", lambda: remote)
     monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
     pool = LogFilePool(limit=1)
+    pool.holding = held
     factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
                                           ti=None, pool=pool)
-    factory([lambda _l, _m, event: json.dumps(event).encode()]).info("line")
+    factory([lambda _l, _m, event: json.dumps(event).encode()]).log(20, "line")
     other = PooledLogFile(tmp_path / "other.log", pool)
     other.write(b"evicts the trigger's file\n")
-    assert relative_path_from_logger(factory.bound_logger._logger) == Path("dag_id=d/t.log.trigger.7.log")
+    factory.upload_to_remote()
+    assert remote.uploaded == ["dag_id=d/t.log.trigger.7.log"]
+    assert "line" in (tmp_path / "dag_id=d" / "t.log.trigger.7.log").read_text()
+
+
+def test_an_ended_factory_is_freed_at_once_not_left_to_the_collector(tmp_path: Path) -> None:
+    """Thousands of coroutines end at a handover: their factories (and what they hold) must go with the
+    last reference, not wait for a full collection."""
+    pool = LogFilePool(limit=1)
+    pool.holding = True
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    factory([lambda _l, _m, event: json.dumps(event).encode()]).log(20, "starting")
+    pool.write_held(budget_seconds=60)
+    factory.upload_to_remote()
+    factory.close()
+    watched = weakref.ref(factory)
+    gc.disable()
+    try:
+        del factory
+        assert watched() is None
+    finally:
+        gc.enable()
 
 
 def test_a_factory_that_wrote_nothing_uploads_and_closes_without_error(tmp_path: Path) -> None:
@@ -233,7 +272,7 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
     logger.log(20, "trigger starting", timestamp="2026-01-01T00:00:00Z")
     logger.log(20, "polling", n=1)
     assert processed == [] and not Path(factory.log_path).exists() and list(pool.held)
-    assert not hasattr(factory, "bound_logger")  # structlog's logger too is made only when the file is
+    assert factory._holding_logger.made is None  # structlog's logger too is made only when the file is
     pool.holding = False
     logger.log(20, "fired", n=2)  # after the hold: held behind the others, processed when the file is made
     assert processed == [] and list(pool.sooner)
@@ -243,7 +282,7 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
     assert [line["event"] for line in lines] == processed
     assert lines[0]["timestamp"] == "2026-01-01T00:00:00Z"
     assert not pool.held
-    assert factory([renderer]) is logger and hasattr(factory, "bound_logger")  # one of each per factory
+    assert factory([renderer]) is logger and logger.made is not None  # one of each per factory
 
 
 def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alone(

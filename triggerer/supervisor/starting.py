@@ -100,7 +100,9 @@ class GroupStarting(SupervisorState):
         ``WRITE_HELD_EVERY_SECONDS`` (trigger_logs.py): making tens of thousands of files would otherwise be
         most of the supervisor's work while waits wait."""
         now = time.monotonic()
-        to_run = self._without_coroutine()
+        # groups without a coroutine yet: not started, started but not built, or not yet taken by the
+        # runner (Airflow counts them running once taken; the runner then creates a pile for seconds)
+        to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
         if not self.log_pool.holding:
             self.holding_since = now
         if to_run < HOLD_LOG_LINES_FROM:
@@ -198,18 +200,14 @@ class GroupStarting(SupervisorState):
 
     def _hold_collector(self) -> None:
         """No collection of the older generations while a big start runs (``heap.OlderHeld``): groups
-        wait for a coroutine, or shards of a phased takeover are still to be read. Until the runner
-        reports the last piles running: the collection that fell due (300-400 ms at 25,000 waits) ran
-        while the runner still created them, on the same two cores (bench/RESULTS.md). A few are not
-        waited for: the two sets counted differ for a moment while cancels are under way."""
-        starting = (self._start_backlog() or bool(self.to_read & self.owned)
-                    or self._without_coroutine() >= HOLD_LOG_LINES_FROM)
+        wait to start or to be built, shards of a phased takeover are still to be read, or the first log
+        lines of a big hand-out are still held. The last is the runner's own sign: the lines are held
+        until none of a new coroutine came for a moment (``_pace_log_files``), and Airflow counts a
+        coroutine running as soon as the runner takes its pile, which it then creates for seconds. The
+        collection that fell due (300-400 ms at 25,000 waits) ran while it did, on the same two cores
+        (bench/RESULTS.md)."""
+        starting = self._start_backlog() or bool(self.to_read & self.owned) or self.log_pool.holding
         self.collector.update(len(self.groups.unstarted), starting)
-
-    def _without_coroutine(self) -> int:
-        """Groups without a coroutine yet: not started, started but not built, or handed to the runner and
-        not yet reported running (the runner may take a whole pile in one sync and create it for seconds)."""
-        return len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
 
     def _start_backlog(self) -> bool:
         """Groups wait for a coroutine, or started groups for their workload to be built."""
