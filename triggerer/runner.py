@@ -32,9 +32,10 @@
    each sync with the supervisor (which closes an ended coroutine's file), before the loop sleeps, and as
    soon as ``LOG_BATCH_BYTES`` are waiting; a "Trigger fired event" line goes at once, as Airflow's.
 7. Collector: a big start (a takeover, a cold start) is frozen when each pass of it begins and ends, and
-   nothing is collected while it runs (``triggerer.heap.StartFreezer``): those collections scanned every
-   new coroutine again, freed nothing and stopped the loop for up to 0.7 s each at 50,000 waiters. Ended
-   coroutines are still freed by reference counting.
+   only the young generation is collected while it runs (``triggerer.heap.StartFreezer``): collections of
+   the older ones scanned every new coroutine again, freed nothing and stopped the loop for up to 0.7 s
+   each at 50,000 waiters. An idle runner collects its young generation half way to its threshold
+   (``heap.collect_young_while_idle``). Ended coroutines are still freed by reference counting.
 8. Creating coroutines: Airflow's ``create_triggers`` yields to the event loop twice per trigger (before
    each, and after loading its class); each yield is a pass of the loop with its poll of the sockets. At a
    takeover of 15,000 that was a tenth of the runner's CPU. Here the same steps yield once per
