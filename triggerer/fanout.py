@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import cache
 from traceback import format_exception
 from typing import Any
 
@@ -28,6 +29,27 @@ from triggerer.store import Store, queries
 log = structlog.get_logger(logger_name=__name__)
 
 Batch = tuple[Sequence[int], TriggerEvent]
+
+
+@cache
+def _event_adapter() -> Any:
+    from airflow.triggers.base import DiscrimatedTriggerEvent
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(DiscrimatedTriggerEvent)
+
+
+def event_text(event: TriggerEvent) -> str | None:
+    """An event as the runner sends it (pydantic JSON), to be stored while held; None when it cannot be
+    written as text (the caller then resumes at once rather than hold what it could not store)."""
+    try:
+        return str(_event_adapter().dump_json(event).decode())
+    except Exception:
+        return None
+
+
+def event_from_text(stored: str) -> TriggerEvent:
+    return _event_adapter().validate_json(stored)  # type: ignore[no-any-return]
 
 
 def _resumed_kwargs(stored: Any, payload: Any) -> str | None:

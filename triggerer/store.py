@@ -96,6 +96,8 @@ class WaitingTrigger:
     hold_left: float = 0.0  # seconds until an event may resume it (see resume_hold_seconds)
     error: str | None = None  # its kwargs could not be read: its tasks fail with this cause
     timeout_in: float | None = None  # seconds until its deferred task's trigger_timeout
+    held_event: str | None = None  # an event stored for it while held (0013_held_events.sql)
+    held_in: float = 0.0  # seconds until that event may resume it
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +382,20 @@ class Store:
         self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved,
                   prune=prune)
 
+    def hold_events(self, held: Sequence[tuple[int, str, float]]) -> dict[int, float]:
+        """Store events held for members: (trigger id, event text, hold seconds) each; returns each stored
+        member's seconds until release (a member whose trigger row is gone is left out)."""
+        if not held:
+            return {}
+        ids, events, holds = zip(*held, strict=True)
+        rows = self._run("hold_events", trigger_ids=list(ids), events=list(events), holds=list(holds))
+        return {int(r[0]): float(r[1]) for r in rows}
+
+    def release_held_events(self, trigger_ids: Iterable[int]) -> None:
+        ids = sorted(trigger_ids)
+        if ids:
+            self._run("release_held_events", trigger_ids=ids)
+
     def dead_event(self, trigger_id: int, payload: str, attempts: int, cause: str) -> None:
         self._run("dead_event", trigger_id=trigger_id, payload=payload, attempts=attempts, cause=cause)
 
@@ -444,9 +460,11 @@ def _queues(queues: Sequence[str] | None) -> list[str] | None:
 
 
 def _waiting(r: Any) -> WaitingTrigger:
-    trigger_id, identity_hash, shard, dedupable, execution, error, hold_left, has_task, timeout_in = r
+    (trigger_id, identity_hash, shard, dedupable, execution, error, hold_left, has_task, timeout_in,
+     held_event, held_in) = r
     return WaitingTrigger(trigger_id, identity_hash, shard, dedupable, has_task, _execution(execution),
-                          float(hold_left), error, None if timeout_in is None else float(timeout_in))
+                          float(hold_left), error, None if timeout_in is None else float(timeout_in),
+                          held_event, float(held_in or 0.0))
 
 
 def _execution(stored: str | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import json
 
 from triggerer.store import _parsed_execution, _waiting
 
-ROW = (7, 123456789, 3, True, json.dumps({"poll_interval": ["min", 30]}), None, 0.0, True, None)
+ROW = (7, 123456789, 3, True, json.dumps({"poll_interval": ["min", 30]}), None, 0.0, True, None, None, None)
 
 
 def test_a_row_becomes_a_waiting_trigger_with_its_execution_kwargs() -> None:
@@ -15,8 +15,11 @@ def test_a_row_becomes_a_waiting_trigger_with_its_execution_kwargs() -> None:
         == (7, 123456789, 3, True, True)
     assert waiting.execution == {"poll_interval": ["min", 30]}
     assert waiting.hold_left == 0.0 and waiting.error is None and waiting.timeout_in is None
-    unread = _waiting((8, 1, 0, False, None, "could not read", 1, False, 5))
+    assert waiting.held_event is None
+    unread = _waiting((8, 1, 0, False, None, "could not read", 1, False, 5, None, None))
     assert unread.execution == {} and unread.error == "could not read" and unread.timeout_in == 5.0
+    held = _waiting((9, 1, 0, False, None, None, 0, True, None, '{"payload":1}', 2.5))
+    assert held.held_event == '{"payload":1}' and held.held_in == 2.5
 
 
 def test_the_same_text_is_parsed_once_and_each_row_gets_its_own_dict() -> None:

@@ -183,6 +183,25 @@ SELECT * FROM unnest(CAST(:trigger_ids AS integer[]), CAST(:hashes AS bigint[]),
                      CAST(:errors AS text[]), CAST(:descriptions AS text[]))
 ON CONFLICT (trigger_id) DO NOTHING;
 
+-- name: hold_events
+-- Stores events held for young members (0013_held_events.sql), each released after its own hold (seconds,
+-- from now by the database clock) or a second before its deferred task's trigger_timeout, whichever comes
+-- first; returns each member's seconds until release.
+INSERT INTO smart_triggerer.held_event (trigger_id, event, release_at)
+SELECT m.trigger_id, m.event,
+       least(clock_timestamp() + make_interval(secs => m.hold),
+             (SELECT min(ti.trigger_timeout) - interval '1 second' FROM task_instance ti
+              WHERE ti.trigger_id = m.trigger_id AND ti.state = 'deferred'))
+FROM unnest(CAST(:trigger_ids AS integer[]), CAST(:events AS text[]), CAST(:holds AS float8[]))
+     AS m(trigger_id, event, hold)
+JOIN trigger t ON t.id = m.trigger_id
+ON CONFLICT (trigger_id) DO UPDATE SET event = excluded.event, release_at = excluded.release_at
+RETURNING trigger_id, greatest(0, extract(epoch FROM release_at - clock_timestamp()))::float AS release_in;
+
+-- name: release_held_events
+-- The held events of members resumed (or gone): removed in the resume's own transaction.
+DELETE FROM smart_triggerer.held_event WHERE trigger_id = ANY(CAST(:trigger_ids AS integer[]));
+
 -- name: dead_event
 -- Sets aside an asset watcher's event that could not be stored after many tries (see 0010_dead_events.sql).
 INSERT INTO smart_triggerer.dead_event (trigger_id, asset_ids, payload, attempts, cause)
@@ -206,6 +225,8 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 -- error: its kwargs could not be read (its tasks are failed with the cause). hold_left: seconds until a
 -- member is old enough to resume (database clock; identities are stored after the deferral committed, so
 -- this never releases early). timeout_in: seconds until its deferred task's trigger_timeout, if any.
+-- held_event, held_in: an event stored for the member while it was held (0013_held_events.sql) and seconds
+-- until it may resume it: such a member is resumed from it, never started again.
 -- The task instances of each trigger are read once, through ti_trigger_id only: conditions on ti.state
 -- outside the aggregate let the planner AND in ti_state, which scans every deferred task for each trigger
 -- when its statistics lag a burst of deferrals (50,000 waiters: minutes per read). execution as text: the
@@ -213,9 +234,11 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 SELECT i.trigger_id, i.identity_hash, i.shard, i.dedupable, i.execution::text AS execution, i.error,
        greatest(0, :hold_seconds - extract(epoch FROM clock_timestamp() - i.created_at))::float AS hold_left,
        coalesce(task.has_task, false) AS has_task,
-       extract(epoch FROM task.timeout_at - clock_timestamp())::float AS timeout_in
+       extract(epoch FROM task.timeout_at - clock_timestamp())::float AS timeout_in,
+       h.event AS held_event, extract(epoch FROM h.release_at - clock_timestamp())::float AS held_in
 FROM smart_triggerer.trigger_identity i
 JOIN trigger t ON t.id = i.trigger_id
+LEFT JOIN smart_triggerer.held_event h ON h.trigger_id = i.trigger_id
 LEFT JOIN LATERAL (
     SELECT true AS has_task, bool_or(ti.state = 'deferred') AS deferred,
            min(ti.trigger_timeout) FILTER (WHERE ti.state = 'deferred') AS timeout_at
@@ -343,6 +366,8 @@ WITH due AS (
     JOIN trigger t ON t.id = ti.trigger_id
     WHERE ti.state = 'deferred' AND ti.trigger_timeout < clock_timestamp() AND i.shard = ANY(:shards)
       AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+      -- its event came in time and is held (released before the deadline): not a time-out
+      AND NOT EXISTS (SELECT 1 FROM smart_triggerer.held_event h WHERE h.trigger_id = ti.trigger_id)
     ORDER BY ti.id
     FOR UPDATE OF ti SKIP LOCKED
 )

@@ -166,6 +166,8 @@ class EventFanout(SupervisorState):
         now = time.monotonic()
         batches: list[fanout.Batch] = []
         outcomes: list[tuple[TriggerEventEntry, Group | None, set[int]]] = []
+        holds: list[tuple[int, str, float]] = []
+        held_events: dict[int, TriggerEvent] = {}
         with create_session() as session:
             fenced = self._fence(session)
             for entry in entries:
@@ -175,15 +177,23 @@ class EventFanout(SupervisorState):
                     outcomes.append((entry, None, set()))
                     continue
                 mine = {m for m in group.members if self._shard_of(m) in fenced}
-                ready, _young = self._split_by_age(mine, now)
-                batches.append((self._task_members(ready), entry.event))
+                ready, young = self._split_by_age(self._task_members(mine), now)
+                held = self._to_hold(entry.event, young, now)
+                ready += [m for m in young if m not in held]  # an event that cannot be held resumes now
+                holds += held.values()
+                held_events.update(dict.fromkeys(held, entry.event))
+                batches.append((ready, entry.event))
                 for trigger_id in sorted(mine):
                     if not self._is_task(trigger_id):
                         fanout.submit_watcher_event(session, trigger_id, entry.event)
                 outcomes.append((entry, group, mine))
+            # held in the event's own transaction: acknowledged below, the event lives in the database
+            release_in = Store(session).hold_events(holds)
             resumed = fanout.resume(session, batches)
         self.resumed_total += resumed
         self.events_total += len(entries)
+        for trigger_id, seconds in release_in.items():
+            self.held[trigger_id] = Held(held_events[trigger_id], now + seconds)
         for entry, group, mine in outcomes:
             if group is None:
                 # not stored, not acknowledged: kept while its coroutine may still be ours
@@ -194,7 +204,16 @@ class EventFanout(SupervisorState):
             stored_all = mine >= {m for m in group.members if not self._is_task(m)}
             if entry.persist_seq is not None and stored_all:
                 self.persisted_event_seqs.append(entry.persist_seq)
-            self._after_event(group, entry.event, mine, now)
+            self._after_event(group)
+
+    def _to_hold(self, event: TriggerEvent, young: list[int],
+                 now: float) -> dict[int, tuple[int, str, float]]:
+        """What to store for young task members (trigger id, event text, seconds left to hold): none when
+        the event cannot be written as text."""
+        stored = fanout.event_text(event) if young else None
+        if stored is None:
+            return {}
+        return {m: (m, stored, max(self.young_until.get(m, now) - now, 0.0)) for m in young}
 
     def _in_lapsed_shard(self, group: Group) -> bool:
         return any(self._shard_of(m) in self.lapsed for m in group.members)
@@ -243,12 +262,9 @@ class EventFanout(SupervisorState):
             self._forget_info(trigger_id)
         return True
 
-    def _after_event(self, group: Group, event: TriggerEvent, mine: set[int], now: float) -> None:
+    def _after_event(self, group: Group) -> None:
         """Task members are done once the event is stored (young ones held); watchers keep running."""
         tasks = [m for m in group.members if self._is_task(m)]
-        _ready, young = self._split_by_age(set(tasks) & mine, now)
-        for trigger_id in young:
-            self.held[trigger_id] = Held(event, self.young_until.get(trigger_id, now))
         if len(tasks) < len(group.members):
             # mixed task/watcher group: the coroutine keeps running for the watchers
             for trigger_id in tasks:
@@ -288,7 +304,9 @@ class EventFanout(SupervisorState):
             fenced = self._fence(session)
             batches = [([t for t in ids if self._shard_of(t) in fenced], self.held[ids[0]].event)
                        for ids in by_event.values()]
+            Store(session).release_held_events(t for ids, _event in batches for t in ids)
             self.resumed_total += fanout.resume(session, batches)
+        # those not fenced: their shard moved; its new owner resumes them from their stored event
         for trigger_id in due:
             self.held.pop(trigger_id, None)
             self.member_info.pop(trigger_id, None)

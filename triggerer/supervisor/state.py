@@ -64,7 +64,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     owned: set[int] = attrs.field(factory=set, init=False)
     member_info: dict[int, MemberInfo] = attrs.field(factory=dict, init=False)
     young_until: dict[int, float] = attrs.field(factory=dict, init=False)
-    held: dict[int, Held] = attrs.field(factory=dict, init=False)
+    held: dict[int, Held] = attrs.field(factory=dict, init=False)  # also stored: 0013_held_events.sql
+    held_parsed: dict[str, TriggerEvent] = attrs.field(factory=dict, init=False)  # within one read
     user_cancels: set[int] = attrs.field(factory=set, init=False)
     # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
     # read commits (a statement failing later in the loop that took it must not leave it unread)
