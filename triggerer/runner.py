@@ -106,6 +106,7 @@ HANDOVER_CANCEL_MSG = "smart-triggerer handover"
 IDLE_TICK = 0.5
 BUSY_TICK = 0.02  # while the supervisor hands over coroutines to start (a takeover, a start), ask again soon
 EVENT_GATHER = 0.1
+FINAL_SYNC_SECONDS = 1.0  # a stopped runner's last sync of its events (the supervisor may be gone)
 COMPLETED_LINE = "trigger completed"  # Airflow's last line of every coroutine (``run_trigger``)
 FIRED_LINE = "Trigger fired event"  # Airflow's line for each event a coroutine yields
 LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the runner waits for the supervisor
@@ -637,6 +638,7 @@ class SmartTriggerRunner(TriggerRunner):
                     self.log.info("%i triggers currently running", len(self.triggers) - watchers)
                     self.log.info("%i watchers currently running", watchers)
                     last_status = now
+            await self._final_sync()
         except Exception:
             with suppress(BrokenPipeError):
                 await log.aexception("Trigger runner failed")
@@ -648,6 +650,19 @@ class SmartTriggerRunner(TriggerRunner):
             lag_meter.cancel()
             await self._end_run()
         await watchdog
+
+    async def _final_sync(self) -> None:
+        """Stopped by a signal (a whole process group's SIGTERM reaches the runner too): the events fired
+        since the last sync go to the supervisor before the runner exits, which stores them under its
+        leases; an event of a source that hands it out once would be lost with the process. Bounded: the
+        supervisor may be gone."""
+        reader = self.comms_decoder._reader_task
+        if not self.events or reader is None or reader.done():
+            return
+        with suppress(Exception):
+            async with asyncio.timeout(FINAL_SYNC_SECONDS):
+                await self._asked_ahead()
+                await self.sync_state_to_supervisor(await self.cleanup_finished_triggers())
 
     async def _end_run(self) -> None:
         """Airflow's end of ``arun``, and the question asked ahead left unanswered."""

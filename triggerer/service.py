@@ -80,7 +80,9 @@ class SmartTriggererJobRunner(TriggererJobRunner):
     def _shutdown(self, supervisor: SmartTriggerRunnerSupervisor | None, health: HealthServer | None) -> None:
         exit_by = (self.signalled_at or time.monotonic()) + EXIT_LOG_SECONDS
         if supervisor is not None:
-            # Release first: the next owner takes the shards within one of its loops.
+            # Events in flight first (their coroutines end, what they sent is stored under the leases),
+            # then release: the next owner takes the shards within one of its loops.
+            drain(supervisor)
             with contextlib.suppress(SQLAlchemyError):
                 supervisor.release_all()
                 log.info("released shard leases")
@@ -97,6 +99,14 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             # up to EXIT_LOG_SECONDS after the stop signal, one second at least
             supervisor.write_held_log_lines(max(exit_by - time.monotonic(), 1.0))
         log.info("smart triggerer stopped")
+
+
+def drain(supervisor: SmartTriggerRunnerSupervisor) -> None:
+    """Events in flight stored before the leases go; a drain that fails must not keep them."""
+    try:
+        supervisor.drain(supervisor._drain_seconds())
+    except Exception as err:
+        log.warning("could not store the events in flight before stopping", error=repr(err))
 
 
 def stop_health(health: HealthServer) -> None:

@@ -82,6 +82,7 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
         self._db_step("events", self.handle_events)
         self._db_step("failures", self.handle_failed_triggers)
         self._db_step("held events", self.release_held)
+        self._finish_leaving()
         self._db_step("heartbeat", self.heartbeat)
         self._track_pending()
         self.emit_metrics()

@@ -231,8 +231,8 @@ class FeedLoading(SupervisorState):
     def _join(self, row: WaitingTrigger) -> None:
         if row.trigger_id in self.member_info or row.trigger_id in self.held:
             return
-        if row.shard not in self.owned:
-            return
+        if row.shard not in self.owned or row.shard in self.leaving:
+            return  # a shard being given up: its next owner reads it in full
         if row.error is not None:
             self.unreadable[row.trigger_id] = (row.shard, row.error)
             return

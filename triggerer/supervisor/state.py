@@ -65,6 +65,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     member_info: dict[int, MemberInfo] = attrs.field(factory=dict, init=False)
     young_until: dict[int, float] = attrs.field(factory=dict, init=False)
     held: dict[int, Held] = attrs.field(factory=dict, init=False)  # also stored: 0013_held_events.sql
+    # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
+    leaving: dict[int, tuple[float, set[int]]] = attrs.field(factory=dict, init=False)
+    leaving_runners: set[int] = attrs.field(factory=set, init=False)  # their coroutines, being cancelled
     held_parsed: dict[str, TriggerEvent] = attrs.field(factory=dict, init=False)  # within one read
     user_cancels: set[int] = attrs.field(factory=set, init=False)
     # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
@@ -308,4 +311,10 @@ class SupervisorState(TriggerRunnerSupervisor):
         raise NotImplementedError  # implemented by a part
 
     def _drop_lapsed(self) -> None:
+        raise NotImplementedError  # implemented by a part
+
+    def _request_started(self) -> bool:
+        raise NotImplementedError  # implemented by a part
+
+    def _finish_leaving(self) -> None:
         raise NotImplementedError  # implemented by a part

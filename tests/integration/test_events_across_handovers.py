@@ -140,3 +140,46 @@ def test_an_event_that_came_before_the_timeout_is_not_failed_as_a_timeout_while_
     [(method, kwargs)] = next_kwargs_of(dsn, seeded.dag_id)
     assert method == "execute_complete", (method, kwargs)
     assert "error" not in kwargs
+
+
+def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: AirflowConfig) -> None:
+    """A peer joins and takes a shard whose coroutine is running: the leaving instance keeps the lease
+    until the runner says the coroutine ended, and the event it sent meanwhile (one its source hands out
+    once) resumes the task; only then is the shard released to the joiner."""
+    dsn = env.database_dsn
+    first = make_supervisor()
+    seeded = seed_deferred(dsn, env.dags_folder, count=40, classpath=AT_TIME,
+                           kwargs_for=lambda i: {"moment": f"{LATER}#{i}"})
+    load(first)
+    for trigger_id in seeded.trigger_ids:
+        first.groups.start(first.groups.by_hash[first.groups.hash_of_member[trigger_id]])
+        first.running_triggers.add(trigger_id)  # the runner runs them all
+    second = make_supervisor()
+    load(second)
+    load(first)  # the first renews: the shards the placement gives the joiner start draining
+    assert first.leaving, "shards given up keep their leases while their coroutines end"
+    leaving = set(first.leaving_runners)
+    assert leaving and not second.owned & set(first.leaving)
+    first._request_started()
+    assert leaving <= first.cancelling_triggers  # the runner is told to end them (without on_kill)
+
+    # the runner's answer: the coroutines fired just before they were cancelled, then ended
+    for runner in sorted(leaving):
+        first.events.append(event_entry(runner, {"last": runner}, seq=runner))
+    first.handle_events()
+    first.running_triggers -= leaving
+    first._finish_leaving()
+    load(first)  # releases the drained shards
+    assert not first.leaving and not first.owned & {s for s in range(4) if s in second.owned}
+
+    def joiner_has_them() -> bool:
+        load(second)
+        return bool(second.owned)
+
+    wait_for(joiner_has_them, bool, timeout=15, what="the joiner takes the drained shards")
+    states = ti_states(dsn, seeded.dag_id)
+    resumed = {t for t, state in zip(seeded.trigger_ids, [states[i] for i in sorted(states)], strict=True)
+               if state == "scheduled"}
+    assert resumed == leaving, "every event sent before its coroutine ended is stored"
+    assert sorted(first.persisted_event_seqs) == sorted(leaving)  # acknowledged once stored
+    assert not second.groups.runners & leaving
