@@ -103,3 +103,44 @@ class LoneKillMarkerTrigger(KillMarkerTrigger):
     """The same, but it declares no identity: every task runs its own coroutine, as in stock Airflow."""
 
     identity_kwargs = ()
+
+
+# the queue ConsumeOnceTrigger takes its messages from, and the trail of its coroutines' starts
+CONSUME_DDL = """
+CREATE TABLE consumable (key text PRIMARY KEY, payload text NOT NULL);
+CREATE TABLE consume_start (key text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+"""
+
+
+class ConsumeOnceTrigger(DedupableTrigger, BaseTrigger):
+    """Takes the message for ``key`` from the queue table ``consumable`` and fires with it: its source hands
+    a message out once (taken, it is gone), so an event dropped after it fired is lost for good. Each
+    start of its coroutine is written to ``consume_start``."""
+
+    identity_kwargs = ("dsn", "key")
+
+    def __init__(self, dsn: str, key: str, poll_interval: float = 0.2) -> None:
+        super().__init__()
+        self.dsn = dsn
+        self.key = key
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.ConsumeOnceTrigger",
+                {"dsn": self.dsn, "key": self.key, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import asyncpg
+
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await conn.execute("INSERT INTO consume_start (key) VALUES ($1)", self.key)
+            while True:
+                taken = await conn.fetchval("DELETE FROM consumable WHERE key = $1 RETURNING payload",
+                                            self.key)
+                if taken is not None:
+                    break
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            await conn.close()
+        yield TriggerEvent({"key": self.key, "payload": taken})
