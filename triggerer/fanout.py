@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 from traceback import format_exception
 from typing import Any
 
@@ -48,6 +48,7 @@ def event_text(event: TriggerEvent) -> str | None:
         return None
 
 
+@lru_cache(maxsize=1024)  # a takeover reads one stored event for each of thousands of members
 def event_from_text(stored: str) -> TriggerEvent:
     return _event_adapter().validate_json(stored)  # type: ignore[no-any-return]
 

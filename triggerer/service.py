@@ -104,7 +104,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
 def drain(supervisor: SmartTriggerRunnerSupervisor) -> None:
     """Events in flight stored before the leases go; a drain that fails must not keep them."""
     try:
-        supervisor.drain(supervisor._drain_seconds())
+        supervisor.drain()
     except Exception as err:
         log.warning("could not store the events in flight before stopping", error=repr(err))
 

@@ -179,9 +179,11 @@ class EventFanout(SupervisorState):
                 mine = {m for m in group.members if self._shard_of(m) in fenced}
                 ready, young = self._split_by_age(self._task_members(mine), now)
                 held = self._to_hold(entry.event, young, now)
-                ready += [m for m in young if m not in held]  # an event that cannot be held resumes now
-                holds += held.values()
-                held_events.update(dict.fromkeys(held, entry.event))
+                if held:
+                    holds += held
+                    held_events.update(dict.fromkeys(young, entry.event))
+                else:
+                    ready += young  # an event that cannot be held resumes now
                 batches.append((ready, entry.event))
                 for trigger_id in sorted(mine):
                     if not self._is_task(trigger_id):
@@ -206,14 +208,13 @@ class EventFanout(SupervisorState):
                 self.persisted_event_seqs.append(entry.persist_seq)
             self._after_event(group)
 
-    def _to_hold(self, event: TriggerEvent, young: list[int],
-                 now: float) -> dict[int, tuple[int, str, float]]:
+    def _to_hold(self, event: TriggerEvent, young: list[int], now: float) -> list[tuple[int, str, float]]:
         """What to store for young task members (trigger id, event text, seconds left to hold): none when
         the event cannot be written as text."""
         stored = fanout.event_text(event) if young else None
         if stored is None:
-            return {}
-        return {m: (m, stored, max(self.young_until.get(m, now) - now, 0.0)) for m in young}
+            return []
+        return [(m, stored, max(self.young_until.get(m, now) - now, 0.0)) for m in young]
 
     def _in_lapsed_shard(self, group: Group) -> bool:
         return any(self._shard_of(m) in self.lapsed for m in group.members)

@@ -7,7 +7,6 @@ import heapq
 import time
 
 import structlog
-from airflow.triggers.base import TriggerEvent
 from airflow.utils.session import create_session
 
 from triggerer import fanout
@@ -222,7 +221,6 @@ class FeedLoading(SupervisorState):
                 self._forget_member(trigger_id, user_action=True)
         for row in rows:
             self._join(row)
-        self.held_parsed.clear()
         if full:  # a takeover's or a start's read: how long the runner waited for it
             log.info("read whole shards", shards=len(full), waits=len(rows),
                      seconds=round(time.monotonic() - started, 2))
@@ -240,7 +238,7 @@ class FeedLoading(SupervisorState):
         now = time.monotonic()
         if row.held_event is not None:
             # its event came while it was held by an owner before: resumed from it, never started again
-            self.held[row.trigger_id] = Held(self._held_event(row.held_event), now + row.held_in)
+            self.held[row.trigger_id] = Held(fanout.event_from_text(row.held_event), now + row.held_in)
             return
         if row.hold_left > 0:
             self.young_until[row.trigger_id] = now + row.hold_left
@@ -254,13 +252,6 @@ class FeedLoading(SupervisorState):
             # its row with the merged settings; the old coroutine is cancelled without on_kill.
             log.info("restarting a group with more demanding settings", members=len(group.members))
             self.groups.restart(group, runner=row.trigger_id)
-
-    def _held_event(self, stored: str) -> TriggerEvent:
-        """A stored held event, parsed once per read (thousands of members may hold one event)."""
-        event = self.held_parsed.get(stored)
-        if event is None:
-            event = self.held_parsed[stored] = fanout.event_from_text(stored)
-        return event
 
     def _reconcile(self, waiting: set[int]) -> None:
         for trigger_id in set(self.member_info) - waiting:

@@ -238,12 +238,13 @@ class Leases(SupervisorState):
         """Of the shards this instance gives up, those it may release now: their coroutines are known to
         have ended (each event they sent before is stored by then, under the lease), or their drain took
         its time. The others are being drained (``_leave``); a shard wanted again stops draining."""
-        for shard in set(self.leaving) - giving_up:
-            self.leaving.pop(shard)
+        if wanted := set(self.leaving) - giving_up:
+            for shard in wanted:
+                self.leaving.pop(shard)
             self._leaving_changed()
         if begin := giving_up - set(self.leaving):
             self._leave(begin, time.monotonic() + self._drain_seconds())
-        return {shard for shard in giving_up if self._drain_over(shard)}
+        return self._drain_over()  # every shard given up is leaving by now
 
     def _drain_seconds(self) -> float:
         return min(DRAIN_SECONDS, self.settings.lease_seconds / 4)
@@ -253,7 +254,7 @@ class Leases(SupervisorState):
         kept, so that an event a coroutine sent before it ended (a consumed message, a status row the
         source hands out once) is stored, not dropped with the shard. Groups without a running coroutine
         have nothing in flight: they are forgotten at once."""
-        running = self.running_triggers | {w.id for w in self.creating_triggers}
+        running = self._alive_runners()
         runners: dict[int, set[int]] = {shard: set() for shard in shards}
         for trigger_id, info in list(self.member_info.items()):
             if info.shard not in shards or trigger_id in self.held:
@@ -273,33 +274,40 @@ class Leases(SupervisorState):
         self.leaving_runners = set().union(*(ids for _until, ids in self.leaving.values()))
         self.runner_changes += 1  # what the runner should run changed: ask it again
 
-    def _drain_over(self, shard: int) -> bool:
-        if shard not in self.leaving:
-            return True
-        until, runners = self.leaving[shard]
-        queued = {entry.trigger_id for entry in self.events}
-        return time.monotonic() >= until or not runners & (self.running_triggers | queued)
+    def _alive_runners(self) -> set[int]:
+        """Coroutines the runner runs or has been handed (it may still start those)."""
+        return self.running_triggers | {w.id for w in self.creating_triggers}
+
+    def _drain_over(self) -> set[int]:
+        """The shards being given up whose coroutines ended with no event of theirs left to store, or
+        whose drain took its time."""
+        if not self.leaving:
+            return set()
+        now = time.monotonic()
+        busy = self._alive_runners() | {entry.trigger_id for entry in self.events}
+        return {shard for shard, (until, runners) in self.leaving.items()
+                if now >= until or not runners & busy}
 
     def _finish_leaving(self) -> None:
         """Once the shards being given up have drained, renew at once: that renewal releases them."""
-        if self.leaving and any(self._drain_over(shard) for shard in self.leaving):
+        if self._drain_over():
             self._renew_now()
 
-    def drain(self, seconds: float) -> None:
+    def drain(self) -> None:
         """Graceful stop, before the leases are released: every shard is given up as in a handover, for
-        at most ``seconds``, so that events in flight are stored by this instance, not lost."""
+        as long as a handover's drain at most, so that events in flight are stored by this instance."""
         if not self.owned or self._exit_code is not None:
             return
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + self._drain_seconds()
         self._leave(set(self.owned) - set(self.leaving), deadline)
-        while self.leaving_runners & self.running_triggers and time.monotonic() < deadline:
+        while self.leaving_runners & self._alive_runners() and time.monotonic() < deadline:
             self._request_started()  # the cancels go out with the runner's next answer
             self._service_subprocess(0.05)
             self._db_step("events", self.handle_events)
             if self._exit_code is not None:
                 break
         self._db_step("events", self.handle_events)
-        left = self.leaving_runners & self.running_triggers
+        left = self.leaving_runners & self._alive_runners()
         if left:
             log.warning("stopping with coroutines the runner had not ended yet; an event they fire now is "
                         "fired again by the next owner (a state) or redelivered by its source",

@@ -68,7 +68,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
     leaving: dict[int, tuple[float, set[int]]] = attrs.field(factory=dict, init=False)
     leaving_runners: set[int] = attrs.field(factory=set, init=False)  # their coroutines, being cancelled
-    held_parsed: dict[str, TriggerEvent] = attrs.field(factory=dict, init=False)  # within one read
     user_cancels: set[int] = attrs.field(factory=set, init=False)
     # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
     # read commits (a statement failing later in the loop that took it must not leave it unread)
