@@ -63,6 +63,15 @@ class Settings:
     # how often Airflow's clean_unused and the check for members nothing waits on read every trigger and
     # waiting task row: the safety net for departures neither the resume nor the partial index sees
     sweep_seconds: float = 600.0
+    # a runner that has not answered its supervisor for this long (a trigger blocked the event loop with a
+    # sync call) gets its instance out of the fleet: every shard handed over at once, /health 503, until
+    # the runner answers again (0: off). Unset: three leases (24 s at the default lease), past the longest
+    # start of a big takeover and below Airflow's own runner_health_check_threshold plus its heartbeat limit
+    runner_stall_seconds: float | None = None
+
+    @property
+    def stall_seconds(self) -> float:
+        return 3 * self.lease_seconds if self.runner_stall_seconds is None else self.runner_stall_seconds
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -84,6 +93,9 @@ class Settings:
             raise ConfigError("[smart_triggerer] resume_hold_seconds must be >= 0")
         if self.sweep_seconds < 10:
             raise ConfigError(f"[smart_triggerer] sweep_seconds must be >= 10, got {self.sweep_seconds}")
+        if self.runner_stall_seconds is not None and self.runner_stall_seconds < 0:
+            raise ConfigError(f"[smart_triggerer] runner_stall_seconds must be >= 0 (0: off), "
+                              f"got {self.runner_stall_seconds}")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
                               f"got {self.event_loop!r}")
@@ -117,6 +129,7 @@ class Settings:
             max_loop_lag_ms=_option("max_loop_lag_ms", float, cls.max_loop_lag_ms),
             max_rss_mb=_option("max_rss_mb", int, cls.max_rss_mb),
             sweep_seconds=_option("sweep_seconds", float, cls.sweep_seconds),
+            runner_stall_seconds=_option("runner_stall_seconds", float, None),
         )
 
 

@@ -73,8 +73,9 @@ def render_metrics(snapshot: dict[str, Any]) -> str:
 
 
 def is_healthy(snapshot: dict[str, Any], lease_seconds: float) -> bool:
-    """The runner lives, the leases are renewed, and no event waits longer than a lease to be stored."""
-    return (bool(snapshot.get("runner_alive"))
+    """The runner lives and answers, the leases are renewed, and no event waits longer than a lease to be
+    stored."""
+    return (bool(snapshot.get("runner_alive")) and not snapshot.get("runner_stalled")
             and snapshot.get("lease_age", float("inf")) < lease_seconds
             and snapshot.get("events_stuck_seconds", 0.0) < lease_seconds)
 

@@ -8,7 +8,10 @@ for a minute. Delays while the runner starts coroutines (a takeover, a start) ar
 is the reason shards just moved here, not a sign of too many.
 
 The figures go through a page of memory shared with the runner subprocess (made before Airflow forks it,
-so the child inherits it), under a sequence counter: the supervisor never reads half a write.
+so the child inherits it), under a sequence counter: the supervisor never reads half a write. Beside them, a
+thread of the runner (``BlockSpotter``) notes which trigger holds the loop while it has not ticked for a
+while (a blocking call with no timeout), so that the supervisor can name it when it hands its shards over
+(``supervisor/stall.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import math
 import mmap
+import re
 import struct
+import threading
 import time
 from collections import deque
 
@@ -29,6 +34,13 @@ AFTER_START_SECONDS = 5.0
 
 _SEQUENCE = struct.Struct("<Q")  # odd while a write is under way
 _FIGURES = struct.Struct("<ddd")  # p99 last minute, p99 recent (ms), written at (time.monotonic())
+# the trigger holding a blocked loop (0: none, or not a trigger's task), under a sequence of its own: its
+# writer is another thread than the figures' one
+_HOLDER_AT = 64
+_HOLDER = struct.Struct("<Qq240s")  # sequence, trigger id, the task's name (dag/run/task/map/try (ID n))
+BLOCKED_AFTER = 1.0  # a loop that has not ticked for this long is held by whatever task runs in it
+SPOT_EVERY = 0.5
+_TRIGGER_ID = re.compile(r"\(?ID (-?\d+)\)?$")  # the end of the runner's task names (runner.py)
 
 
 class LagBoard:
@@ -63,6 +75,16 @@ class LagBoard:
                 return max(minute_ms, silent_ms), max(recent_ms, silent_ms)
         return None  # a writer in the middle of a write for a hundred reads: take the next reading
 
+    def write_holder(self, trigger_id: int, name: str) -> None:
+        sequence = _HOLDER.unpack(self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size])[0]
+        self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size] = _HOLDER.pack(
+            sequence + 1, trigger_id, name.encode()[:240])
+
+    def read_holder(self) -> tuple[int, str] | None:
+        """(trigger id, task name) the runner's spotter last saw holding its blocked loop; None: none."""
+        _, trigger_id, name = _HOLDER.unpack(self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size])
+        return (trigger_id, name.rstrip(b"\0").decode(errors="replace")) if trigger_id else None
+
 
 def p99(values: list[float]) -> float:
     if not values:
@@ -78,13 +100,14 @@ class LagMeter:
         self.board = board
         self.samples: deque[tuple[float, float]] = deque()  # (time.monotonic(), delay in ms)
         self.quiet_from = -math.inf  # delays before this are start-up, not load
+        self.last_tick = time.monotonic()  # read by the spotter's thread
 
     async def run(self) -> None:
         published = time.monotonic()
         while True:
             before = time.monotonic()
             await asyncio.sleep(TICK)
-            now = time.monotonic()
+            now = self.last_tick = time.monotonic()
             self.note(now, (now - before - TICK) * 1000)
             if now - published >= 1.0:
                 self.publish(now)
@@ -105,3 +128,33 @@ class LagMeter:
         minute = [delay for _, delay in self.samples]
         recent = [delay for at, delay in self.samples if at >= now - RECENT_SECONDS]
         self.board.write(p99(minute), p99(recent))
+
+
+class BlockSpotter:
+    """A thread beside the runner's event loop. While the loop has not ticked for ``BLOCKED_AFTER`` seconds,
+    the task running in it holds it (a trigger that calls ``time.sleep`` or a blocking client with no
+    timeout in its coroutine): the spotter writes that task's trigger id to the board. It reads only the
+    loop's current task (one dictionary lookup under the GIL), never the runner's own structures. A process
+    stopped as a whole (SIGSTOP) spots nothing: the supervisor says so from the process state."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, meter: LagMeter) -> None:
+        self.loop = loop
+        self.meter = meter
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="block-spotter", daemon=True).start()
+
+    def _watch(self) -> None:
+        noted: tuple[int, str] = (0, "")
+        while not self.loop.is_closed():
+            time.sleep(SPOT_EVERY)
+            holder = self.holder() if time.monotonic() - self.meter.last_tick > BLOCKED_AFTER else (0, "")
+            if holder != noted:
+                self.meter.board.write_holder(*holder)
+                noted = holder
+
+    def holder(self) -> tuple[int, str]:
+        task = asyncio.current_task(self.loop)
+        name = "" if task is None else task.get_name()
+        match = _TRIGGER_ID.search(name)
+        return (int(match.group(1)), name) if match else (0, "")

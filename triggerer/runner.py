@@ -96,7 +96,7 @@ from airflow.triggers.base import TriggerEvent
 from triggerer.config import Settings
 from triggerer.heap import StartFreezer, collect_young_while_idle, tune_collector
 from triggerer.identities import decode_kwargs, decrypt_kwargs
-from triggerer.loop_lag import LagBoard, LagMeter
+from triggerer.loop_lag import BlockSpotter, LagBoard, LagMeter
 from triggers.identity import IDENTITY_KWARG
 
 # made in the supervisor before Airflow forks the runner: the runner writes its event-loop lag here
@@ -615,6 +615,7 @@ class SmartTriggerRunner(TriggerRunner):
         nudged = listen_for_nudges(self._on_event)
         watchdog = asyncio.create_task(self.block_watchdog())
         lag_meter = asyncio.create_task(self.lag_meter.run())
+        BlockSpotter(asyncio.get_running_loop(), self.lag_meter).start()
         self._stop_event = anyio.Event()
         last_status = time.monotonic()
         try:

@@ -16,9 +16,9 @@ checks it by the database clock (``Store.fence``): a process paused past its lea
 shards another instance took over. An event is acknowledged to the runner (``persisted_event_seqs``)
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
-The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``load``, ``feed``,
-``deadlines``, ``starting``, ``events``, ``housekeeping``; ``state`` holds their shared fields. The
-class here is the conductor: ``run_once`` calls them in order."""
+The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
+``load``, ``feed``, ``deadlines``, ``starting``, ``events``, ``housekeeping``; ``state`` holds their shared
+fields. The class here is the conductor: ``run_once`` calls them in order."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ from triggerer.supervisor.feed import FeedLoading
 from triggerer.supervisor.housekeeping import Housekeeping
 from triggerer.supervisor.leases import Leases
 from triggerer.supervisor.load import LoadFilters
+from triggerer.supervisor.stall import RunnerWatch
 from triggerer.supervisor.starting import WRITE_HELD_EVERY_SECONDS, GroupStarting
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadlines, GroupStarting,
-                                   EventFanout, Housekeeping, SupervisorState):
+class SmartTriggerRunnerSupervisor(RunnerWatch, Leases, LoadFilters, FeedLoading, MemberDeadlines,
+                                   GroupStarting, EventFanout, Housekeeping, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -77,6 +78,7 @@ class SmartTriggerRunnerSupervisor(Leases, LoadFilters, FeedLoading, MemberDeadl
         if self._log_files_pending():
             wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
         self._service_subprocess(0.0 if self._start_backlog() else wait)
+        self._watch_runner()  # after its messages were read: a wedged runner's instance steps out
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
         self._db_step("events", self.handle_events)

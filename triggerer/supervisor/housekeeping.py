@@ -205,6 +205,7 @@ class Housekeeping(SupervisorState):
                         shards_handed_over_total=self.shards_moved_out,
                         coroutines=len(self.running_triggers), events_pending=len(self.events),
                         events_dead_total=self.dead_letters.total,
+                        runner_stalled=None if self.stall is None else self.stall.cause,
                         last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None)
         self.published = counters
 

@@ -174,6 +174,8 @@ class Leases(SupervisorState):
 
     def _desired_shards(self, store: Store, live: list[LiveMember]) -> set[int]:
         """The shards this instance should hold, by the placement every live instance computes alike."""
+        if self.stall is not None:
+            return set()  # out of the fleet while its runner does not answer (stall.py)
         if all(m.candidate.job_id != self.job_id for m in live):
             live = [*live, LiveMember(self._candidate(), PLACEMENT, self.settings.lease_seconds)]
         if any(m.placement < PLACEMENT for m in live):

@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import attrs
@@ -53,6 +53,16 @@ class Held:
 
     event: TriggerEvent
     release_at: float  # time.monotonic()
+
+
+@dataclass
+class Stall:
+    """This instance stepped out of the fleet: its runner stopped answering (supervisor/stall.py)."""
+
+    since: float  # time.monotonic() of the runner's last message
+    cause: str
+    stale_runners: set[int] = field(default_factory=set)  # coroutines running when the instance stepped out
+    left: bool = False  # the membership and leases are released (retried every loop until they are)
 
 
 @attrs.define(kw_only=True)
@@ -162,6 +172,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     rss_at_step: int = attrs.field(default=0, init=False)  # memory when the last shed step began
     memory_held: bool = attrs.field(default=False, init=False)  # shedding stopped: memory did not fall
     fleet_full: bool = attrs.field(default=False, init=False)
+    stall: Stall | None = attrs.field(default=None, init=False)  # out of the fleet: the runner is wedged
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
     # groups per shard as their owners last published them (read with each renewal): a takeover reads
