@@ -122,6 +122,16 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "4096",
                         "default": "0",
                     },
+                    "runner_stall_seconds": {
+                        "description": "An instance whose trigger runner has not answered for this long "
+                        "(a trigger blocked its event loop with a sync call, or the runner process is "
+                        "stopped) hands every shard over at once, answers 503 on /health with the cause, "
+                        "and takes shards again once the runner answers. Unset: three leases. 0: off.",
+                        "version_added": "0.2.0",
+                        "type": "float",
+                        "example": "24",
+                        "default": "",
+                    },
                     "sweep_seconds": {
                         "description": "How often Airflow's clean_unused and the check for waits nothing "
                         "refers to read every trigger and waiting task row (the safety net for trigger "

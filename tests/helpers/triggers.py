@@ -144,3 +144,66 @@ class ConsumeOnceTrigger(DedupableTrigger, BaseTrigger):
         finally:
             await conn.close()
         yield TriggerEvent({"key": self.key, "payload": taken})
+
+
+# PollTrailTrigger's trail of polls (which process polled which key, when) and what releases its waits
+POLL_TRAIL_DDL = """
+CREATE TABLE poll_trail (key text NOT NULL, pid int NOT NULL,
+                         at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE poll_release (key text PRIMARY KEY);
+"""
+
+
+class PollTrailTrigger(DedupableTrigger, BaseTrigger):
+    """Writes each poll to ``poll_trail`` (key, the runner's pid) and fires once ``poll_release`` holds its
+    key. With ``block_flag``: once that file exists, the first coroutine to see it (the file
+    ``<block_flag>.taken`` made exclusively; it holds the runner's pid) blocks its whole event loop with
+    ``time.sleep`` until the file ``<block_flag>.end`` exists, as a trigger calling a blocking client with
+    no timeout does."""
+
+    identity_kwargs = ("dsn", "key")
+
+    def __init__(self, dsn: str, key: str, block_flag: str = "", poll_interval: float = 0.5) -> None:
+        super().__init__()
+        self.dsn = dsn
+        self.key = key
+        self.block_flag = block_flag
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.PollTrailTrigger", {"dsn": self.dsn, "key": self.key,
+                                                  "block_flag": self.block_flag,
+                                                  "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import os
+
+        import asyncpg
+
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            while True:
+                await conn.execute("INSERT INTO poll_trail (key, pid) VALUES ($1, $2)", self.key, os.getpid())
+                if await conn.fetchval("SELECT 1 FROM poll_release WHERE key = $1", self.key):
+                    break
+                self._block_once()
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            await conn.close()
+        yield TriggerEvent({"key": self.key, "status": "released"})
+
+    def _block_once(self) -> None:
+        import os
+        import time
+        from pathlib import Path
+
+        if not self.block_flag or not Path(self.block_flag).exists():
+            return
+        try:
+            taken = os.open(f"{self.block_flag}.taken", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(taken, str(os.getpid()).encode())
+        os.close(taken)
+        while not Path(f"{self.block_flag}.end").exists():
+            time.sleep(0.1)  # the whole event loop waits here

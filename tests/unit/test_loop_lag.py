@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
 import pytest
 
 from triggerer import loop_lag
-from triggerer.loop_lag import LagBoard, LagMeter, p99
+from triggerer.loop_lag import BlockSpotter, LagBoard, LagMeter, p99
 
 
 def test_the_board_is_shared_with_a_forked_child() -> None:
@@ -64,3 +65,32 @@ def test_a_big_start_is_not_counted_as_load() -> None:
                                                   (list(map(float, range(1, 101))), 99.0)])
 def test_p99(values: list[float], expected: float) -> None:
     assert p99(values) == expected
+
+
+def test_the_spotter_names_the_trigger_whose_coroutine_blocks_the_loop() -> None:
+    """A coroutine that calls time.sleep holds the whole loop: the spotter's thread reads the loop's
+    current task and writes its trigger id and name to the board; once the loop ticks again, none."""
+    board = LagBoard()
+    meter = LagMeter(board)
+    name = "dag/run/task/-1/1 (ID 42)"
+    seen: list[tuple[int, str] | None] = []
+
+    async def blocking() -> None:
+        deadline = time.monotonic() + 10
+        while board.read_holder() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the whole loop waits here, as a blocking client's call would
+        seen.append(board.read_holder())
+
+    async def main() -> None:
+        ticking = asyncio.create_task(meter.run())
+        BlockSpotter(asyncio.get_running_loop(), meter).start()
+        await asyncio.sleep(0.3)
+        await asyncio.create_task(blocking(), name=name)
+        deadline = time.monotonic() + 10
+        while board.read_holder() is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        seen.append(board.read_holder())
+        ticking.cancel()
+
+    asyncio.run(main())
+    assert seen == [(42, name), None]

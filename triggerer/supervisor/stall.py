@@ -33,13 +33,20 @@ log = structlog.get_logger(logger_name=__name__)
 
 # a runner that answered within this long counts as answering again (it syncs every half second)
 ANSWERING_SECONDS = 1.0
+# a supervisor that itself did not look for this long (the whole host frozen, a long step) counts the
+# runner's silence from when it looks again: the runner's messages meanwhile were not read, not missing
+AWAY_SECONDS = 2.0
 
 
 class RunnerWatch(Leases):
     def _watch_runner(self) -> None:
         """After the runner's messages were read: step out past the threshold, back in once it answers."""
         limit = self.settings.stall_seconds
-        silent = time.monotonic() - self._last_runner_comms
+        now = time.monotonic()
+        if now - self.watched_at > max(AWAY_SECONDS, 2 * self.settings.loop_seconds):
+            self.silence_from = now
+        self.watched_at = now
+        silent = now - max(self._last_runner_comms, self.silence_from)
         if self.stall is None:
             if limit and silent > limit and self._exit_code is None:
                 self._step_out(silent, limit)

@@ -173,6 +173,8 @@ class SupervisorState(TriggerRunnerSupervisor):
     memory_held: bool = attrs.field(default=False, init=False)  # shedding stopped: memory did not fall
     fleet_full: bool = attrs.field(default=False, init=False)
     stall: Stall | None = attrs.field(default=None, init=False)  # out of the fleet: the runner is wedged
+    watched_at: float = attrs.field(default=-math.inf, init=False)  # the runner watch's last look
+    silence_from: float = attrs.field(default=-math.inf, init=False)  # the watch counts silence from here
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
     # groups per shard as their owners last published them (read with each renewal): a takeover reads
