@@ -1,4 +1,5 @@
-"""PostgreSQL for triggers: one asyncpg pool per connection and event loop, LISTEN, error classes.
+"""PostgreSQL for triggers: one asyncpg pool per connection and event loop, one LISTEN connection per
+source and event loop, error classes.
 
 Thousands of waiting triggers run in one triggerer process; they must share connections. A pool is keyed
 by a digest of the connection's parameters (never by Python's ``hash()``, never logged) and by the event
@@ -19,6 +20,9 @@ import asyncpg
 
 POOL_MAX_SIZE = 5
 LISTEN_TIMEOUT = 10.0  # seconds to connect and LISTEN before a hint is given up until the next check
+# the listeners' application_name: a source's DBA sees which sessions are ours (pg_stat_activity)
+LISTENER_NAME = "smart-triggerer listener"
+LISTEN_GRACE_SECONDS = 5.0  # a channel nobody listens on is unlistened after this; a source's connection too
 
 
 @dataclass(frozen=True)
@@ -139,70 +143,150 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 60.0) -> float
     return random.uniform(0, min(cap, base * 2 ** min(attempt, 16)))  # noqa: S311 (not cryptographic)
 
 
-class ChannelListener:
-    """One LISTEN connection per (target, channel) and loop, shared by every trigger waiting on it.
+class SourceListener:
+    """One LISTEN connection per source and event loop, for every channel any wait of that loop listens on.
 
     A notification is a hint that wakes the waiters at once; polling stays the source of truth, so a lost
-    notification or a dropped listener costs at most one poll interval.
+    notification or a dropped listener costs at most one poll interval. The source is the ETL's own
+    database: a runner that serves channels per table must not hold a connection per channel (that
+    exhausts its ``max_connections``), nor keep one for channels nobody listens on any more. A channel
+    whose last subscriber left is unlistened, and the connection closed once no channel is left, after
+    ``LISTEN_GRACE_SECONDS`` (a group restarting, a wait deferring again, finds it still open).
     """
 
-    def __init__(self, target: PgTarget, channel: str) -> None:
-        self.target, self.channel = target, channel
-        self.waiters: set[asyncio.Event] = set()
+    def __init__(self, target: PgTarget, on_closed: Callable[[], None] | None = None) -> None:
+        self.target = target
+        self.subscribers: dict[str, set[asyncio.Event]] = {}
         self.conn: asyncpg.Connection | None = None
+        self.listening: set[str] = set()  # channels LISTENed on ``conn``
         self.lock = asyncio.Lock()
+        self.on_closed = on_closed
+        self._tidy_at: asyncio.TimerHandle | None = None
+        self._tidying: set[asyncio.Task[None]] = set()
 
-    def _notified(self, *args: object) -> None:
-        for event in self.waiters:
+    def _notified(self, _conn: object, _pid: int, channel: str, _payload: object) -> None:
+        for event in list(self.subscribers.get(channel, ())):
             event.set()
 
     def _lost(self, *args: object) -> None:
-        self.conn = None
+        self.conn, self.listening = None, set()
 
-    async def ensure(self) -> bool:
-        """Listening now? A listener is only a hint, so no error of its own may end a wait: besides
-        PostgreSQL's refusals and network errors, asyncpg raises client-side errors on a connection the
-        server is terminating (``InternalClientError: cannot switch to state 12`` while a PostgreSQL
-        restart's FATAL is being read). Any failure leaves no connection behind and is tried again at
-        the next check."""
+    async def ensure(self, channel: str) -> bool:
+        """Listening on ``channel`` now? A listener is only a hint, so no error of its own may end a wait:
+        besides PostgreSQL's refusals and network errors, asyncpg raises client-side errors on a
+        connection the server is terminating (``InternalClientError: cannot switch to state 12`` while a
+        PostgreSQL restart's FATAL is being read). Any failure leaves no connection behind and is tried
+        again at the next check."""
         async with self.lock:
-            if self.conn is not None and not self.conn.is_closed():
-                return True
-            self.conn = None
-            conn: asyncpg.Connection | None = None
+            if self.conn is not None and self.conn.is_closed():
+                self._lost()
             try:
-                # bounded: every wait on this channel arms it (under the lock) before its check, so a
+                # bounded: every wait on the source arms it (under the lock) before its check, so a
                 # source that accepts and then says nothing must not hold them all
-                conn = await asyncpg.connect(**self.target.connect_kwargs(), timeout=LISTEN_TIMEOUT)
-                await asyncio.wait_for(conn.add_listener(self.channel, self._notified), LISTEN_TIMEOUT)
-                conn.add_termination_listener(self._lost)
+                if self.conn is None:
+                    conn = await asyncpg.connect(**self.target.connect_kwargs(), timeout=LISTEN_TIMEOUT,
+                                                 server_settings={"application_name": LISTENER_NAME})
+                    conn.add_termination_listener(self._lost)
+                    self.conn, self.listening = conn, set()
+                if channel not in self.listening:
+                    await asyncio.wait_for(self.conn.add_listener(channel, self._notified), LISTEN_TIMEOUT)
+                    self.listening.add(channel)
             except BaseException as err:
-                if conn is not None:
-                    conn.terminate()  # also when cancelled half-way: no connection left behind
+                self._terminate()  # also when cancelled half-way: no connection left behind
                 if not isinstance(err, Exception):
                     raise
                 return False
-            self.conn = conn
             return True
+
+    def subscribe(self, channel: str, event: asyncio.Event) -> None:
+        self.subscribers.setdefault(channel, set()).add(event)
+
+    def unsubscribe(self, channel: str, event: asyncio.Event) -> None:
+        events = self.subscribers.get(channel)
+        if events is None:
+            return
+        events.discard(event)
+        if not events:
+            del self.subscribers[channel]
+            if self._tidy_at is None:
+                self._tidy_at = asyncio.get_running_loop().call_later(LISTEN_GRACE_SECONDS, self._tidy_soon)
+
+    def _tidy_soon(self) -> None:
+        self._tidy_at = None
+        task = asyncio.get_running_loop().create_task(self.tidy())
+        self._tidying.add(task)
+        task.add_done_callback(self._tidying.discard)
+
+    async def tidy(self) -> None:
+        """Unlisten the channels nobody subscribes to; close the connection once none is left."""
+        async with self.lock:
+            if self.conn is None:
+                if not self.subscribers and self.on_closed is not None:
+                    self.on_closed()
+                return
+            if not self.subscribers:
+                conn, self.conn, self.listening = self.conn, None, set()
+                try:
+                    await asyncio.wait_for(conn.close(), LISTEN_TIMEOUT)
+                except Exception:  # a hint only: a connection that does not close politely is cut
+                    conn.terminate()
+                if self.on_closed is not None:
+                    self.on_closed()
+                return
+            for channel in self.listening - self.subscribers.keys():
+                try:
+                    await asyncio.wait_for(self.conn.remove_listener(channel, self._notified), LISTEN_TIMEOUT)
+                except Exception:
+                    self._terminate()  # the next arm of a remaining channel listens afresh
+                    return
+                self.listening.discard(channel)
+
+    def _terminate(self) -> None:
+        if self.conn is not None:
+            self.conn.terminate()
+        self.conn, self.listening = None, set()
+
+
+class ChannelListener:
+    """One channel of a source's shared listener: what a wait subscribes to and arms before each check."""
+
+    def __init__(self, target: PgTarget, channel: str, source: SourceListener | None = None) -> None:
+        self.target, self.channel = target, channel
+        self.source = source or SourceListener(target)
+
+    @property
+    def conn(self) -> asyncpg.Connection | None:
+        return self.source.conn
+
+    async def ensure(self) -> bool:
+        return await self.source.ensure(self.channel)
 
     @contextmanager
     def subscription(self, event: asyncio.Event | None = None) -> Iterator[asyncio.Event]:
         event = event or asyncio.Event()
-        self.waiters.add(event)
+        self.source.subscribe(self.channel, event)
         try:
             yield event
         finally:
-            self.waiters.discard(event)
+            self.source.unsubscribe(self.channel, event)
 
 
-_listeners: dict[tuple[str, str, int], ChannelListener] = {}
+_sources: dict[tuple[str, int], SourceListener] = {}
 
 
 def shared_listener(target: PgTarget, channel: str) -> ChannelListener:
-    key = (target.key, channel, id(asyncio.get_running_loop()))
-    if key not in _listeners:
-        _listeners[key] = ChannelListener(target, channel)
-    return _listeners[key]
+    """``channel`` on the one listening connection of ``target`` in this event loop."""
+    key = (target.key, id(asyncio.get_running_loop()))
+    source = _sources.get(key)
+    if source is None:
+        source = _sources[key] = SourceListener(target, on_closed=lambda: _forget_source(key, source))
+    return ChannelListener(target, channel, source)
+
+
+def _forget_source(key: tuple[str, int], source: SourceListener | None) -> None:
+    """A closed listener leaves the registry (its lock is bound to its loop; a later loop makes its own)."""
+    if _sources.get(key) is source and not (source and source.subscribers):
+        _sources.pop(key, None)
 
 
 async def wait_or_hint(hint: asyncio.Event | None, seconds: float) -> bool:
