@@ -98,6 +98,8 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         if supervisor is not None:
             # up to EXIT_LOG_SECONDS after the stop signal, one second at least
             supervisor.write_held_log_lines(max(exit_by - time.monotonic(), 1.0))
+            # remote uploads queued (a slow store): what is left by the exit budget is said in one line
+            supervisor.log_uploads.finish(max(exit_by - time.monotonic(), 0.5))
         log.info("smart triggerer stopped")
 
 

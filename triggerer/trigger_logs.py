@@ -37,11 +37,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from functools import partial
+from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import attrs
 import structlog
 from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
+
+from triggerer.db_errors import cause
+from triggerer.log_uploads import LogUploads, Upload
 
 # at most this many trigger log files open at once, and never more than a quarter of the descriptors the
 # process may open (the rest: database connections, the runner's sockets, the health server)
@@ -388,21 +392,60 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
         return self._holding_logger
 
     def upload_to_remote(self) -> None:
-        # the upload reads the file: lines still held go to it first. A coroutine that logged nothing (a
-        # handover right after its start) has no file: Airflow's upload then does nothing
+        self.write_for_upload()
+        super().upload_to_remote()
+
+    def write_for_upload(self) -> bool:
+        """The upload reads the file: lines still held go to it first. False: the coroutine logged nothing
+        (a handover right after its start) and has no file, so Airflow's upload does nothing."""
         log_file = getattr(self, "_filehandle", None)
         if isinstance(log_file, PooledLogFile) and log_file.has_held():
             log_file.write_held()
         holding = getattr(self, "_holding_logger", None)
-        if holding is not None and holding.made is not None:
-            self.bound_logger = holding.made  # Airflow's upload reads the file's path from it
-        super().upload_to_remote()
+        if holding is None or holding.made is None:
+            return False
+        self.bound_logger = holding.made  # Airflow's upload reads the file's path from it
+        return True
 
     @classmethod
     def replacing(cls, factory: TriggerLoggingFactory, pool: LogFilePool) -> PooledTriggerLoggingFactory:
         """The pooled twin of a factory Airflow made (before it wrote anything)."""
         assert not hasattr(factory, "bound_logger"), "a factory that wrote already keeps its own file"
         return cls(log_path=factory.log_path, ti=factory.ti, pool=pool)
+
+
+def remote_upload(factory: TriggerLoggingFactory) -> Upload | None:
+    """What Airflow's ``upload_to_remote`` sends for an ended coroutine's file, taken while the file is
+    still open (its lines written), to be sent off the loop once it is closed (``log_uploads.py``). None
+    without remote logging, or when the coroutine wrote no file."""
+    from airflow.sdk.log import load_remote_log_handler
+
+    handler = load_remote_log_handler()
+    if handler is None:
+        return None
+    if isinstance(factory, PooledTriggerLoggingFactory):
+        if not factory.write_for_upload():
+            return None
+    elif not hasattr(factory, "bound_logger"):
+        return None  # never called: no file (as in Airflow's)
+    # the path relative to base_log_folder, as Airflow's upload computes it from the open file
+    return Upload(handler, Path(factory.log_path).as_posix(), factory.ti)
+
+
+def close_ended(trigger_id: int, factory: TriggerLoggingFactory, uploads: LogUploads) -> None:
+    """Close an ended coroutine's file, then queue its upload (where remote logging is set). Neither a
+    file that cannot be closed (a full disk, a stale network mount) nor a remote store stops the loop."""
+    upload = None
+    try:
+        upload = remote_upload(factory)
+    except Exception:
+        log.exception("Failed to upload trigger logs to remote", trigger_id=trigger_id)
+    try:
+        factory.close()
+    except Exception as err:  # as in Airflow's loop, which caught it in its request handling
+        log.warning("could not close a trigger's log file", trigger_id=trigger_id, error=cause(err))
+    if upload is not None:
+        uploads.submit(upload)
 
 
 def read_while_ready(read: Any, sock: Any, reads: int) -> bool:

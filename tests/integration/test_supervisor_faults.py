@@ -751,14 +751,21 @@ def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_
     assert all(Path(f).read_text() == "trigger starting\n" for f in files)
 
 
-def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(env: AirflowConfig) -> None:
+def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(env: AirflowConfig,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Closing an ended coroutine's file runs in the loop, outside Airflow's request handling (which
-    caught any error): a full disk or a stale network mount must cost a warning, not the supervisor."""
+    caught any error): a full disk or a stale network mount, or a remote log handler that cannot even be
+    loaded, must cost a warning, not the supervisor."""
     from airflow.jobs.triggerer_job_runner import messages
+    from airflow.sdk import log as sdk_log
+
+    def unreachable() -> None:
+        raise RuntimeError("remote log store unreachable")
+
+    monkeypatch.setattr(sdk_log, "load_remote_log_handler", unreachable)
 
     class Unclosable:
-        def upload_to_remote(self) -> None:
-            raise RuntimeError("remote log store unreachable")
+        log_path = "dag_id=d/unclosable.log"
 
         def close(self) -> None:
             raise OSError(28, "No space left on device")

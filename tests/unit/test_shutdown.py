@@ -22,6 +22,7 @@ class Recorder:
         self.health_fails = health_fails
         self.pid = 0
         self.log_pool = SimpleNamespace(exiting=False)
+        self.log_uploads = SimpleNamespace(finish=lambda budget: calls.append(("uploads", budget)))
 
     def release_all(self) -> None:
         self.calls.append(("release", None))
@@ -59,16 +60,16 @@ def shut_down(signalled_ago: float | None, health_fails: bool = False) -> list[t
 @pytest.mark.usefixtures("exit_steps")
 def test_the_log_files_get_what_is_left_of_the_budget_after_the_signal() -> None:
     calls = shut_down(signalled_ago=5.0)
-    assert [name for name, _ in calls] == ["release", "kill", "health stop", "write"]
+    assert [name for name, _ in calls] == ["release", "kill", "health stop", "write", "uploads"]
     assert calls[1] == ("kill", True)  # the runner's last lines are written as they come
-    budget = calls[-1][1]
+    budget = calls[-2][1]
     assert service.EXIT_LOG_SECONDS - 5.0 - 1.0 < budget <= service.EXIT_LOG_SECONDS - 5.0
 
 
 @pytest.mark.usefixtures("exit_steps")
 def test_a_late_exit_still_writes_for_a_second_and_one_without_a_signal_gets_the_whole_budget() -> None:
-    assert shut_down(signalled_ago=service.EXIT_LOG_SECONDS + 10)[-1] == ("write", 1.0)
-    budget = shut_down(signalled_ago=None)[-1][1]  # the runner died: no signal
+    assert shut_down(signalled_ago=service.EXIT_LOG_SECONDS + 10)[-2:] == [("write", 1.0), ("uploads", 0.5)]
+    budget = shut_down(signalled_ago=None)[-2][1]  # the runner died: no signal
     assert service.EXIT_LOG_SECONDS - 1.0 < budget <= service.EXIT_LOG_SECONDS
 
 
@@ -76,5 +77,5 @@ def test_a_late_exit_still_writes_for_a_second_and_one_without_a_signal_gets_the
 def test_a_health_endpoint_that_fails_to_stop_costs_the_log_files_nothing() -> None:
     with capture_logs() as logs:
         calls = shut_down(signalled_ago=0.0, health_fails=True)
-    assert [name for name, _ in calls] == ["release", "kill", "health stop", "write"]
+    assert [name for name, _ in calls] == ["release", "kill", "health stop", "write", "uploads"]
     assert any(line["event"] == "the health endpoint did not stop cleanly" for line in logs)

@@ -263,11 +263,13 @@ def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
     import math
 
     from triggerer.groups import Groups
+    from triggerer.log_uploads import LogUploads
     from triggerer.trigger_logs import LogFilePool
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.running_triggers = Groups(), set()
     supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
+    supervisor.log_uploads = LogUploads()
     supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
     supervisor.hold_capped_at = None
     supervisor.hash_xmin, supervisor.sweep_after = None, 1000
@@ -367,24 +369,34 @@ def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_seco
 
 def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ended coroutines' files are uploaded when closed (remote logging): a remote that takes seconds a
-    file uses the budget up, but every held line is written locally first; the files left unclosed are
-    said."""
+    """Ended coroutines' files are closed, then uploaded off the loop (remote logging): a remote that
+    takes seconds a file costs neither a held line nor a closed file; the exit says what it did not
+    upload, in one line."""
+    import threading
+
+    from airflow.sdk import log as sdk_log
     from structlog.testing import capture_logs
 
-    from triggerer.trigger_logs import PooledTriggerLoggingFactory
+    release = threading.Event()
 
-    clock = FakeClock(monkeypatch, tick=0.0)
-    monkeypatch.setattr(PooledTriggerLoggingFactory, "upload_to_remote",
-                        lambda _self: setattr(clock, "now", clock.now + 3.0))  # 3 s a file
+    class SlowRemote:
+        def upload(self, path: str, ti: object = None) -> None:
+            release.wait(30)  # the store answers only once the test is over
+
+    monkeypatch.setattr(sdk_log, "load_remote_log_handler", SlowRemote)
+    FakeClock(monkeypatch, tick=0.0)
     supervisor = exiting_supervisor(tmp_path, held=50, ended=20)
     with capture_logs() as logs:
         supervisor.write_held_log_lines(10.0)
+        supervisor.log_uploads.finish(0.2)
+    release.set()
     assert written(tmp_path, "held", "trigger starting\n") == 50
-    assert written(tmp_path, "ended", "trigger completed\n") == 20  # written, only not all uploaded
+    assert written(tmp_path, "ended", "trigger completed\n") == 20
     said = {line["event"]: line for line in logs}
-    assert 0 < said["ended triggers' log files not closed at exit"]["files"] < 20
+    assert "ended triggers' log files not closed at exit" not in said
     assert "trigger log lines not written at exit" not in said
+    left = said["trigger log files not uploaded to the remote store at exit (their local files are kept)"]
+    assert left["left"] == 20 and left["uploaded"] == 0
 
 
 def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,

@@ -29,7 +29,12 @@ from triggerer.groups import Group
 from triggerer.runner import NUDGE_SIGNAL
 from triggerer.store import Store
 from triggerer.supervisor.state import SupervisorState
-from triggerer.trigger_logs import PooledTriggerLoggingFactory, read_while_ready, reading_only_ready
+from triggerer.trigger_logs import (
+    PooledTriggerLoggingFactory,
+    close_ended,
+    read_while_ready,
+    reading_only_ready,
+)
 from triggerer.workloads import StartFromTrigger, log_renderer, plain_workload, task_rows
 
 log = structlog.get_logger(logger_name=__name__)
@@ -99,6 +104,7 @@ class GroupStarting(SupervisorState):
         are held in memory; then their files are made in the background, ``WRITE_HELD_SECONDS`` per
         ``WRITE_HELD_EVERY_SECONDS`` (trigger_logs.py): making tens of thousands of files would otherwise be
         most of the supervisor's work while waits wait."""
+        self.log_uploads.check()  # an upload past its timeout is given up, a new worker takes the queue
         now = time.monotonic()
         # groups without a coroutine yet: not started, started but not built, or not yet taken by the
         # runner (Airflow counts them running once taken; the runner then creates a pile for seconds)
@@ -185,18 +191,11 @@ class GroupStarting(SupervisorState):
         return max(deadline - time.monotonic(), 0.0)
 
     def _close_now(self, trigger_id: int) -> None:
-        """As Airflow does when a coroutine ends: upload its file (when remote logging is set), close it."""
+        """As Airflow does when a coroutine ends: close its file and upload it (when remote logging is set),
+        the upload off this loop (log_uploads.py): a hanging remote store must not hold the leases."""
         factory = self.ended_logs.pop(trigger_id, None)
-        if factory is None:
-            return
-        try:
-            factory.upload_to_remote()
-        except Exception:
-            log.exception("Failed to upload trigger logs to remote", trigger_id=trigger_id)
-        try:
-            factory.close()
-        except Exception as err:  # a full disk, a stale network mount: the loop goes on (as in Airflow's)
-            log.warning("could not close a trigger's log file", trigger_id=trigger_id, error=cause(err))
+        if factory is not None:
+            close_ended(trigger_id, factory, self.log_uploads)
 
     def _hold_collector(self) -> None:
         """No collection of the older generations while a big start runs (``heap.OlderHeld``): groups

@@ -26,6 +26,7 @@ from triggerer.db_errors import cause, is_outage
 from triggerer.dead_letters import DeadLetters
 from triggerer.groups import Group, Groups
 from triggerer.heap import OlderHeld
+from triggerer.log_uploads import LogUploads
 from triggerer.notices import MembershipNotices
 from triggerer.store import Store
 from triggerer.trigger_logs import LogFilePool, open_files_allowed
@@ -158,6 +159,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     held_written_at: float = attrs.field(default=-math.inf, init=False)
     # ended coroutines' log files, closed a time budget per loop (starting.py, ``_close_ended``)
     ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
+    log_uploads: LogUploads = attrs.field(factory=LogUploads, init=False)  # remote uploads, off the loop
     last_schema_check: float = attrs.field(default=-math.inf, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
     # load and filters (load.py)
