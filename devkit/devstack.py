@@ -240,16 +240,23 @@ class AirflowStack:
 
     def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
                               health_port: int = 0, env: dict[str, str] | None = None,
-                              queues: str | None = None, health_host: str | None = None) -> Component:
-        """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port."""
+                              queues: str | None = None, health_host: str | None = None,
+                              team_name: str | None = None) -> Component:
+        """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port. ``queues`` turns on
+        ``[triggerer] queues_enabled`` and ``team_name`` ``[core] multi_team`` for it, as a user must."""
         argv = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
                 "--health-port", str(health_port)]
         if health_host is not None:
             argv += ["--health-host", health_host]
         if capacity is not None:
             argv += ["--capacity", str(capacity)]
+        env = dict(env or {})
         if queues is not None:
             argv += ["--queues", queues]
+            env.setdefault("AIRFLOW__TRIGGERER__QUEUES_ENABLED", "True")
+        if team_name is not None:
+            argv += ["--team-name", team_name]
+            env.setdefault("AIRFLOW__CORE__MULTI_TEAM", "True")
         return self.add(name, argv, env)
 
     def start_bridge(self, name: str = "dataset-bridge", args: Sequence[str] = (),

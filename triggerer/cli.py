@@ -40,6 +40,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "[smart_triggerer] health_token")
     parser.add_argument("--queues", default=None,
                         help="comma-separated trigger queues to serve (isolation from stock triggerers)")
+    parser.add_argument("--team-name", default=None,
+                        help="serve only this team's triggers, in a shard space of its own (Airflow 3.3 "
+                             "multi-team; needs [core] multi_team), as airflow triggerer --team-name")
     parser.add_argument("--skip-serve-logs", action="store_true",
                         help="do not start the trigger log server (as for `airflow triggerer`)")
 
@@ -98,8 +101,44 @@ def run_command(args: argparse.Namespace) -> int:
         settings = replace(settings, health_port=args.health_port)
     if getattr(args, "health_host", None):
         settings = replace(settings, health_host=args.health_host)
-    queues = {q.strip() for q in args.queues.split(",") if q.strip()} if args.queues else None
-    return run(args.capacity, queues, settings, args.skip_serve_logs)
+    queues = queue_set(args.queues)
+    team = team_of(getattr(args, "team_name", None))
+    return run(args.capacity, queues, settings, args.skip_serve_logs, team_name=team)
+
+
+def queue_set(raw: str | None) -> set[str] | None:
+    """``--queues``, refused as ``airflow triggerer`` refuses it, and when malformed."""
+    from airflow.configuration import conf
+
+    from triggerer.config import ConfigError
+
+    if raw is None:
+        return None
+    queues = [q.strip() for q in raw.split(",")]
+    if not all(queues):
+        raise ConfigError(f"--queues {raw!r} has an empty queue name: give comma-separated names, e.g. "
+                          "--queues reports,exports")
+    if not conf.getboolean("triggerer", "queues_enabled", fallback=False):
+        raise ConfigError("--queues may only be used when [triggerer] queues_enabled is True "
+                          "(AIRFLOW__TRIGGERER__QUEUES_ENABLED), as for airflow triggerer")
+    return set(queues)
+
+
+def team_of(raw: str | None) -> str | None:
+    """``--team-name``, refused as ``airflow triggerer`` refuses it (the team's existence is checked once
+    the database is known to answer)."""
+    from airflow.configuration import conf
+
+    from triggerer.config import ConfigError
+
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ConfigError("--team-name is empty: give the name of a team (airflow teams list)")
+    if not conf.getboolean("core", "multi_team", fallback=False):
+        raise ConfigError("--team-name may only be used when [core] multi_team is True "
+                          "(AIRFLOW__CORE__MULTI_TEAM), as for airflow triggerer")
+    return raw.strip()
 
 
 def status_command(args: argparse.Namespace) -> int:

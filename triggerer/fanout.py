@@ -24,7 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from triggerer.db_errors import is_outage, storable
-from triggerer.store import Store, queries
+from triggerer.store import RowScope, Store, queries, scope_params
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -146,15 +146,14 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     return len(locked)
 
 
-def timeout(session: Session, shards: Sequence[int], queues: Sequence[str] | None) -> list[int]:
+def timeout(session: Session, shards: Sequence[int], queues: RowScope | Sequence[str] | None) -> list[int]:
     """Time out deferred members of these (fenced) shards whose own ``trigger_timeout`` passed; returns
     the ids of their triggers."""
     if not shards:
         return []
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_TIMEOUT.value})
     result = session.execute(text(queries()["timeout_members"]),
-                             {"shards": list(shards), "queues": list(queues) if queues else None,
-                              "next_kwargs": next_kwargs})
+                             {"shards": list(shards), **scope_params(queues), "next_kwargs": next_kwargs})
     timed_out = [int(row[0]) for row in result]
     delete_unused(session, timed_out)
     return timed_out

@@ -101,20 +101,29 @@ def _decrypt(raw: str) -> dict[str, Any]:
 
 
 def identity_of(trigger_id: int, classpath: str, raw: str, settings: Settings,
-                policy: IdentityPolicy) -> NewIdentity:
+                policy: IdentityPolicy, *, team: str | None = None) -> NewIdentity:
     identity = policy.identity(classpath, _decrypt(raw), trigger_id)
     execution = {k: [rule, value] for k, (rule, value) in identity.execution.items()}
-    return NewIdentity(trigger_id, identity.hash, shard_of(identity.hash, settings.shards),
+    hashed = team_identity(identity.hash, team)
+    return NewIdentity(trigger_id, hashed, shard_of(hashed, settings.shards),
                        identity.dedupable, execution if identity.dedupable else {},
                        description=identity.description)
 
 
-def compute_identities(rows: Iterable[tuple[int, str, str]], settings: Settings) -> list[NewIdentity]:
+def team_identity(identity: int, team: str | None) -> int:
+    """A team's wait is its own (Airflow 3.3 multi-team): identical waits of two teams never share a
+    coroutine, a poll or a workload. Rows of no team keep the identity they always had."""
+    return identity if team is None else identity_hash("$team", {"team": team, "identity": identity})
+
+
+def compute_identities(rows: Iterable[tuple[Any, ...]], settings: Settings) -> list[NewIdentity]:
+    """Rows of (trigger id, classpath, encrypted kwargs[, team name])."""
     policy = IdentityPolicy.with_extra(settings.dedup_classpaths)
     result = []
-    for trigger_id, classpath, raw in rows:
+    for trigger_id, classpath, raw, *team in rows:
         try:
-            result.append(identity_of(trigger_id, classpath, raw, settings, policy))
+            team_name = team[0] if team else None
+            result.append(identity_of(trigger_id, classpath, raw, settings, policy, team=team_name))
         except Exception as err:
             # The message names the failure, never the kwargs (they may hold secrets).
             error = f"could not read the kwargs of trigger {trigger_id} ({classpath}): {type(err).__name__}"

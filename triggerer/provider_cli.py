@@ -17,6 +17,8 @@ def get_cli_commands() -> list[Any]:
         Arg(("--health-host",), default=None,
             help="address of the health endpoint (default 127.0.0.1; others need health_token)"),
         Arg(("--queues",), default=None, help="comma-separated trigger queues to serve"),
+        Arg(("--team-name",), default=None,
+            help="serve only this team's triggers (Airflow 3.3 multi-team; needs [core] multi_team)"),
         Arg(("--skip-serve-logs",), action="store_true", help="do not start the trigger log server"),
         verbose,
     )

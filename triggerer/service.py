@@ -16,7 +16,7 @@ from airflow.jobs.triggerer_job_runner import TriggererJobRunner
 from sqlalchemy.exc import SQLAlchemyError
 
 from triggerer.bounded import bound_waits
-from triggerer.config import Settings
+from triggerer.config import ConfigError, Settings
 from triggerer.health import HealthServer
 from triggerer.heap import tune_collector
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
@@ -35,8 +35,9 @@ class SmartTriggererJobRunner(TriggererJobRunner):
 
     signalled_at: float | None = None  # the first stop signal, on the monotonic clock
 
-    def __init__(self, job: Job, capacity: int | None, queues: set[str] | None, settings: Settings) -> None:
-        super().__init__(job, capacity=capacity, queues=queues)
+    def __init__(self, job: Job, capacity: int | None, queues: set[str] | None, settings: Settings,
+                 team_name: str | None = None) -> None:
+        super().__init__(job, capacity=capacity, queues=queues, team_name=team_name)
         self.settings = settings
 
     def _exit_gracefully(self, signum: int, frame: Any) -> None:
@@ -61,14 +62,14 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         try:
             supervisor = SmartTriggerRunnerSupervisor.start(
                 job=self.job, capacity=self.capacity, logger=log, queues=self.queues,
-                settings=self.settings, health_url=health.url if health else None,
+                team_name=self.team_name, settings=self.settings, health_url=health.url if health else None,
             )
             self.trigger_runner = supervisor
             if health is not None:
                 health.snapshot = supervisor.snapshot
             supervisor.register()
             log.info("smart triggerer started", job_id=self.job.id, shards=self.settings.shards,
-                     capacity=self.capacity, dedup=self.settings.dedup)
+                     capacity=self.capacity, dedup=self.settings.dedup, team=self.team_name)
             supervisor.run()
             if not supervisor.stop:
                 log.error("the trigger runner subprocess died; exiting", exit_code=supervisor._exit_code)
@@ -178,8 +179,8 @@ def _own_threads() -> list[int]:
     return sorted(set(_threads(os.getpid()) + python))
 
 
-def preflight(settings: Settings) -> None:
-    """Before anything starts: PostgreSQL, reachable, and the deployment's shard count."""
+def preflight(settings: Settings, team_name: str | None = None) -> None:
+    """Before anything starts: PostgreSQL, reachable, the deployment's shard count, the team."""
     from airflow.utils.session import create_session
 
     from commandline.errors import require_airflow, require_postgres
@@ -189,6 +190,12 @@ def preflight(settings: Settings) -> None:
     require_postgres()
     with create_session() as session:
         Store(session).check_shards(settings.shards)
+    if team_name is not None:
+        from airflow.models.team import Team
+
+        if Team.get_name_if_exists(team_name) is None:
+            raise ConfigError(f"--team-name {team_name!r}: no such team (airflow teams list; "
+                              "airflow teams create makes one)")
 
 
 def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
@@ -202,14 +209,16 @@ def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
     return _serve_logs(False)
 
 
-def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool) -> int:
+def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool, *,
+        team_name: str | None = None) -> int:
     from airflow.configuration import conf
 
     bound_waits(settings.lease_seconds)  # before the first connection of the run: every one carries them
-    preflight(settings)
+    preflight(settings, team_name)
     with log_server(skip_serve_logs):
         runner = SmartTriggererJobRunner(
-            Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings
+            Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings,
+            team_name,
         )
         code = run_job(job=runner.job, execute_callable=runner._execute)
     return int(code or 0)

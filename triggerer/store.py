@@ -358,15 +358,16 @@ class Store:
 
     # --- identities ---
 
-    def unhashed_triggers(self, queues: Sequence[str] | None, limit: int, after_xid: str | None = None,
-                          after_id: int = 0) -> list[tuple[int, str, str]]:
+    def unhashed_triggers(self, queues: RowScope | Sequence[str] | None, limit: int,
+                          after_xid: str | None = None,
+                          after_id: int = 0) -> list[tuple[int, str, str, str | None]]:
         """Trigger rows without an identity, in id order after ``after_id``: all of them (a sweep), or
         (``after_xid``) those new since."""
         if after_xid is None:
             self.session.execute(text(SWEEP_PLANNER))
-        rows = self._run("unhashed_triggers", queues=_queues(queues), limit=limit, after_xid=after_xid,
+        rows = self._run("unhashed_triggers", **scope_params(queues), limit=limit, after_xid=after_xid,
                          after_id=after_id)
-        return [(r.id, r.classpath, r.kwargs) for r in rows]
+        return [(r.id, r.classpath, r.kwargs, r.team_name) for r in rows]
 
     def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
         if not identities:
@@ -407,12 +408,12 @@ class Store:
         xmin: str = self._run("snapshot_xmin").scalar_one()
         return xmin
 
-    def waiting_triggers(self, shards: Iterable[int], queues: Sequence[str] | None, *,
+    def waiting_triggers(self, shards: Iterable[int], queues: RowScope | Sequence[str] | None, *,
                          after_xid: str | None = None, hold_seconds: float = 0.0) -> list[WaitingTrigger]:
         """Every waiter of these shards, or (``after_xid``) those that arrived or were watched anew since."""
         if not shards:
             return []
-        rows = self._run("waiting_triggers", shards=sorted(shards), queues=_queues(queues),
+        rows = self._run("waiting_triggers", shards=sorted(shards), **scope_params(queues),
                          after_xid=after_xid, hold_seconds=hold_seconds)
         return [_waiting(r) for r in rows]
 
@@ -425,12 +426,12 @@ class Store:
         row = self._run("feed_probe", load_after=load_after, hash_after=hash_after).one()
         return row.xmin, bool(row.changed)
 
-    def feed_position(self, after_xid: str, queues: Sequence[str] | None) -> FeedPosition:
-        row = self._run("feed_position", after_xid=after_xid, queues=_queues(queues)).one()
+    def feed_position(self, after_xid: str, queues: RowScope | Sequence[str] | None) -> FeedPosition:
+        row = self._run("feed_position", after_xid=after_xid, **scope_params(queues)).one()
         return FeedPosition(row.xmin, int(row.unhashed))
 
-    def sweep_position(self, queues: Sequence[str] | None) -> FeedPosition:
-        row = self._run("sweep_position", queues=_queues(queues)).one()
+    def sweep_position(self, queues: RowScope | Sequence[str] | None) -> FeedPosition:
+        row = self._run("sweep_position", **scope_params(queues)).one()
         return FeedPosition(row.xmin, int(row.unhashed))
 
     def prune_feed(self, lease_seconds: float) -> int:
@@ -455,8 +456,41 @@ class Store:
 
 
 
-def _queues(queues: Sequence[str] | None) -> list[str] | None:
-    return list(queues) if queues else None
+def multi_team_enabled() -> bool:
+    from airflow.configuration import conf
+
+    return conf.getboolean("core", "multi_team", fallback=False)
+
+
+def space_key(queues: Iterable[str] | None, team: str | None) -> str | None:
+    """A shard space's key (``shard_lease.queues``, ``instance.queues``): the sorted queue set, then
+    ``@team`` for a team's instances. Rows of the spaces before teams keep their keys."""
+    key = ",".join(sorted(queues)) if queues else None
+    return key if team is None else f"{key or ''}@{team}"
+
+
+def split_space(key: str) -> tuple[set[str], str | None]:
+    """(queue set, team) of a space key."""
+    queues, _, team = key.partition("@")
+    return {q for q in queues.split(",") if q}, team or None
+
+
+@dataclass(frozen=True)
+class RowScope:
+    """Which trigger rows an instance may run: its ``--queues`` (None: rows without a queue) and, with
+    ``[core] multi_team``, its ``--team-name`` (None: rows of no team), as Airflow's triggerer filters."""
+
+    queues: tuple[str, ...] | None = None
+    team: str | None = None
+    multi_team: bool = False
+
+
+def scope_params(scope: RowScope | Sequence[str] | None) -> dict[str, Any]:
+    """The row filter's parameters (a bare queue list: no team filter)."""
+    if not isinstance(scope, RowScope):
+        scope = RowScope(tuple(scope) if scope else None)
+    return {"queues": list(scope.queues) if scope.queues else None, "team": scope.team,
+            "multi_team": scope.multi_team}
 
 
 def _waiting(r: Any) -> WaitingTrigger:

@@ -207,3 +207,26 @@ class PollTrailTrigger(DedupableTrigger, BaseTrigger):
         os.close(taken)
         while not Path(f"{self.block_flag}.end").exists():
             time.sleep(0.1)  # the whole event loop waits here
+
+
+class TeamMarkTrigger(DedupableTrigger, BaseTrigger):
+    """Fires at ``moment`` with the ``TEAM_MARK`` of the environment it ran in: a team's triggerer runs
+    its trigger code in that team's environment, so each task's payload tells where its wait ran."""
+
+    identity_kwargs = ("moment",)
+
+    def __init__(self, moment: str, poll_interval: float = 0.2) -> None:
+        super().__init__()
+        self.moment = moment
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.TeamMarkTrigger", {"moment": self.moment, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        import os
+
+        target = dt.datetime.fromisoformat(self.moment)
+        while dt.datetime.now(dt.UTC) < target:
+            await asyncio.sleep(self.poll_interval)
+        yield TriggerEvent({"moment": self.moment, "ran_in": os.environ.get("TEAM_MARK")})

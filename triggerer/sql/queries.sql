@@ -162,7 +162,7 @@ SELECT pg_notify(:channel, :payload);
 -- Trigger rows without an identity yet, after :after_id in id order: every one with :after_xid NULL (a
 -- sweep, which goes on from where its last batch ended), otherwise those the change feed reports as new
 -- since :after_xid. SKIP LOCKED so instances share the decrypting.
-SELECT t.id, t.classpath, t.kwargs
+SELECT t.id, t.classpath, t.kwargs, t.team_name
 FROM trigger t
 LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
 WHERE i.trigger_id IS NULL AND t.id > :after_id
@@ -170,6 +170,7 @@ WHERE i.trigger_id IS NULL AND t.id > :after_id
        SELECT trigger_id FROM smart_triggerer.trigger_change
        WHERE created AND xid >= CAST(:after_xid AS xid8)))
   AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+  AND (NOT CAST(:multi_team AS boolean) OR t.team_name IS NOT DISTINCT FROM CAST(:team AS text))
 ORDER BY t.id
 LIMIT :limit
 FOR UPDATE OF t SKIP LOCKED;
@@ -252,6 +253,7 @@ WHERE i.shard = ANY(:shards)
        SELECT trigger_id FROM smart_triggerer.trigger_change
        WHERE created AND xid >= CAST(:after_xid AS xid8)))
   AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+  AND (NOT CAST(:multi_team AS boolean) OR t.team_name IS NOT DISTINCT FROM CAST(:team AS text))
   AND (coalesce(task.deferred, false)
        OR i.error IS NULL AND EXISTS (SELECT 1 FROM asset_watcher aw WHERE aw.trigger_id = t.id)
        OR i.error IS NULL AND EXISTS (SELECT 1 FROM callback c WHERE c.trigger_id = t.id));
@@ -282,7 +284,8 @@ SELECT s.xmin::text AS xmin,
         JOIN trigger t ON t.id = c.trigger_id
         LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = c.trigger_id
         WHERE c.created AND c.xid >= CAST(:after_xid AS xid8) AND i.trigger_id IS NULL
-          AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))) AS unhashed
+          AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+          AND (NOT CAST(:multi_team AS boolean) OR t.team_name IS NOT DISTINCT FROM CAST(:team AS text))) AS unhashed
 FROM s;
 
 -- name: sweep_position
@@ -294,6 +297,7 @@ SELECT s.xmin::text AS xmin,
         LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id
         WHERE i.trigger_id IS NULL
           AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+          AND (NOT CAST(:multi_team AS boolean) OR t.team_name IS NOT DISTINCT FROM CAST(:team AS text))
           AND NOT EXISTS (SELECT 1 FROM smart_triggerer.trigger_change c
                           WHERE c.trigger_id = t.id AND c.created AND c.xid >= s.xmin)) AS unhashed
 FROM s;
@@ -366,6 +370,7 @@ WITH due AS (
     JOIN trigger t ON t.id = ti.trigger_id
     WHERE ti.state = 'deferred' AND ti.trigger_timeout < clock_timestamp() AND i.shard = ANY(:shards)
       AND ((:queues)::text[] IS NULL AND t.queue IS NULL OR t.queue = ANY((:queues)::text[]))
+      AND (NOT CAST(:multi_team AS boolean) OR t.team_name IS NOT DISTINCT FROM CAST(:team AS text))
       -- its event came in time and is held (released before the deadline): not a time-out
       AND NOT EXISTS (SELECT 1 FROM smart_triggerer.held_event h WHERE h.trigger_id = ti.trigger_id)
     ORDER BY ti.id

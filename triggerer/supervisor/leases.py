@@ -18,7 +18,7 @@ from triggerer.db_errors import cause, is_transient
 from triggerer.notices import MembershipNotices
 from triggerer.placement import Candidate, place
 from triggerer.rendezvous import Member, assign, shards_of
-from triggerer.store import PLACEMENT, LiveMember, Store
+from triggerer.store import PLACEMENT, LiveMember, Store, split_space
 from triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
@@ -69,14 +69,16 @@ class Leases(SupervisorState):
             store.notify_membership(self.job_id, self.queues_key)
 
     def _refuse_overlapping_queues(self, store: Store) -> None:
-        """Queue sets own separate shard spaces: two sets that share a queue would both run its triggers."""
+        """Queue sets own separate shard spaces: two sets of one team that share a queue would both run its
+        triggers (each team has spaces of its own)."""
         mine = set(self.queues or ())
         for other in store.live_queue_sets(self.settings.lease_seconds):
-            theirs = {q for q in other.split(",") if q}
-            if theirs != mine and theirs & mine:
+            theirs, team = split_space(other)
+            if team == self.team_name and theirs != mine and theirs & mine:
                 raise ConfigError(
-                    f"--queues {','.join(sorted(mine))} overlaps a live instance's --queues {other}: "
-                    "instances must serve either the same queue set or disjoint ones"
+                    f"--queues {','.join(sorted(mine))} overlaps a live instance's --queues "
+                    f"{','.join(sorted(theirs))}: instances must serve either the same queue set or "
+                    "disjoint ones"
                 )
 
     def _guard_leases(self) -> None:

@@ -28,7 +28,7 @@ from triggerer.groups import Group, Groups
 from triggerer.heap import OlderHeld
 from triggerer.log_uploads import LogUploads
 from triggerer.notices import MembershipNotices
-from triggerer.store import Store
+from triggerer.store import RowScope, Store, multi_team_enabled, space_key
 from triggerer.trigger_logs import LogFilePool, open_files_allowed
 from triggerer.waker import Waker
 
@@ -69,6 +69,7 @@ class Stall:
 @attrs.define(kw_only=True)
 class SupervisorState(TriggerRunnerSupervisor):
     settings: Settings = attrs.field(factory=Settings.from_airflow)
+    multi_team: bool = attrs.field(factory=multi_team_enabled)
     health_url: str | None = None
 
     groups: Groups = attrs.field(factory=Groups, init=False)
@@ -193,11 +194,14 @@ class SupervisorState(TriggerRunnerSupervisor):
 
     @property
     def queues_key(self) -> str | None:
-        return ",".join(sorted(self.queues)) if self.queues else None
+        """This instance's shard space: its queue set, and its team (each team its own space, as each
+        queue set)."""
+        return space_key(self.queues, self.team_name)
 
     @property
-    def queue_list(self) -> list[str] | None:
-        return sorted(self.queues) if self.queues else None
+    def queue_list(self) -> RowScope:
+        """Which trigger rows it runs (Airflow's filters: queues, and the team with ``[core] multi_team``)."""
+        return RowScope(tuple(sorted(self.queues)) if self.queues else None, self.team_name, self.multi_team)
 
     def _db_step(self, name: str, step: Callable[[], None]) -> bool:
         """A step that fails must not stop the service: an outage is logged once, any other error when
