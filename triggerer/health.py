@@ -54,6 +54,9 @@ METRICS = (
      "1 while this instance takes new shards, 0 while it sheds (lag or memory over its limit)", "accepting"),
     ("smart_triggerer_fleet_full", "gauge",
      "1 while every instance is at its capacity or limits (instances keep what they run)", "fleet_full"),
+    ("smart_triggerer_waiting_for_room", "gauge",
+     "Identity groups this instance holds but does not run: it is at its capacity (they start, most "
+     "urgent first, as room frees or an instance joins)", "waiting_for_room"),
     ("smart_triggerer_task_state_requests_total", "counter",
      "Task-state questions the triggers asked Airflow (GetTaskStates, GetDRCount; coalesced: one per tick "
      "for the waits on one DAG run)", "task_state_requests_total"),

@@ -2,10 +2,11 @@
 
 Two ways to wedge it: a trigger that calls ``time.sleep`` in its coroutine (the whole event loop waits
 in it), and SIGSTOP of the runner process alone (its supervisor goes on). Either way the instance must hand
-every shard over within ``runner_stall_seconds`` plus a lease, also when every instance is full, say why on
-``/health`` (503), and take shards again once its runner answers. What is checked is what the database
-holds: each wait's polls (``poll_trail``: the polling process's pid), the leases, and each task resumed
-once (the audit trigger on ``task_instance``).
+every shard over within ``runner_stall_seconds`` plus a lease, also when every instance is full (then the
+peer runs what its capacity allows, most urgent first, and the rest as room frees: capacity is a cap),
+say why on ``/health`` (503), and take shards again once its runner answers. What is checked is what the
+database holds: each wait's polls (``poll_trail``: the polling process's pid), the leases, and each task
+resumed once (the audit trigger on ``task_instance``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from devkit.devstack import AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL
 from tests.helpers.triggers import POLL_TRAIL_DDL
 from tests.helpers.waiting import rows, ti_states, wait_for
-from tests.integration.test_smart_triggerer import LEASE, seed
+from tests.integration.test_smart_triggerer import LEASE, metrics, seed
 
 POLL_TRAIL = "tests.helpers.triggers.PollTrailTrigger"
 STALL = 4.0  # runner_stall_seconds in these tests (the default is three leases)
@@ -74,8 +75,9 @@ def start_fleet(stack: AirflowStack, capacity: int | None, tmp_path: Path) -> tu
          lambda i: {"dsn": dsn, "key": keys[i], "block_flag": str(flag), "poll_interval": 0.5})
     fleet = [stack.start_smart_triggerer(name, capacity=capacity, env=_env())
              for name in ("smart-a", "smart-b")]
-    wait_for(lambda: polling_pids(dsn, db_now(dsn) - 1.5), lambda p: len(p) == WAITS, 90,
-             "every wait polling")
+    running = WAITS if capacity is None else min(WAITS, 2 * capacity)
+    wait_for(lambda: polling_pids(dsn, db_now(dsn) - 1.5), lambda p: len(p) == running, 90,
+             "every wait polling (each instance within its capacity)")
     for instance in fleet:  # both run some, so that either may be the victim
         runner = runner_of(instance)
         wait_for(lambda: runs_some(dsn, runner), bool, 60, f"{instance.name} runs waits")  # noqa: B023
@@ -88,23 +90,43 @@ def _env() -> dict[str, str]:
     return {**ENV, "AIRFLOW__SMART_TRIGGERER__RUNNER_STALL_SECONDS": str(STALL)}
 
 
-def check_handed_over(dsn: str, victim: Component, peer: Component, wedged_at: float) -> None:
-    """Every wait polls on the peer within the stall threshold plus a lease of the wedge, the victim's
-    /health says why, and it holds no lease."""
+def check_handed_over(dsn: str, victim: Component, peer: Component, wedged_at: float,
+                      capacity: int | None = None) -> None:
+    """Within the stall threshold plus a lease of the wedge, the peer leases every shard and holds every
+    wait, and every wait polls on it (when the fleet is full: the peer, at its capacity already, holds
+    the victim's waits and runs them as room frees); the victim's /health says why."""
     peer_pid = runner_of(peer).pid
+    peer_url = peer.health_url(30)
     limit = STALL + LEASE + 1.0  # one loop of slack for the peer's claim and the first poll
-    found = wait_for(lambda: polling_pids(dsn, wedged_at), lambda p: all(peer_pid in p.get(f"w{i}", ())
-                                                                           for i in range(WAITS)),
-                     limit + 20, "every wait polling on the peer")
-    first = dict(rows(dsn, "SELECT key, extract(epoch FROM min(at)) FROM poll_trail "
-                           "WHERE pid = %s AND at > to_timestamp(%s) GROUP BY key", peer_pid, wedged_at))
-    late = {key: round(float(at) - wedged_at, 1) for key, at in first.items()
-            if float(at) - wedged_at > limit}
-    assert not late and len(found) == WAITS, f"polled again later than {limit} s after the wedge: {late}"
+    try:
+        wait_for(lambda: metrics(peer_url)["smart_triggerer_waiters"], lambda n: n == WAITS, limit + 20,
+                 "the peer holds every wait")
+    except AssertionError as err:  # say where each wait is: its shard, the lease owner, its task state
+        dump = rows(dsn, "SELECT t.id, i.shard, l.owner_job_id, ti.state, ti.map_index FROM trigger t "
+                         "JOIN task_instance ti ON ti.trigger_id = t.id "
+                         "LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
+                         "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY t.id")
+        raise AssertionError(f"{err}; {dump}; {metrics(peer_url)}") from err
+    took = db_now(dsn) - wedged_at
+    assert took <= limit, f"the peer held every wait {took:.1f} s after the wedge (limit {limit} s)"
+    leases = rows(dsn, "SELECT shard, owner_job_id, expires_at > clock_timestamp() FROM "
+                       "smart_triggerer.shard_lease ORDER BY shard")
+    assert {owner for _, owner, live in leases if live} == {health(peer)[1]["job_id"]}, leases
+    if capacity is None:
+        wait_for(lambda: polling_pids(dsn, wedged_at),
+                 lambda p: all(peer_pid in p.get(f"w{i}", ()) for i in range(WAITS)), limit + 20,
+                 "every wait polling on the peer")
+        first = dict(rows(dsn, "SELECT key, extract(epoch FROM min(at)) FROM poll_trail WHERE pid = %s "
+                               "AND at > to_timestamp(%s) GROUP BY key", peer_pid, wedged_at))
+        late = {key: round(float(at) - wedged_at, 1) for key, at in first.items()
+                if float(at) - wedged_at > limit}
+        assert not late and len(first) == WAITS, f"polled again later than {limit} s: {late}, {first}"
+    else:
+        held = metrics(peer_url)
+        assert held["smart_triggerer_coroutines"] <= capacity, held
+        assert held["smart_triggerer_waiting_for_room"] == WAITS - capacity, held
     status, body = health(victim)
     assert status == 503 and "has not answered" in str(body["runner_stalled"]), body
-    assert rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s "
-                     "AND expires_at > clock_timestamp()", body["job_id"]) == [(0,)]
 
 
 def check_back_and_resumed_once(dsn: str, victim: Component, dag_id: str) -> None:
@@ -128,7 +150,7 @@ def victim_of(fleet: list[Component], pid: int) -> tuple[Component, Component]:
     return victim, next(i for i in fleet if i is not victim)
 
 
-@pytest.mark.parametrize("capacity", [None, 4], ids=["room", "fleet-full"])
+@pytest.mark.parametrize("capacity", [None, 5], ids=["room", "fleet-full"])
 def test_a_trigger_blocking_the_loop_hands_every_wait_to_a_peer(trail: AirflowStack, tmp_path: Path,
                                                                capacity: int | None) -> None:
     dsn = trail.config.database_dsn
@@ -139,7 +161,7 @@ def test_a_trigger_blocking_the_loop_hands_every_wait_to_a_peer(trail: AirflowSt
     taken = Path(f"{flag}.taken")
     pid = wait_for(lambda: taken.exists() and taken.read_text(), bool, 30, "a coroutine blocks its loop")
     victim, peer = victim_of(fleet, int(pid))
-    check_handed_over(dsn, victim, peer, wedged_at)
+    check_handed_over(dsn, victim, peer, wedged_at, capacity)
     named = victim.wait_for_log("event loop is blocked")
     assert "holder_trigger_id=" in named and "holder_task=" in named, named
     Path(f"{flag}.end").write_text("end")  # the blocking call returns: the runner answers again

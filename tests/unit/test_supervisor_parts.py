@@ -164,6 +164,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor.groups, supervisor.collector = Groups(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
     supervisor.log_pool = SimpleNamespace(holding=False)
+    supervisor.capacity = 10 * FREEZE_FROM
     thresholds = gc.get_threshold()
     try:
         for member in range(FREEZE_FROM):

@@ -143,12 +143,16 @@ class LoadFilters(SupervisorState):
         log.warning(message, reason=reason, groups=groups, limit=self.limit_groups)
 
     def _note_fleet(self, full: bool) -> None:
-        """Say once when the fleet became full (every instance at its capacity or limits) and once when it
-        no longer is; while full, shards stay where they run and none is left without an instance."""
+        """Say once when the fleet became full (every instance at its capacity or limits, or this one has
+        waits beyond its capacity) and once when it no longer is; while full, shards stay where they run,
+        none is left without an instance, and no instance runs more than its capacity: the waits beyond
+        it stay deferred and start, most urgent first, as room frees or an instance joins."""
+        full = full or self._waiting_for_room() > 0
         if full and not self.fleet_full:
-            log.warning("the fleet is full: every instance is at its capacity or limits; instances keep "
-                        "what they run and take shards over their capacity rather than leave a wait "
-                        "without one (add an instance or raise --capacity)")
+            log.warning("the fleet is full: every instance is at its capacity or limits; waits beyond "
+                        "capacity stay deferred and start, most urgent first, as room frees or an instance "
+                        "joins (add an instance or raise --capacity)",
+                        waiting_for_room=self._waiting_for_room())
         elif self.fleet_full and not full:
             log.info("the fleet has room again")
         self.fleet_full = full
@@ -156,7 +160,8 @@ class LoadFilters(SupervisorState):
     def _load_counters(self) -> dict[str, object]:
         return {"lag_p99_ms": round(self.lag_p99_ms, 1), "rss_mb": self.rss_mb,
                 "accepting": self.shedding is None, "limit_groups": self.limit_groups,
-                "shedding": self.shedding, "fleet_full": self.fleet_full}
+                "shedding": self.shedding, "fleet_full": self.fleet_full,
+                "waiting_for_room": self._waiting_for_room()}
 
 
 def _tree_rss_mb() -> int:

@@ -90,7 +90,7 @@ class GroupStarting(SupervisorState):
         self._pace_log_files()  # before the first batch goes out: its lines come back between batches
         deadline = time.monotonic() + self._busy_budget()
         while not self.stop:
-            for group in self._next_to_start(self.settings.max_new_per_loop):
+            for group in self._next_to_start(min(self.settings.max_new_per_loop, self._room())):
                 self.groups.start(group)
             self.build_backlog = self._request_started()
             if not self._start_backlog() or time.monotonic() >= deadline:
@@ -209,14 +209,16 @@ class GroupStarting(SupervisorState):
         self.collector.update(len(self.groups.unstarted), starting)
 
     def _start_backlog(self) -> bool:
-        """Groups wait for a coroutine, or started groups for their workload to be built."""
-        return bool(self.groups.unstarted) or self.build_backlog
+        """Groups wait for a coroutine (with room for one), or started groups for their workload."""
+        return (bool(self.groups.unstarted) and self._room() > 0) or self.build_backlog
 
     def _next_to_start(self, count: int) -> list[Group]:
         """Up to ``count`` waiting groups, most urgent first. The order is sorted again only when a group
         came to wait since (``Groups.arrivals``) or it ran out: a takeover of tens of thousands starts
         them over many calls, and sorting them all again in each was a sixteenth of the supervisor's
         CPU. Groups started or gone meanwhile are passed over."""
+        if count <= 0:
+            return []
         if self.start_order_arrivals != self.groups.arrivals or not self.start_order:
             self.start_order = self._by_urgency() if self.groups.unstarted else []
             self.start_order_arrivals = self.groups.arrivals

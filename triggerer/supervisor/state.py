@@ -280,6 +280,15 @@ class SupervisorState(TriggerRunnerSupervisor):
     def _task_members(self, members: Iterable[int]) -> list[int]:
         return [m for m in members if self._is_task(m)]
 
+    def _room(self) -> int:
+        """Coroutines this instance may still start: capacity is a cap, as in Airflow's triggerer, also
+        when the whole fleet is full (then the rest wait, deferred, most urgent first, for room)."""
+        return max(0, self.capacity - len(self.groups.runners))
+
+    def _waiting_for_room(self) -> int:
+        """Groups held but not run: the instance is at its capacity."""
+        return len(self.groups.unstarted) if self._room() == 0 else 0
+
     def _busy_budget(self) -> float:
         """Seconds one call may spend starting groups or hashing rows before the loop goes on."""
         return max(0.25, self.settings.lease_seconds * 0.1)
@@ -336,3 +345,4 @@ class SupervisorState(TriggerRunnerSupervisor):
 
     def _finish_leaving(self) -> None:
         raise NotImplementedError  # implemented by a part
+
