@@ -28,9 +28,9 @@ def _port(value: str) -> int:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=_positive_int, default=None,
-                        help="the most groups (coroutines) the instance runs while another instance has "
-                             "room, and its weight in shard placement; when every instance is full they "
-                             "keep what they run and say so (default: [triggerer] capacity)")
+                        help="the most groups (coroutines) the instance runs, and its weight in shard "
+                             "placement; when every instance is full, the waits beyond it stay deferred "
+                             "and start as room frees (default: [triggerer] capacity)")
     parser.add_argument("--health-port", type=_port, default=None,
                         help="serve GET /health and /metrics on PORT; 0 picks a free port and logs it "
                              "(default: [smart_triggerer] health_port, unset = no endpoint)")

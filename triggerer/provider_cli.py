@@ -11,7 +11,7 @@ def get_cli_commands() -> list[Any]:
     verbose = Arg(("-v", "--verbose"), action="store_true", help="on an error, print the traceback too")
     run_args = (
         Arg(("--capacity",), type=int, default=None,
-            help="weight in shard placement; does not cap the triggers run"),
+            help="the most groups (coroutines) the instance runs; its weight in shard placement"),
         Arg(("--health-port",), type=int, default=None,
             help="serve GET /health and /metrics on PORT (0 picks a free port)"),
         Arg(("--health-host",), default=None,
