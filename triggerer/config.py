@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -10,6 +11,7 @@ from typing import TypeVar
 from commandline.errors import UserError
 
 T = TypeVar("T")
+_CLASSPATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 EVENT_LOOPS = ("uvloop", "asyncio")
 
 
@@ -100,6 +102,13 @@ class Settings:
             raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
                               f"got {self.event_loop!r}")
         self._check_placement()
+        self._check_classpaths()
+
+    def _check_classpaths(self) -> None:
+        for classpath in self.dedup_classpaths:
+            if not _CLASSPATH.fullmatch(classpath):
+                raise ConfigError(f"[smart_triggerer] dedup_classpaths: {classpath!r} is not a trigger's "
+                                  "dotted classpath (module.Class, comma separated)")
 
     def _check_placement(self) -> None:
         if not 0 < self.placement_epsilon <= 10:

@@ -19,6 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from commandline.errors import ExitCode, UserError
+from triggerer.config import ConfigError
 from triggerer.notices import CHANNEL, notice_payload
 from triggerer.placement import Candidate
 
@@ -225,10 +226,24 @@ class Store:
     # --- membership and leases ---
 
     def register(self, job_id: int, hostname: str, capacity: int, queues: str | None, *,
-                 health_url: str | None, shards: int) -> None:
+                 health_url: str | None, shards: int, lease_seconds: float | None = None) -> None:
         self._run("create_shards", shards=shards, queues=queues or "")
         self._run("register_instance", job_id=job_id, hostname=hostname, capacity=capacity,
-                  queues=queues, health_url=health_url, placement=PLACEMENT)
+                  queues=queues, health_url=health_url, placement=PLACEMENT, lease_seconds=lease_seconds)
+
+    def refuse_other_leases(self, job_id: int, lease_seconds: float) -> None:
+        """A fleet must agree on ``lease_seconds``: peers judge each other's membership by their own, so a
+        crashed instance of a longer lease is taken over only after it, and one of a shorter lease loses
+        its shards to peers that think it alive."""
+        others = self._run("other_leases", job_id=job_id, lease_seconds=lease_seconds).all()
+        if others:
+            theirs = ", ".join(sorted({f"{float(r.lease_seconds):g}" for r in others}))
+            who = ", ".join(f"{r.hostname} job {r.job_id}" for r in others)
+            raise ConfigError(
+                f"[smart_triggerer] lease_seconds is {lease_seconds:g} here but {theirs} on the live "
+                f"instances ({who}): a fleet must agree; set the same value, or change it on every instance "
+                "in one restart"
+            )
 
     def live_queue_sets(self, lease_seconds: float) -> list[str]:
         """The ``--queues`` sets of live instances ('' for none)."""

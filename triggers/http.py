@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from yarl import URL
 
 from triggers.connections import CONNECTION_PATIENCE, aextra_dejson, aget_connection
 from triggers.identity import DedupableTrigger
@@ -84,6 +85,22 @@ async def http_target(conn_id: str, *, patience: float = 0.0) -> HttpTarget:
     return HttpTarget(base_url=host.rstrip("/"), auth=auth, headers=dict(headers))
 
 
+# what a host name may hold once IDNA-encoded (an IPv6 literal's colons and a zone's % included)
+_HOST = re.compile(r"[A-Za-z0-9.\-_:%]+")
+
+
+def refuse_unresolvable(url: str) -> None:
+    """A host no resolver can ever answer for (spaces, no host at all) fails the wait at once with the
+    cause, not as a DNS error retried until the task's timeout."""
+    try:
+        raw_host = URL(url).raw_host
+    except ValueError as err:
+        raise SourceError(f"invalid URL {url!r}: {err}") from err
+    if not raw_host or not _HOST.fullmatch(raw_host):
+        raise SourceError(f"invalid URL {url!r}: its host {raw_host or ''!r} can never resolve (fix the "
+                          "connection's host)")
+
+
 def json_value(document: Any, path: str) -> Any:
     """``a.b.0.c`` into nested objects and lists; a missing step gives None."""
     for step in path.split("."):
@@ -122,6 +139,7 @@ class HttpCondition:
         """Through the triggerer's shared session, or through ``session`` (a worker's poke, on a loop of
         its own)."""
         url = f"{target.base_url}/{self.endpoint.lstrip('/')}"
+        refuse_unresolvable(url)
         request = session.request if session is not None else shared_request
         try:
             # aiohttp builds the request lazily: an invalid URL is raised entering the block, not above

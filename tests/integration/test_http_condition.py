@@ -67,11 +67,14 @@ async def test_an_unexpected_4xx_fails_with_the_cause(server: ControlledServer) 
 
 
 @pytest.mark.parametrize("connection", ['{"conn_type": "http", "host": "127.0.0.1", "port": 99999}',
-                                        '{"conn_type": "http", "host": "http://[::1"}'])
+                                        '{"conn_type": "http", "host": "http://[::1"}',
+                                        '{"conn_type": "http", "host": "jobs api.example.com"}',
+                                        '{"conn_type": "http", "host": "http://"}'])
 async def test_an_invalid_url_fails_with_the_cause(monkeypatch: pytest.MonkeyPatch, connection: str) -> None:
     """aiohttp builds a request lazily: the invalid URL is raised entering it, and must end the wait."""
     monkeypatch.setenv("AIRFLOW_CONN_BROKEN", connection)
-    event = await first_event(HttpConditionTrigger("broken", "/x", poll_interval=0.1))
+    # at once (one poll interval would be 0.1 s): a host that can never resolve is not a DNS error to retry
+    event = await first_event(HttpConditionTrigger("broken", "/x", poll_interval=0.1), timeout=5)
     assert event["status"] == "error" and "invalid URL" in event["message"], event
 
 

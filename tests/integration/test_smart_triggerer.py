@@ -370,6 +370,17 @@ def test_overlapping_queue_sets_are_refused(stack: AirflowStack) -> None:
     assert "overlaps a live instance's --queues a,b" in second.log_tail()
 
 
+def test_an_instance_with_another_lease_is_refused_naming_both(stack: AirflowStack) -> None:
+    """Peers judge each other's membership by their own lease: a fleet must agree on lease_seconds."""
+    first = start(stack, "smart-8")
+    health_url(first)
+    second = start(stack, "smart-30", LEASE_SECONDS="30")
+    assert second.process is not None and second.process.wait(60) == 2
+    said = [line for line in second.log_tail().splitlines() if "lease_seconds is 30 here" in line]
+    assert len(said) == 1 and f"but {LEASE:g} on the live instances" in said[0], second.log_tail()
+    assert first.running()
+
+
 def test_the_supervisor_never_imports_trigger_code(stack: AirflowStack, tmp_path: Path) -> None:
     """Issue 11.8: identities come from the serialized kwargs; only the runner subprocess imports."""
     marker = tmp_path / "imports"

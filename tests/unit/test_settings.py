@@ -104,3 +104,16 @@ def same_default(written: str, declared: str) -> bool:
         return float(written) == float(declared)
     except ValueError:
         return written == declared
+
+
+@pytest.mark.parametrize("value", ["garbage!!", "NotDotted", "a..b", "mod.Class, 7up.Trigger"])
+def test_dedup_classpaths_that_are_not_classpaths_are_refused_by_name(monkeypatch: pytest.MonkeyPatch,
+                                                                     value: str) -> None:
+    monkeypatch.setenv("AIRFLOW__SMART_TRIGGERER__DEDUP_CLASSPATHS", value)
+    with pytest.raises(ConfigError, match=r"dedup_classpaths: '.*' is not a trigger's dotted classpath"):
+        Settings.from_airflow()
+
+
+def test_dedup_classpaths_of_dotted_names_are_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW__SMART_TRIGGERER__DEDUP_CLASSPATHS", "my_pkg.triggers.Wait, other.T")
+    assert Settings.from_airflow().dedup_classpaths == ("my_pkg.triggers.Wait", "other.T")

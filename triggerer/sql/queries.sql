@@ -32,12 +32,21 @@ ON CONFLICT (queues, shard) DO NOTHING;
 -- name: register_instance
 -- Joins the membership (a restarted job id starts afresh). feed_xmin: from here on the change feed is kept
 -- for this instance (it reads everything before that once, when it starts).
-INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url, feed_xmin, placement)
+INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, health_url, feed_xmin, placement,
+                                      lease_seconds)
 VALUES (:job_id, :hostname, :capacity, :queues, :health_url, pg_snapshot_xmin(pg_current_snapshot()),
-        :placement)
+        :placement, :lease_seconds)
 ON CONFLICT (job_id) DO UPDATE SET hostname = EXCLUDED.hostname, capacity = EXCLUDED.capacity,
     queues = EXCLUDED.queues, health_url = EXCLUDED.health_url, heartbeat_at = now(), stopped_at = NULL,
-    feed_xmin = EXCLUDED.feed_xmin, placement = EXCLUDED.placement;
+    feed_xmin = EXCLUDED.feed_xmin, placement = EXCLUDED.placement, lease_seconds = EXCLUDED.lease_seconds;
+
+-- name: other_leases
+-- Live instances (by the longer of the two leases) whose lease_seconds differs from :lease_seconds.
+SELECT job_id, hostname, lease_seconds FROM smart_triggerer.instance
+WHERE stopped_at IS NULL AND job_id <> :job_id AND lease_seconds IS NOT NULL
+  AND lease_seconds <> :lease_seconds
+  AND heartbeat_at > now() - make_interval(secs => greatest(lease_seconds, :lease_seconds))
+ORDER BY job_id;
 
 -- name: heartbeat_instance
 -- Renews membership on the database clock and publishes this instance's counters. was_live: the membership

@@ -63,8 +63,10 @@ class Leases(SupervisorState):
             store = Store(session)
             store.migrate(self.settings.shards)
             self._refuse_overlapping_queues(store)
+            store.refuse_other_leases(self.job_id, self.settings.lease_seconds)
             store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
-                           health_url=self.health_url, shards=self.settings.shards)
+                           health_url=self.health_url, shards=self.settings.shards,
+                           lease_seconds=self.settings.lease_seconds)
             # peers renew now and hand this one its share
             store.notify_membership(self.job_id, self.queues_key)
 

@@ -83,7 +83,8 @@ class RunnerWatch(Leases):
         with create_session() as session:
             store = Store(session)
             store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
-                           health_url=self.health_url, shards=self.settings.shards)
+                           health_url=self.health_url, shards=self.settings.shards,
+                           lease_seconds=self.settings.lease_seconds)
             store.notify_membership(self.job_id, self.queues_key)
         log.info("the trigger runner answers again; taking shards again",
                  out_for_seconds=round(time.monotonic() - self.stall.since, 1))
