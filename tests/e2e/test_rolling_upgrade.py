@@ -27,6 +27,7 @@ from packaging.specifiers import SpecifierSet
 
 from devkit.devstack import AirflowConfig, AirflowStack, Component
 from tests.e2e.test_release_artifacts import run
+from tests.helpers.chaos.databases import AUDIT_DDL
 from tests.helpers.waiting import rows, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -139,7 +140,8 @@ def states(dsn: str) -> dict[str, tuple[str | None, int]]:
 
 def resumed(dsn: str, tables: range) -> None:
     """Every sensor of these tables leaves DEFERRED within RELEASE_BOUND of its load landing (the triggerer's
-    part: nothing stalled beyond a lease), then ends in success, once (its first try)."""
+    part: nothing stalled beyond a lease), then ends in success, once (its first try, and one write out of
+    DEFERRED in the audit trail)."""
     names = {f"wait_t{n}_{copy}" for n in tables for copy in ("a", "b")}
     wait_for(lambda: states(dsn),
              lambda s: all(s.get(t, (None, 0))[0] not in (None, "deferred") for t in names), RELEASE_BOUND,
@@ -147,6 +149,12 @@ def resumed(dsn: str, tables: range) -> None:
     found = wait_for(lambda: states(dsn), lambda s: all(s.get(t, (None, 0))[0] == "success" for t in names),
                      RESUME_BOUND, f"the sensors of tables {tables.start}-{tables.stop - 1} to succeed")
     assert all(found[t][1] == 1 for t in names), {t: found[t] for t in names}
+    # what the database saw: each task instance written out of DEFERRED once (a double resume by an old
+    # and a new instance would show here even when the second write was absorbed)
+    left = dict(rows(dsn, "SELECT ti.task_id, count(*) FROM chaos.ti_audit a JOIN task_instance ti "
+                          "ON ti.id = a.ti_id WHERE a.op = 'resolved' AND ti.dag_id = 'upgrade' "
+                          "GROUP BY ti.task_id"))
+    assert all(left.get(t) == 1 for t in names), {t: left.get(t) for t in names}
 
 
 def still_waiting(dsn: str, tables: range) -> None:
@@ -190,6 +198,7 @@ def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
     config = airflow_stack.config
     dsn = config.database_dsn
     _execute(pg_db, STATUS_DDL)
+    rows(dsn, AUDIT_DDL + "; SELECT 1")  # every write of a task instance leaving DEFERRED, audited
     config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
     (config.dags_folder / "upgrade.py").write_text(textwrap.dedent(DAG))
     out = subprocess.run([Path(sys.executable).with_name("smart-triggerer"), "--version"],

@@ -304,10 +304,12 @@ def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None
     assert set(supervisor.member_info) == set(seeded.trigger_ids)
 
 
-def lapse(dsn: str, job_id: int) -> None:
-    """As if the instance had not renewed its membership for a minute (paused, cut off)."""
-    rows(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() - interval '1 minute' "
-              "WHERE job_id = %s RETURNING 1", job_id)
+def lapse(dsn: str, job_id: int, lease_seconds: float = 6.0) -> None:
+    """The instance renews nothing (paused: no loop runs) until its membership lapses by the database
+    clock: a real lapse, waited for, not a row written back in time."""
+    wait_for(lambda: rows(dsn, "SELECT heartbeat_at < now() - make_interval(secs => %s) FROM "
+                               "smart_triggerer.instance WHERE job_id = %s", lease_seconds, job_id),
+             lambda r: r == [(True,)], 3 * lease_seconds, "its membership lapsed")
 
 
 def feed_triggers(dsn: str) -> int:

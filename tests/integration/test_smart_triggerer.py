@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from devkit.devstack import AirflowStack, Component
+from tests.helpers.chaos.databases import AUDIT_DDL
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.shards import keys_per_shard
 from tests.helpers.triggers import KillMarkerTrigger
@@ -37,6 +39,9 @@ ENV = {
     "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(LEASE),
     # Seeded waiters deferred "just now"; the race guard is tested on its own in e2e.
     "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+    # --capacity is a cap (as in Airflow): sized for the largest test's waits on one instance, as a user
+    # sizes it for a fleet's; the capacity tests pass their own
+    "AIRFLOW__TRIGGERER__CAPACITY": "10000",
 }
 
 
@@ -192,10 +197,11 @@ def _job_of(url: str) -> int:
 
 @pytest.mark.alone  # asserts a time bound (2.3 s after a SIGTERM): no other test's stack beside it
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str) -> None:
+def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str, tmp_path: Path) -> None:
     dsn = stack.config.database_dsn
-    moments = [in_seconds(600 + k) for k in range(8)]
-    seeded = seed(stack, 40, AT_TIME, lambda i: {"moment": moments[i % 8]})
+    rows(dsn, AUDIT_DDL + "; SELECT 1")  # every write of a task instance leaving DEFERRED
+    flag = tmp_path / "go"
+    seeded = seed(stack, 40, FLAG_FILE, lambda i: {"key": f"k{i % 8}", "flag": str(flag)})
     components = [start(stack, f"smart-{n}") for n in range(3)]
     urls = [health_url(c) for c in components]
     jobs = [_job_of(u) for u in urls]
@@ -219,6 +225,13 @@ def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str) -
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
     if how == "SIGTERM":
         assert victim.process is not None and victim.process.wait(15) == 0
+    # the waits resume after the takeover, each task written out of DEFERRED once
+    flag.touch()
+    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
+             "every wait resumed by the survivors")
+    resolved = Counter(ti for ti, op in rows(dsn, "SELECT ti_id::text, op FROM chaos.ti_audit "
+                                                  "WHERE op = 'resolved'"))
+    assert len(resolved) == 40 and set(resolved.values()) == {1}, resolved
 
 
 def test_database_outage_is_survived_without_restart(stack: AirflowStack) -> None:

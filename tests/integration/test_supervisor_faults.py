@@ -233,6 +233,8 @@ def test_an_expired_lease_of_its_own_is_no_licence_either(env: AirflowConfig) ->
     seeded = seed(env, 2)
     load(supervisor)
     runner = runner_of(supervisor, seeded)
+    # the database clock past the lease while this instance's own clock says it renewed a moment ago (a
+    # stepped clock): a real pause would renew first (handle_events guards the leases), so the row is set
     rows(dsn, "UPDATE smart_triggerer.shard_lease SET expires_at = now() - interval '1 second' RETURNING 1")
     supervisor.events.append(event_entry(runner, {"moment": LATER}))
     supervisor.handle_events()

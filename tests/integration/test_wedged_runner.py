@@ -75,9 +75,16 @@ def start_fleet(stack: AirflowStack, capacity: int | None, tmp_path: Path) -> tu
          lambda i: {"dsn": dsn, "key": keys[i], "block_flag": str(flag), "poll_interval": 0.5})
     fleet = [stack.start_smart_triggerer(name, capacity=capacity, env=_env())
              for name in ("smart-a", "smart-b")]
-    running = WAITS if capacity is None else min(WAITS, 2 * capacity)
-    wait_for(lambda: polling_pids(dsn, db_now(dsn) - 1.5), lambda p: len(p) == running, 90,
-             "every wait polling (each instance within its capacity)")
+    urls = [instance.health_url(30) for instance in fleet]
+
+    def polling_and_runnable() -> tuple[int, int, int]:
+        """Waits polling now, waits the instances hold, and those their capacities let them run."""
+        held = [int(metrics(url)["smart_triggerer_waiters"]) for url in urls]
+        runnable = sum(held) if capacity is None else sum(min(h, capacity) for h in held)
+        return len(polling_pids(dsn, db_now(dsn) - 1.5)), sum(held), runnable
+
+    wait_for(polling_and_runnable, lambda r: r[1] == WAITS and r[0] == r[2], 90,
+             "every wait held, and polling where its instance has room")
     for instance in fleet:  # both run some, so that either may be the victim
         runner = runner_of(instance)
         wait_for(lambda: runs_some(dsn, runner), bool, 60, f"{instance.name} runs waits")  # noqa: B023

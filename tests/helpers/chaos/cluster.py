@@ -82,7 +82,9 @@ class Cluster:
         name = slot if self.generation[slot] == 1 else f"{slot}.{self.generation[slot]}"
         proxy = self.proxies.get(slot)
         through = re.sub(r"@127\.0\.0\.1:\d+/", f"@127.0.0.1:{proxy.port}/", self.dsn)
-        env = {"PGAPPNAME": name, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through)}
+        env = {"PGAPPNAME": name, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through),
+               # capacity is a cap: the survivors of a fault must have room for every wait
+               "AIRFLOW__TRIGGERER__CAPACITY": "100000"}
         component = self.stack.start_smart_triggerer(name, env=env)
         self.slots[slot] = component
         self.down.discard(slot)
