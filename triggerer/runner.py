@@ -658,12 +658,25 @@ class SmartTriggerRunner(TriggerRunner):
         leases; an event of a source that hands it out once would be lost with the process. Bounded: the
         supervisor may be gone."""
         reader = self.comms_decoder._reader_task
-        if not self.events or reader is None or reader.done():
+        if reader is None or reader.done():
             return
         with suppress(Exception):
             async with asyncio.timeout(FINAL_SYNC_SECONDS):
+                await self._end_coroutines()
+                if not self.events:
+                    return
                 await self._asked_ahead()
                 await self.sync_state_to_supervisor(await self.cleanup_finished_triggers())
+
+    async def _end_coroutines(self) -> None:
+        """Every coroutine ended before the last sync, not after it: one that fires while the loop is torn
+        down (a message it took a moment ago) would have its event die with the process. Cancelled as in a
+        handover (no ``on_kill``): the task is not over, its next owner runs it again."""
+        tasks = [details["task"] for details in self.triggers.values() if not details["task"].done()]
+        for task in tasks:
+            task.cancel(HANDOVER_CANCEL_MSG)
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _end_run(self) -> None:
         """Airflow's end of ``arun``, and the question asked ahead left unanswered."""

@@ -139,11 +139,13 @@ class ConsumeOnceTrigger(DedupableTrigger, BaseTrigger):
                 taken = await conn.fetchval("DELETE FROM consumable WHERE key = $1 RETURNING payload",
                                             self.key)
                 if taken is not None:
-                    break
+                    # yielded before any other await: a cancel (a handover, a stop) can no longer come
+                    # between the take and the event, as a trigger of a consuming source must be written
+                    yield TriggerEvent({"key": self.key, "payload": taken})
+                    return
                 await asyncio.sleep(self.poll_interval)
         finally:
-            await conn.close()
-        yield TriggerEvent({"key": self.key, "payload": taken})
+            conn.terminate()  # no round trip: the event is out already
 
 
 # PollTrailTrigger's trail of polls (which process polled which key, when) and what releases its waits
