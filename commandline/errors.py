@@ -25,6 +25,7 @@ class ExitCode(IntEnum):
     DATABASE_PRIVILEGE = 6  # the database role lacks a privilege (e.g. CREATE on the database)
     AIRFLOW_UNSUPPORTED = 7  # the installed Airflow is outside the range this release is tested with
     SCHEMA_TOO_NEW = 8  # a newer release changed the smart_triggerer schema in a way this one cannot run on
+    AIRFLOW_NOT_MIGRATED = 9  # `airflow db migrate` never ran on the metadata database
 
 
 class UserError(Exception):
@@ -43,6 +44,10 @@ class DatabaseUnreachable(UserError):
 
 class UnsupportedAirflow(UserError):
     exit_code = ExitCode.AIRFLOW_UNSUPPORTED
+
+
+class AirflowNotMigrated(UserError):
+    exit_code = ExitCode.AIRFLOW_NOT_MIGRATED
 
 
 def supported_airflow() -> str:
@@ -94,6 +99,22 @@ def require_postgres() -> None:
             "bridge need PostgreSQL: set [database] sql_alchemy_conn (AIRFLOW__DATABASE__SQL_ALCHEMY_CONN) "
             "to a postgresql:// URL"
         )
+
+
+def require_migrated() -> None:
+    """Refuse a metadata database ``airflow db migrate`` never ran on: every command reads Airflow's
+    tables, and the first query's error was a traceback of a hundred lines."""
+    from airflow.utils.session import create_session
+    from sqlalchemy import text
+
+    with create_session() as session:
+        found = session.execute(text(
+            "SELECT to_regclass('alembic_version') IS NOT NULL AND to_regclass('job') IS NOT NULL "
+            "AND to_regclass('trigger') IS NOT NULL")).scalar()
+    if not found:
+        raise AirflowNotMigrated(
+            "the metadata database has no Airflow tables: run `airflow db migrate` against it first "
+            "([database] sql_alchemy_conn names the database this command uses)")
 
 
 def _chain(err: BaseException) -> Iterator[BaseException]:

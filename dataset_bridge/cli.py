@@ -249,11 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    from commandline.errors import UserError, require_postgres
+    from commandline.errors import UserError, require_migrated, require_postgres
     from dataset_bridge.routes import RoutesError
 
     try:
         require_postgres()
+        require_migrated()
         if args.command in ("relay", "relay-status", "relay-replay"):
             return relay_command(args)
         if args.command == "init":

@@ -142,12 +142,13 @@ def team_of(raw: str | None) -> str | None:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from commandline.errors import require_postgres
+    from commandline.errors import require_migrated, require_postgres
     from triggerer import status
     from triggerer.config import Settings
 
     settings = Settings.from_airflow()
     require_postgres()
+    require_migrated()
     result = status.collect(settings)
     if args.json:
         print(json.dumps(result))

@@ -180,14 +180,15 @@ def _own_threads() -> list[int]:
 
 
 def preflight(settings: Settings, team_name: str | None = None) -> None:
-    """Before anything starts: PostgreSQL, reachable, the deployment's shard count, the team."""
+    """Before anything starts: PostgreSQL, reachable and migrated, the deployment's shard count, the team."""
     from airflow.utils.session import create_session
 
-    from commandline.errors import require_airflow, require_postgres
+    from commandline.errors import require_airflow, require_migrated, require_postgres
     from triggerer.store import Store
 
     require_airflow()
     require_postgres()
+    require_migrated()
     with create_session() as session:
         Store(session).check_shards(settings.shards)
     if team_name is not None:

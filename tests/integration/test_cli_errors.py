@@ -5,13 +5,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from commandline.errors import ExitCode, supported_airflow
 from devkit.devstack import AirflowConfig
-from devkit.pgserver import free_port
+from devkit.pgserver import create_database, drop_database, free_port, plain_dsn, sqlalchemy_url
+from tests.helpers.waiting import rows
 
 BIN = Path(sys.executable).parent
 SMART = str(BIN / "smart-triggerer")
@@ -98,6 +100,26 @@ def test_a_changed_shard_count_is_one_line_with_the_fix(config: AirflowConfig) -
     env = env_with(config, AIRFLOW__SMART_TRIGGERER__SHARDS="16")
     one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.SHARD_COUNT,
              "shards is 16", "created with 32", "AIRFLOW__SMART_TRIGGERER__SHARDS=32")
+
+
+@pytest.fixture
+def unmigrated(config: AirflowConfig) -> Iterator[str]:
+    """An empty database on the same server: ``airflow db migrate`` never ran on it."""
+    name = f"unmigrated_{free_port()}"
+    dsn = create_database(config.database_dsn, name)
+    yield sqlalchemy_url(dsn)
+    drop_database(config.database_dsn, name)
+
+
+@pytest.mark.parametrize("argv", [[SMART, "run", "--skip-serve-logs"], [SMART, "status"], [BRIDGE, "run"],
+                                  [BRIDGE, "status"]])
+def test_a_database_airflow_never_migrated_is_one_line(config: AirflowConfig, unmigrated: str,
+                                                       argv: list[str]) -> None:
+    env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=unmigrated)
+    one_line(run(argv, env), ExitCode.AIRFLOW_NOT_MIGRATED, "has no Airflow tables", "airflow db migrate")
+    tables = rows(plain_dsn(unmigrated), "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN "
+                                         "('pg_catalog', 'information_schema')")
+    assert tables == [(0,)], "nothing was created in a database that is not Airflow's yet"
 
 
 def test_a_mapping_value_that_is_not_a_list_is_refused_when_read(config: AirflowConfig,
