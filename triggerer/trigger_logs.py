@@ -58,6 +58,10 @@ REOPEN_WINDOW_SECONDS = 0.2
 # past this many files waiting, lines of made files are written at once again: the writer is not keeping
 # up (more closed files logging than its budget reopens), and memory must not grow without end
 MAX_WAITING_FILES = 10_000
+# and past this many bytes held (every file's together), too: a takeover's first lines are a few hundred
+# bytes each, but a trigger that logs a lot while its file waits must not grow the supervisor for ever
+MAX_HELD_BYTES = 64 * 2**20
+HELD_CALL_BYTES = 512  # a held logger call, counted as a line of about this size (rendered only later)
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -98,6 +102,7 @@ class LogFilePool:
         self._reopen_window = (-float("inf"), 0.0)  # (start, seconds spent reopening in it)
         self.new_file_held_at = -float("inf")  # when a file not made yet last got its first held line
         self.refused_writes = 0  # writes the file system refused (OSError), every one (a file warns once)
+        self.held_bytes = 0  # of every held line and call (``HELD_CALL_BYTES`` each)
 
     def write_held(self, budget_seconds: float, *, refused_at_most: int | None = None) -> bool:
         """Make held files and write their lines, oldest first, for up to ``budget_seconds`` and, with
@@ -202,6 +207,7 @@ class PooledLogFile:
         self._warned = False
         # lines (bytes) and logger calls not processed yet, in the order they came, while the file is held
         self._held: list[bytes | Callable[[], Any]] = []
+        self._held_bytes = 0
         self._rendering: list[bytes] | None = None  # where lines go while held calls are processed
 
     def open_handle(self) -> BinaryIO:
@@ -248,8 +254,8 @@ class PooledLogFile:
         (``should_wait``: a handover's or a burst's lines, a reopen each, would otherwise stop the loop
         as making them did). The pool's budgeted ``write_held`` writes them, files with news in turn
         with the oldest."""
-        if self.closed or self._pool.exiting:
-            return False
+        if self.closed or self._pool.exiting or self._pool.held_bytes >= MAX_HELD_BYTES:
+            return False  # the write below writes what this file holds first, in order
         if self._opened:
             return bool(self._held) or self._pool.should_wait(self)
         return bool(self._held) or self._pool.holding
@@ -263,6 +269,9 @@ class PooledLogFile:
         if not self._held and not self._opened:
             self._pool.new_file_held_at = time.monotonic()
         self._held.append(item)
+        size = len(item) if isinstance(item, bytes) else HELD_CALL_BYTES
+        self._held_bytes += size
+        self._pool.held_bytes += size
         self._pool.held[self] = None
         if self._opened or not self._pool.holding:  # news after the hold: written before the others
             self._pool.sooner[self] = None
@@ -288,7 +297,7 @@ class PooledLogFile:
 
     def _render_held(self) -> bytes:
         """The held lines, held logger calls processed now (their lines come back through ``write``)."""
-        held, self._held = self._held, []
+        held = self._take_held()
         lines: list[bytes] = []
         self._rendering = lines
         try:
@@ -304,8 +313,14 @@ class PooledLogFile:
             self._rendering = None
         return b"".join(lines)
 
+    def _take_held(self) -> list[bytes | Callable[[], Any]]:
+        held, self._held = self._held, []
+        self._pool.held_bytes -= self._held_bytes
+        self._held_bytes = 0
+        return held
+
     def _dropped(self, err: Exception) -> None:
-        self._held = []
+        self._take_held()
         self._pool.forget_held(self)
         if isinstance(err, OSError):  # the file system refused it (a processor's error is the line's own)
             self._pool.refused_writes += 1

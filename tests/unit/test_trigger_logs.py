@@ -447,3 +447,29 @@ class RefusingClose:
     def close(self) -> None:
         self.handle.close()
         raise OSError(28, "No space left on device")
+
+
+def test_past_the_byte_cap_held_lines_are_written_at_once_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trigger that logs a lot while its file waits (a takeover's hold) must not grow the supervisor
+    without end: past ``MAX_HELD_BYTES`` held in all, a line is written at once, after what its file held."""
+    monkeypatch.setattr(trigger_logs, "MAX_HELD_BYTES", 100)
+    pool = LogFilePool(limit=4)
+    pool.holding = True
+    chatty = PooledLogFile(tmp_path / "chatty.log", pool)
+    quiet = PooledLogFile(tmp_path / "quiet.log", pool)
+    quiet.write(b"starting\n")
+    lines = [f"poll {n:03}\n".encode() for n in range(20)]  # 9 bytes each
+    for line in lines[:10]:
+        chatty.write(line)
+    assert pool.held_bytes == 9 + 90 and not Path(chatty.name).exists()  # under the cap: all held
+    chatty.write(lines[10])  # 108 bytes held: the cap is reached, the next line is not held
+    chatty.write(lines[11])
+    chatty.flush()
+    assert Path(chatty.name).read_bytes() == b"".join(lines[:12])
+    assert pool.held_bytes == 9  # only the quiet file's first line is still held
+    quiet.write(b"completed\n")  # over the cap no more: held as before
+    assert pool.held_bytes == 19 and not Path(quiet.name).exists()
+    pool.holding = False
+    assert not pool.write_held(1.0)
+    assert Path(quiet.name).read_text() == "starting\ncompleted\n" and pool.held_bytes == 0
