@@ -23,8 +23,10 @@ defaults. PgBouncer refuses unknown startup parameters (``options`` before 1.20;
 it does not track): connect the triggerers to PostgreSQL directly (a few connections each), or list these
 settings in PgBouncer's ``track_extra_parameters`` (1.26 and later; earlier versions track only settings
 PostgreSQL reports to its clients); ``ignore_startup_parameters`` would drop them silently.
-The idle limit is lifted for Airflow's workload-building transaction, which locks nothing and may think
-long between two statements (a big DAG to deserialize).
+Building workloads reads rows, then deserializes DAGs between two statements (a big DAG may take longer
+than the idle limit): those sessions run with each statement its own transaction (``each_statement_commits``),
+so that they are never idle inside one and hold no lock on ``trigger`` or ``task_instance`` (not even the
+share lock that a migration's ``ALTER TABLE`` queues behind) past the statement that took it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def bound_waits(lease_seconds: float) -> Callable[..., None] | None:
     event.listen(engine, "do_connect", with_limits)
     engine.dispose()
     return with_limits  # for event.remove
+
+
+def each_statement_commits(session: Any) -> None:
+    """From now on, each statement of this read-only session commits on its own (no transaction spans the
+    thinking between two statements); a session that ran a statement already keeps its transaction (and
+    the connection's limits)."""
+    if not session.in_transaction():
+        session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
 
 
 def _ms(seconds: float) -> int:

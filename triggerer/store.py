@@ -462,10 +462,6 @@ class Store:
             self._run(name)
         return True
 
-    def unbound_idle(self) -> None:
-        """No idle-in-transaction limit for the rest of this transaction (one that takes no lock)."""
-        self._run("unbound_idle")
-
     def claim_triggers(self, job_id: int, ids: Iterable[int]) -> None:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))
 

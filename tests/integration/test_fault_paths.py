@@ -279,6 +279,53 @@ def test_a_slow_workload_build_still_starts_the_group(
     assert {w.id for w in supervisor.creating_triggers} & set(seeded.trigger_ids)
 
 
+@pytest.mark.parametrize("builder", ["one statement per batch", "airflow's"])
+def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
+        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch,
+        builder: str) -> None:
+    """A host frozen while it deserializes a DAG for a workload (between two statements of the build):
+    its session must hold no lock on ``trigger`` or ``task_instance`` meanwhile (a migration's ALTER, and
+    every statement behind it, would queue behind the share lock of a transaction left open) and must not
+    be idle inside a transaction. Checked from another session while the build is stopped there."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from triggerer.supervisor import starting
+
+    dsn = env.database_dsn
+    lease = bounded(4.0)
+    supervisor = make_supervisor(lease_seconds=lease)
+    seed(env, 2)
+    load(supervisor)
+    if builder == "airflow's":
+        monkeypatch.setattr(starting, "log_renderer", lambda: None)
+    original = DagSerialization.from_dict.__func__  # type: ignore[attr-defined]
+    frozen, thawed = threading.Event(), threading.Event()
+
+    def frozen_there(cls: Any, data: dict[str, Any]) -> Any:
+        frozen.set()
+        thawed.wait(60)  # stands for a host stopped while it deserializes
+        return original(cls, data)
+
+    monkeypatch.setattr(DagSerialization, "from_dict", classmethod(frozen_there))
+    build = threading.Thread(target=supervisor._db_step, args=("load", supervisor.load_triggers))
+    build.start()
+    try:
+        assert frozen.wait(60), "the build never reached a DAG to deserialize"
+        ours = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        held = rows(dsn, f"SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                         f"WHERE l.pid IN ({ours}) AND c.relname IN ('trigger', 'task_instance')")
+        idle_in_transaction = rows(dsn, f"SELECT count(*) FROM pg_stat_activity WHERE pid IN ({ours}) "
+                                        "AND starts_with(state, 'idle in transaction')")
+        alter_waits = rows(dsn, "SET lock_timeout = '500ms'; "
+                                "LOCK TABLE task_instance, trigger IN ACCESS EXCLUSIVE MODE; SELECT 1")
+    finally:
+        thawed.set()
+        build.join(60)
+    print(f"\nwhile frozen: locks {held}, idle in transaction {idle_in_transaction}")
+    assert held == [] and idle_in_transaction == [(0,)] and alter_waits == [(1,)]
+    assert supervisor.creating_triggers, "the build went on once the host thawed"
+
+
 def test_the_connection_limits_reach_airflows_engine_only(
         env: AirflowConfig, bounded: Callable[[float], float]) -> None:
     """bound_waits listens on the Engine class: a trigger's or hook's own SQLAlchemy engine (to a user's

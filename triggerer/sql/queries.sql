@@ -439,11 +439,6 @@ WHERE job_id <> :job_id AND stopped_at IS NULL AND feed_xmin IS NOT NULL
 -- running instances' heartbeats too. The instance starting tries the whole migration again instead.
 SET LOCAL lock_timeout = '500ms';
 
--- name: unbound_idle
--- For the rest of this transaction, no idle-in-transaction limit (bounded.py sets one per connection): for
--- a transaction that locks nothing and may think long between statements (building workloads).
-SELECT set_config('idle_in_transaction_session_timeout', '0', true);
-
 -- name: short_lock_timeout
 -- Dropping or creating a trigger on Airflow's tables waits for every open transaction on them, and every
 -- deferral would queue behind it: give up quickly instead (the caller retries or leaves it).

@@ -23,11 +23,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
+from triggerer.bounded import each_statement_commits
 from triggerer.dagbag import OneBuildDagBag
 from triggerer.db_errors import cause, is_outage, is_transient
 from triggerer.groups import Group
 from triggerer.runner import NUDGE_SIGNAL
-from triggerer.store import Store
 from triggerer.supervisor.state import SupervisorState
 from triggerer.trigger_logs import (
     PooledTriggerLoggingFactory,
@@ -335,6 +335,7 @@ class GroupStarting(SupervisorState):
         """Airflow's ``Trigger.bulk_fetch`` without what a workload never reads: it also joins each task
         instance's trigger (the row just read, again) and that trigger's triggerer job, a sixth of a
         takeover's build time at tens of thousands of triggers."""
+        each_statement_commits(session)  # the first statement of Airflow's build session (bounded.py)
         stmt = (select(Trigger).where(Trigger.id.in_(trigger_ids))
                 .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger)))
         return {trigger.id: trigger for trigger in session.scalars(stmt)}
@@ -355,7 +356,7 @@ class GroupStarting(SupervisorState):
         is in neither: another member leads its group (``_next_leader``)."""
         try:
             with create_session() as session:
-                Store(session).unbound_idle()  # deserializing a big DAG may take a while (see below)
+                each_statement_commits(session)  # deserializing a big DAG may take a while (bounded.py)
                 rows = task_rows(session, trigger_ids)
                 flags = StartFromTrigger(session, self.dag_cache, DBDagBag()).of(list(rows.values()))
         except Exception as err:
@@ -392,9 +393,6 @@ class GroupStarting(SupervisorState):
         """Airflow's, for the rows ``build_trigger_workloads`` leaves to it."""
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
             self.build_bag = OneBuildDagBag(dag_bag, self.dag_cache)
-            # Airflow's build transaction locks nothing, and deserializing a big DAG may sit longer than
-            # the connection's idle-in-transaction limit (bounded.py) between two statements
-            Store(session).unbound_idle()
         try:
             workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
                                                 session)  # a DBDagBag in all Airflow asks of it
