@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, server: str) -> dict[str, Any]:
                                  extra={"AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS":
                                         json.dumps({"deployment_a": secret}),
                                         "AIRFLOW__DATASET_BRIDGE__INBOX_ALLOWED_ASSETS":
-                                        json.dumps({"deployment_a": [URI]})})
+                                        json.dumps({"deployment_a": [f"uri:{URI}"]})})
         for folder in (config_a.dags_folder, config_b.dags_folder):
             folder.mkdir(parents=True, exist_ok=True)
         stack_b = AirflowStack(config_b)

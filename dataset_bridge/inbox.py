@@ -7,11 +7,16 @@ source name -> shared secret; env ``AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS``) is
 must carry a valid HMAC signature from a known source within the timestamp window (``signing.py``).
 
 Each source may create events only for the assets ``[dataset_bridge] inbox_allowed_assets`` lists for it
-(JSON: source -> [asset URI or name, ...], ``"*"`` for any); a source not listed may create none.
+(JSON: source -> ``["uri:<asset URI>", "name:<asset name>", ...]``, ``"*"`` for any); a source not listed
+may create none. An entry says which identifier it is: an asset named like another asset's URI cannot be
+reached through it. An entry without ``uri:`` or ``name:`` (the first releases' form) stands for both, and
+the inbox warns about it.
 
 Answers: 401 bad or missing signature (the same answer for a source B does not know, so that no caller
-learns which sources exist), 413 body over 1 MiB (checked while reading, also for chunked
-bodies), 400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused:
+learns which sources exist; ``reason`` says ``not_authenticated``, or ``clock_skew`` when the timestamp is
+out of the window, which the headers tell before the body is read), 413 body over 1 MiB (checked while
+reading, also for chunked bodies), 503 with ``Retry-After`` while ``MAX_UNREAD_BODIES`` bodies are being
+read (a caller anyone can be holds at most that many), 408 for a body slower than ``BODY_READ_SECONDS``, 400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused:
 it would make signatures forgeable); else 200 with one result per event: ``created``, ``duplicate`` (this
 source's event id was received before: nothing is created), ``forbidden`` (the source may not use that
 asset) or ``unknown_asset`` (no asset with that URI or name in B). The relay dead-letters a ``forbidden``
@@ -22,6 +27,7 @@ with its inbox row, in one transaction.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import time
@@ -43,6 +49,10 @@ from dataset_bridge import ddl, signing
 log = structlog.get_logger(__name__)
 
 MAX_BODY = 1024 * 1024
+# bodies read at once before their signature is checked (per api-server process): a caller anyone can be
+# holds at most this many MiB; past it a request is answered 503 (the relay retries) without being read
+MAX_UNREAD_BODIES = 8
+BODY_READ_SECONDS = 30  # a body trickled in slower than this is answered 408 and its slot freed
 MAX_EVENTS = 1000
 SCHEMA_DDL = """
 CREATE SCHEMA IF NOT EXISTS dataset_bridge;
@@ -92,9 +102,28 @@ def parse_secrets(raw: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in parsed.items()}
 
 
+ALLOWED_KINDS = ("uri:", "name:")
+
+
+def allowed_entries(source: str, assets: list[str]) -> frozenset[str]:
+    """One source's allow-list as ``uri:...``/``name:...`` entries (and ``*``); a bare entry stands for
+    both, with a warning."""
+    entries: set[str] = set()
+    bare = [a for a in assets if a != "*" and not a.startswith(ALLOWED_KINDS)]
+    if bare:
+        log.warning("inbox_allowed_assets entries without uri: or name: match an asset's URI or its name; "
+                    "write uri:<URI> or name:<name>", source=source, entries=bare[:10])
+    for entry in assets:
+        if entry.startswith(ALLOWED_KINDS) and not entry.split(":", 1)[1]:
+            raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets: source {source!r} has an empty "
+                                   f"entry {entry!r}")
+        entries.update((f"uri:{entry}", f"name:{entry}") if entry in bare else (entry,))
+    return frozenset(entries)
+
+
 def parse_allowed(raw: str, sources: dict[str, str]) -> dict[str, frozenset[str]]:
-    """``inbox_allowed_assets``: source -> asset URIs or names it may create events for (``"*"``: any).
-    A source not listed may create none."""
+    """``inbox_allowed_assets``: source -> the assets it may create events for, each ``uri:<URI>`` or
+    ``name:<name>`` (``"*"``: any). A source not listed may create none."""
     if not raw.strip():
         return {}
     try:
@@ -103,15 +132,15 @@ def parse_allowed(raw: str, sources: dict[str, str]) -> dict[str, frozenset[str]
         raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets is not JSON: {err.msg}") from None
     if not isinstance(parsed, dict):
         raise InboxConfigError("[dataset_bridge] inbox_allowed_assets must be a JSON object: "
-                               "source -> [asset URI or name, ...]")
+                               'source -> ["uri:<asset URI>", "name:<asset name>", ...]')
     allowed: dict[str, frozenset[str]] = {}
     for source, assets in parsed.items():
         if not isinstance(assets, list) or not all(isinstance(a, str) and a for a in assets):
             raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets: source {source!r} must map to a "
-                                   "list of asset URIs or names")
+                                   'list of "uri:<asset URI>" / "name:<asset name>" entries')
         if source not in sources:
             log.warning("inbox_allowed_assets names a source with no secret", source=source)
-        allowed[str(source)] = frozenset(assets)
+        allowed[str(source)] = allowed_entries(str(source), assets)
     return allowed
 
 
@@ -127,8 +156,16 @@ def _secrets() -> dict[str, str]:
     return _settings()[0]
 
 
-def may_reference(allowed: frozenset[str], ref: str) -> bool:
-    return "*" in allowed or ref in allowed
+def may_use_uri(allowed: frozenset[str], uri: str) -> bool:
+    return "*" in allowed or f"uri:{uri}" in allowed
+
+
+def may_use_name(allowed: frozenset[str], name: str) -> bool:
+    return "*" in allowed or f"name:{name}" in allowed
+
+
+def may_use(allowed: frozenset[str], event: InboxEvent) -> bool:
+    return may_use_uri(allowed, event.uri) or may_use_name(allowed, event.name)
 
 
 # databases (by URL) where this process created or found the inbox table: checked once per database
@@ -156,8 +193,7 @@ def _resolve(session: Any, uri: str | None, name: str | None) -> Any:
 
 def forbidden(batch: InboxBatch, allowed: frozenset[str]) -> list[str]:
     """The events' asset references this source may not use (neither its URI nor its name is allowed)."""
-    return sorted({event.uri for event in batch.events
-                   if not may_reference(allowed, event.uri) and not may_reference(allowed, event.name)})
+    return sorted({event.uri for event in batch.events if not may_use(allowed, event)})
 
 
 CLAIM_MANY = """
@@ -186,10 +222,9 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
         for event in batch.events:
             if (event.uri, event.name) not in assets:
                 assets[event.uri, event.name] = _resolve(
-                    session, event.uri if may_reference(allowed, event.uri) else None,
-                    event.name if may_reference(allowed, event.name) else None)
-        denied = {e.id for e in batch.events
-                  if not may_reference(allowed, e.uri) and not may_reference(allowed, e.name)}
+                    session, event.uri if may_use_uri(allowed, event.uri) else None,
+                    event.name if may_use_name(allowed, event.name) else None)
+        denied = {e.id for e in batch.events if not may_use(allowed, e)}
         known = [e.id for e in batch.events if assets[e.uri, e.name] is not None and e.id not in denied]
         claimed = set(session.execute(text(CLAIM_MANY), {"source": batch.source, "ids": known}).scalars())
         results, to_create = _outcomes(batch, assets, claimed, denied)
@@ -252,8 +287,13 @@ def _prune_now_and_then() -> None:
     prune(create_session, ["dataset_bridge.inbox"], Retention(days=days))
 
 
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
+def _error(status: int, detail: str, reason: str | None = None) -> JSONResponse:
+    """The answer to a refused request; a 401 says whether it was the clock (``reason``)."""
+    body: dict[str, Any] = {"detail": detail}
+    if reason is not None:
+        body["reason"] = reason
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _failure(source: str, err: Exception) -> JSONResponse:
@@ -289,9 +329,29 @@ app = FastAPI(title="dataset bridge inbox")
 
 
 class Refused(Exception):
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, reason: str | None = None) -> None:
         super().__init__(detail)
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.reason = status, detail, reason
+
+
+class BodySlots:
+    """Bodies being read now, in this process's event loop (at most ``MAX_UNREAD_BODIES``)."""
+
+    reading = 0
+
+
+async def read_bounded(request: Request) -> bytes:
+    """The body, if a slot among ``MAX_UNREAD_BODIES`` is free and it comes within ``BODY_READ_SECONDS``."""
+    if BodySlots.reading >= MAX_UNREAD_BODIES:
+        raise Refused(503, f"busy: {MAX_UNREAD_BODIES} request bodies are being read; retry shortly")
+    BodySlots.reading += 1
+    try:
+        async with asyncio.timeout(BODY_READ_SECONDS):
+            return await read_capped(request.stream())
+    except TimeoutError:
+        raise Refused(408, f"the body did not arrive within {BODY_READ_SECONDS}s") from None
+    finally:
+        BodySlots.reading -= 1
 
 
 async def read_capped(chunks: AsyncIterator[bytes], limit: int = MAX_BODY) -> bytes:
@@ -305,6 +365,15 @@ async def read_capped(chunks: AsyncIterator[bytes], limit: int = MAX_BODY) -> by
     return bytes(body)
 
 
+def _checked_headers(headers: dict[str, str]) -> None:
+    """Headers and clock first: a request that can never pass is answered before its body is read."""
+    try:
+        signing.check_headers(headers)
+    except signing.SignatureError as err:
+        log.warning("inbox request rejected", reason=str(err))
+        raise Refused(401, f"not authenticated: {err}", err.reason) from err
+
+
 def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: bytes) -> InboxBatch:
     """The request's batch, or Refused with the status and a message that says what is wrong."""
     if len(body) > MAX_BODY:
@@ -316,7 +385,7 @@ def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: 
         claimed = headers.get(signing.SOURCE_HEADER.lower(), "")[:100]
         log.warning("inbox request rejected", reason=str(err), source=claimed,
                     known_source=claimed in secrets)
-        raise Refused(401, f"not authenticated: {err}") from err
+        raise Refused(401, f"not authenticated: {err}", err.reason) from err
     try:
         raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -344,8 +413,10 @@ async def inbox(request: Request) -> JSONResponse:
     if declared.isdigit() and int(declared) > MAX_BODY:
         return _error(413, f"body over {MAX_BODY} bytes")  # before reading it
     try:
-        body = await read_capped(request.stream())
-        batch = authenticated_batch(secrets, {k.lower(): v for k, v in request.headers.items()}, body)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        _checked_headers(headers)
+        body = await read_bounded(request)
+        batch = authenticated_batch(secrets, headers, body)
         refused = forbidden(batch, allowed.get(batch.source, frozenset()))
         if refused:
             # refused one by one (results): one asset missing from the allow-list must not hold back the
@@ -353,7 +424,7 @@ async def inbox(request: Request) -> JSONResponse:
             log.warning("inbox events refused: assets not allowed for this source", source=batch.source,
                         assets=refused[:10])
     except Refused as err:
-        return _error(err.status, err.detail)
+        return _error(err.status, err.detail, err.reason)
     try:
         results = await run_in_threadpool(receive, batch, allowed.get(batch.source, frozenset()))
     except Exception as err:

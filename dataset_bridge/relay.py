@@ -13,7 +13,9 @@
 - A server error that is not an outage (a 5xx other than 502/503/504: B failing on what it was sent) splits
   the batch in halves, so the events before the one B fails on are delivered; that one alone counts its
   server errors and is dead-lettered at the target's ``max_server_errors``, with the error B's answer gives
-  (secrets masked). Connection errors, timeouts, 502-504, 408 and 429 never count toward that bound.
+  (secrets masked). Connection errors, timeouts, 502-504, 408 and 429 never count toward that bound, and
+  neither does a 401 whose ``reason`` is ``clock_skew`` (this host's clock is off by more than the inbox's
+  window): it is retried without end and logged as an error each time, never dead-lettered.
 - A database error (PostgreSQL restarting) fails that pass only: the relay backs off, listens again and
   carries on from the outbox.
 - All state is in the outbox table, so a relay that crashes resumes where it was: a batch delivered but
@@ -105,11 +107,13 @@ class DeliveryError(Exception):
     """
 
     def __init__(self, message: str, *, permanent: bool = False, status: int | None = None,
-                 refusal: bool = False) -> None:
+                 refusal: bool = False, clock_skew: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.status = status
-        self.refusal = refusal or (status is not None and 400 <= status < 500 and status not in (408, 429))
+        self.clock_skew = clock_skew  # the inbox refused our timestamp: fixed by a clock, not by the event
+        self.refusal = not clock_skew and (refusal or (status is not None and 400 <= status < 500
+                                                       and status not in (408, 429)))
         self.server_error = status is not None and status >= 500 and status not in OUTAGE
 
 
@@ -215,7 +219,8 @@ class Relay:
                     # 4xx other than 408/429 will not change by retrying the same request as is, but the
                     # target's config might (a rotated secret): retry until max_attempts anyway
                     raise DeliveryError(f"HTTP {response.status}: {answer_error(text, secret)}",
-                                        status=response.status)
+                                        status=response.status,
+                                        clock_skew=answer_reason(text) == signing.CLOCK_SKEW)
                 return _results(json.loads(text), body, response.status)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err
@@ -237,7 +242,10 @@ class Relay:
         if dead:
             log.error("events dead-lettered", target=target.name, events=len(dead),
                       bound="max_server_errors" if err.server_error else "max_attempts", error=error)
-        if len(dead) < len(ids):
+        if err.clock_skew:  # retried without end: said loudly, each time, until the clocks agree
+            log.error("the target refuses this host's clock; fix the clocks (NTP): delivery waits, nothing "
+                      "is dead-lettered", target=target.name, retry_in=round(delay, 1), error=error)
+        elif len(dead) < len(ids):
             log.warning("delivery failed; backing off", target=target.name, attempt=rows[0]["attempts"] + 1,
                         retry_in=round(delay, 1), error=error)
 
@@ -391,6 +399,16 @@ def answer_error(text: str, secret: str, limit: int = 300) -> str:
     for pattern in _CREDENTIALS:
         message = pattern.sub(r"\g<keep>***", message)
     return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+def answer_reason(text: str) -> str | None:
+    """The ``reason`` of an inbox's refusal (``signing.CLOCK_SKEW`` ...), None for any other answer."""
+    try:
+        reply = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    reason = reply.get("reason") if isinstance(reply, dict) else None
+    return reason if isinstance(reason, str) else None
 
 
 def _results(reply: Any, body: bytes, status: int) -> list[dict[str, Any]]:

@@ -24,9 +24,19 @@ NOT_AUTHENTIC = "unknown source or bad signature (is the source's secret the sam
 _DECOY = "dataset-bridge: no such source"
 
 
+# what a refusal's ``reason`` says (the inbox's 401 answer carries it): a sender whose clock is off is
+# retried and reported, a refusal counts toward its bound
+CLOCK_SKEW = "clock_skew"
+NOT_AUTHENTICATED = "not_authenticated"
+
+
 class SignatureError(Exception):
     """The request is not authentic (the message says why, never what the secret is, nor whether the
-    source named exists)."""
+    source named exists); ``reason`` is ``CLOCK_SKEW`` or ``NOT_AUTHENTICATED``."""
+
+    def __init__(self, message: str, reason: str = NOT_AUTHENTICATED) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def signature(secret: str, timestamp: str, body: bytes) -> str:
@@ -40,20 +50,29 @@ def sign(source: str, secret: str, body: bytes, now: float | None = None) -> dic
             SIGNATURE_HEADER: signature(secret, timestamp, body)}
 
 
-def verify(secrets: dict[str, str], headers: dict[str, str], body: bytes, now: float | None = None) -> str:
-    """The authenticated source name; SignatureError otherwise. Whatever does not depend on the source
-    (headers, timestamp) is checked first, and an unknown source fails as a bad signature does."""
+def check_headers(headers: dict[str, str], now: float | None = None) -> tuple[str, str, str]:
+    """(source, timestamp, signature) when the headers are there and the timestamp is within the window;
+    SignatureError otherwise. Needs neither the body nor a secret: checked before the body is read."""
     source = headers.get(SOURCE_HEADER.lower(), "")
     timestamp = headers.get(TIMESTAMP_HEADER.lower(), "")
     given = headers.get(SIGNATURE_HEADER.lower(), "")
     if not source or not timestamp or not given:
         raise SignatureError(f"missing {SOURCE_HEADER}, {TIMESTAMP_HEADER} or {SIGNATURE_HEADER}")
     try:
-        age = abs((now if now is not None else time.time()) - int(timestamp))
+        offset = (now if now is not None else time.time()) - int(timestamp)
     except ValueError as err:
         raise SignatureError("the timestamp is not a unix time") from err
-    if age > WINDOW_SECONDS:
-        raise SignatureError(f"the timestamp is {age:.0f}s off (window {WINDOW_SECONDS}s): check the clocks")
+    if abs(offset) > WINDOW_SECONDS:
+        side = "behind" if offset > 0 else "ahead of"
+        raise SignatureError(f"the sender's clock is {abs(offset):.0f}s {side} the receiver's (window "
+                             f"{WINDOW_SECONDS}s): synchronise the clocks (NTP)", CLOCK_SKEW)
+    return source, timestamp, given
+
+
+def verify(secrets: dict[str, str], headers: dict[str, str], body: bytes, now: float | None = None) -> str:
+    """The authenticated source name; SignatureError otherwise. Whatever does not depend on the source
+    (headers, timestamp) is checked first, and an unknown source fails as a bad signature does."""
+    source, timestamp, given = check_headers(headers, now)
     secret = secrets.get(source) or ""  # an empty secret would accept an HMAC anyone can compute
     expected = signature(secret or _DECOY, timestamp, body)
     if not secret or not given.isascii() or not hmac.compare_digest(given, expected):

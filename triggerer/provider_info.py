@@ -173,11 +173,12 @@ def get_provider_info() -> dict[str, Any]:
                         "default": "30",
                     },
                     "inbox_allowed_assets": {
-                        "description": "JSON object: source deployment name -> list of asset URIs or names "
-                        "it may create events for (\"*\": any). A source not listed may create none (403).",
+                        "description": "JSON object: source deployment name -> list of the assets it may "
+                        "create events for, each \"uri:<asset URI>\" or \"name:<asset name>\" (\"*\": any). "
+                        "A source not listed may create none.",
                         "version_added": "0.2.0",
                         "type": "string",
-                        "example": '{"deployment_a": ["warehouse://dds/h_user", "users_loaded"]}',
+                        "example": '{"deployment_a": ["uri:warehouse://dds/h_user", "name:users_loaded"]}',
                         "default": "",
                     },
                 },

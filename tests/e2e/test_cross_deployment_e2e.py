@@ -148,7 +148,7 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
     })
     b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS"] = json.dumps({"deployment_a": secret})
     b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_ALLOWED_ASSETS"] = json.dumps(
-        {"deployment_a": ["warehouse://dds/h_user", "warehouse://dds/other"]})
+        {"deployment_a": ["uri:warehouse://dds/h_user", "uri:warehouse://dds/other"]})
     (a.config.dags_folder / "publish_users.py").write_text(textwrap.dedent(PRODUCER))
     (b.config.dags_folder / "users_in_b.py").write_text(textwrap.dedent(CONSUMER))
     relay_env = {"BRIDGE_SECRET_B": secret, "BRIDGE_SECRET_C": "a-wrong-secret"}

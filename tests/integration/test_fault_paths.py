@@ -311,7 +311,8 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
     build.start()
     try:
         assert frozen.wait(60), "the build never reached a DAG to deserialize"
-        ours = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ours = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()")
         held = rows(dsn, f"SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
                          f"WHERE l.pid IN ({ours}) AND c.relname IN ('trigger', 'task_instance')")
         idle_in_transaction = rows(dsn, f"SELECT count(*) FROM pg_stat_activity WHERE pid IN ({ours}) "

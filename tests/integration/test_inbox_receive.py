@@ -88,7 +88,7 @@ def test_an_event_the_source_may_not_use_is_refused_alone(metadata: str) -> None
         {"id": 1, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
         {"id": 2, "uri": "warehouse://dds/payroll", "name": "payroll", "timestamp": dt.datetime.now(dt.UTC)},
         {"id": 3, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)}]})
-    results = receive(batch, frozenset({URI}))
+    results = receive(batch, frozenset({f"uri:{URI}"}))
     assert [r["status"] for r in results] == ["created", "forbidden", "created"]
     assert "may not create events for 'warehouse://dds/payroll'" in results[1]["error"]
     assert _all("SELECT source_event_id FROM dataset_bridge.inbox ORDER BY 1") == [(1,), (3,)]

@@ -89,6 +89,28 @@ def test_each_source_may_use_only_its_allowed_assets() -> None:
         parse_allowed('{"deployment_a": "warehouse://dds/h_user"}', SECRETS)
 
 
+def test_an_allow_list_entry_says_whether_it_is_a_uri_or_a_name() -> None:
+    """``uri:`` matches an asset's URI only, ``name:`` its name only: an asset named like another asset's
+    URI cannot be reached through it. A bare entry (the first releases' form) matches both, with a
+    warning."""
+    from structlog.testing import capture_logs
+
+    allowed = parse_allowed('{"deployment_a": ["uri:warehouse://dds/h_user", "name:orders"]}', SECRETS)
+    events = [{"id": 1, "uri": "warehouse://dds/h_user", "name": "something else"},
+              {"id": 2, "uri": "warehouse://dds/x", "name": "orders"},
+              {"id": 3, "uri": "orders", "name": "x"},  # a URI equal to an allowed name
+              {"id": 4, "uri": "warehouse://dds/y", "name": "warehouse://dds/h_user"}]  # and the reverse
+    batch = InboxBatch.model_validate({"source": "deployment_a", "events": [
+        {**event, "timestamp": "2026-01-01T00:00:00Z"} for event in events]})
+    assert forbidden(batch, allowed["deployment_a"]) == ["orders", "warehouse://dds/y"]
+    with capture_logs() as logs:
+        legacy = parse_allowed('{"deployment_a": ["orders"]}', SECRETS)
+    assert legacy["deployment_a"] == {"uri:orders", "name:orders"}
+    assert any("without uri: or name:" in entry["event"] for entry in logs), logs
+    with pytest.raises(InboxConfigError, match="empty entry 'name:'"):
+        parse_allowed('{"deployment_a": ["name:"]}', SECRETS)
+
+
 def _refusal(source: str, secret: str, age: float = 0.0) -> str:
     body = _body("warehouse://dds/h_user")
     signed = signing.sign(source, secret, body, now=time.time() - age)
