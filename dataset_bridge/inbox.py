@@ -16,8 +16,9 @@ Answers: 401 bad or missing signature (the same answer for a source B does not k
 learns which sources exist; ``reason`` says ``not_authenticated``, or ``clock_skew`` when the timestamp is
 out of the window, which the headers tell before the body is read), 413 body over 1 MiB (checked while
 reading, also for chunked bodies), 503 with ``Retry-After`` while ``MAX_UNREAD_BODIES`` bodies are being
-read (a caller anyone can be holds at most that many), 408 for a body slower than ``BODY_READ_SECONDS``, 400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused:
-it would make signatures forgeable); else 200 with one result per event: ``created``, ``duplicate`` (this
+read (a caller anyone can be holds at most that many), 408 for a body slower than ``BODY_READ_SECONDS``,
+400 not JSON, 422 not the expected shape, 503 not or mis-configured (an empty secret is refused: it would
+make signatures forgeable); else 200 with one result per event: ``created``, ``duplicate`` (this
 source's event id was received before: nothing is created), ``forbidden`` (the source may not use that
 asset) or ``unknown_asset`` (no asset with that URI or name in B). The relay dead-letters a ``forbidden``
 or ``unknown_asset`` event alone, with the reason; the rest of its batch is delivered.
