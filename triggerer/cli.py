@@ -49,6 +49,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--team-name", default=None,
+                        help="with [core] multi_team: only this team's instances (and those of no team). "
+                             "status reads the metadata database with its credentials: it is for operators; "
+                             "the page scopes by team through Airflow's auth manager")
 
 
 EPILOG = """Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, AIRFLOW__SECTION__KEY);
@@ -56,7 +60,7 @@ the metadata database must be PostgreSQL. SMART_TRIGGERER_DSN is read only by `d
 suite): `run` and `status` always use [database] sql_alchemy_conn.
 Exit codes: 0 ok, 1 unexpected error (traceback), 2 invalid setting or argument, 3 database unreachable,
 4 metadata database not PostgreSQL, 5 shard count differs from the deployment's, 6 missing database
-privilege."""
+privilege, 7 Airflow release not supported, 8 schema too new, 9 Airflow's tables never migrated."""
 
 
 def build_parser() -> Parser:
@@ -147,9 +151,10 @@ def status_command(args: argparse.Namespace) -> int:
     from triggerer.config import Settings
 
     settings = Settings.from_airflow()
+    team = team_of(getattr(args, "team_name", None))
     require_postgres()
     require_migrated()
-    result = status.collect(settings)
+    result = status.collect(settings, None if team is None else frozenset({team}))
     if args.json:
         print(json.dumps(result))
     else:

@@ -143,8 +143,26 @@ def _session() -> Any:
     return create_session()
 
 
-def overview(may_read_assets: bool) -> dict[str, Any]:
-    """Instances, totals, the dedup ratio, the last hour's chart, and the bridge (when allowed)."""
+def _visible_teams(user: Any) -> frozenset[str] | None:
+    """With ``[core] multi_team``: the teams whose instances this user may see (the auth manager's
+    ``is_authorized_team``, as Airflow asks whether a user belongs to a team); None without teams."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import TeamDetails
+    from airflow.models.team import Team
+
+    from triggerer.store import multi_team_enabled
+
+    if not multi_team_enabled():
+        return None
+    manager = get_auth_manager()
+    return frozenset(team for team in Team.get_all_team_names()
+                     if manager.is_authorized_team(method="GET", user=user, details=TeamDetails(name=team)))
+
+
+def overview(may_read_assets: bool, teams: frozenset[str] | None = None) -> dict[str, Any]:
+    """Instances, totals, the dedup ratio, the last hour's chart, and the bridge (when allowed). With
+    ``teams`` (multi-team), only the instances of those teams and of no team, in the list, the totals
+    and the chart."""
     from triggerer.store import Store
 
     settings = Settings.from_airflow()
@@ -152,9 +170,13 @@ def overview(may_read_assets: bool) -> dict[str, Any]:
         store = Store(session)
         if not _installed(store):
             return {"installed": False, "instances": [], "totals": {}, "chart": [], "bridge": None}
-        instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)]
+        instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)
+                     if status.in_teams(r["queues"], teams)]
         shards = store.pinned_shards() or settings.shards  # the instances' count, not this process's
-        chart, polls_saved = _chart(store.page_chart())
+        # with teams, a sample whose instance row is gone (its team unknown) is not shown
+        samples = [s for s in store.page_chart()
+                   if teams is None or (s["known"] and status.in_teams(s["space"], teams))]
+        chart, polls_saved = _chart(samples)
         bridge = _bridge(session) if may_read_assets else None
     found = status.totals(instances, shards)
     waiters, groups = found["waiters"], found["groups"]
@@ -437,7 +459,8 @@ async def api_overview(user: User) -> dict[str, Any]:
     if not await run_in_threadpool(_may_view_triggers, user):
         raise HTTPException(status_code=403, detail="the overview needs access to the triggers view")
     may_read_assets = await run_in_threadpool(_may_read_assets, user)
-    return await run_in_threadpool(overview, may_read_assets)
+    teams = await run_in_threadpool(_visible_teams, user)
+    return await run_in_threadpool(overview, may_read_assets, teams)
 
 
 @app.get("/api/groups")

@@ -8,7 +8,22 @@ from typing import Any
 from triggerer.config import Settings
 
 
-def collect(settings: Settings) -> dict[str, Any]:
+def team_of(space: str | None) -> str | None:
+    """The team of an instance's shard space key (``<queues>@<team>``), None for no team."""
+    from triggerer.store import split_space
+
+    return split_space(space)[1] if space else None
+
+
+def in_teams(space: str | None, teams: frozenset[str] | None) -> bool:
+    """Whether an instance (by its space key) is shown to someone who may see ``teams`` (None: every
+    team, as without ``[core] multi_team``); an instance of no team is shown to everyone."""
+    team = team_of(space)
+    return teams is None or team is None or team in teams
+
+
+def collect(settings: Settings, teams: frozenset[str] | None = None) -> dict[str, Any]:
+    """What ``status`` shows; with ``teams``, only those teams' instances (and those of no team)."""
     from airflow.utils.session import create_session
 
     from triggerer.store import Store
@@ -19,7 +34,7 @@ def collect(settings: Settings) -> dict[str, Any]:
         rows = store.instances(settings.lease_seconds) if exists else []
         # the deployment's own count, pinned at its creation (this process's setting may differ)
         shards = (store.pinned_shards() if exists else None) or settings.shards
-    instances = [instance(r) for r in rows]
+    instances = [instance(r) for r in rows if in_teams(r["queues"], teams)]
     found = totals(instances, shards)
     return {
         "instances": instances,
@@ -60,6 +75,7 @@ def instance(row: dict[str, Any]) -> dict[str, Any]:
         "groups": int(row["groups"]),
         "capacity": int(row["capacity"]),
         "queues": row["queues"],
+        "team": team_of(row["queues"]),
         "health_url": row["health_url"],
         "events_total": int(row["events_total"]),
         "resumed_total": int(row["resumed_total"]),

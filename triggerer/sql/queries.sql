@@ -520,13 +520,13 @@ SELECT g.n, first.classpath, first.description, serving.owner_job_id, serving.ho
 FROM unnest(CAST(:hashes AS bigint[]), CAST(:alone AS integer[]), CAST(:queues AS text[]))
      WITH ORDINALITY AS g(identity_hash, alone, queue, n)
 LEFT JOIN LATERAL (  -- the first member (a big group's triggers are not read whole)
-    SELECT t.classpath, i.description, i.shard
+    SELECT t.classpath, i.description, i.shard, t.team_name
     FROM (SELECT i.identity_hash, i.trigger_id, i.description, i.shard FROM smart_triggerer.trigger_identity i
           WHERE i.identity_hash >= g.identity_hash AND i.identity_hash <= g.identity_hash
             AND i.trigger_id = coalesce(g.alone, i.trigger_id)
           ORDER BY i.identity_hash, i.trigger_id LIMIT :scanned) i
     CROSS JOIN LATERAL (
-        SELECT t.classpath, t.queue FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
+        SELECT t.classpath, t.queue, t.team_name FROM trigger t WHERE t.id = i.trigger_id OFFSET 0) t
     WHERE coalesce(t.queue, '') = g.queue
     ORDER BY i.identity_hash, i.trigger_id
     LIMIT 1
@@ -535,7 +535,10 @@ LEFT JOIN LATERAL (
     SELECT l.owner_job_id, inst.hostname FROM smart_triggerer.shard_lease l
     JOIN smart_triggerer.instance inst ON inst.job_id = l.owner_job_id
     WHERE l.shard = first.shard AND l.expires_at > now()
-      AND (g.queue = '' AND l.queues = '' OR g.queue = ANY(string_to_array(l.queues, ',')))
+      -- the lease's space: its queue set, then '@<team>' for a team's instances (store.space_key)
+      AND split_part(l.queues, '@', 2) = coalesce(first.team_name, '')
+      AND (g.queue = '' AND split_part(l.queues, '@', 1) = ''
+           OR g.queue = ANY(string_to_array(split_part(l.queues, '@', 1), ',')))
     LIMIT 1
 ) serving ON true
 ORDER BY g.n;
@@ -547,7 +550,7 @@ ORDER BY g.n;
 SELECT DISTINCT ON (s.job_id, date_trunc('minute', s.at))
        s.job_id, date_trunc('minute', s.at) AS minute, s.waiters, s.groups,
        s.polls_saved_per_minute AS polls_saved, extract(epoch FROM now() - s.at) AS age_seconds,
-       i.stopped_at, now() AS read_at
+       i.stopped_at, i.queues AS space, i.job_id IS NOT NULL AS known, now() AS read_at
 FROM smart_triggerer.sample s
 LEFT JOIN smart_triggerer.instance i ON i.job_id = s.job_id
 WHERE s.at > now() - interval '1 hour 150 seconds'
