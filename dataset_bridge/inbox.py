@@ -104,6 +104,7 @@ def parse_secrets(raw: str) -> dict[str, str]:
 
 
 ALLOWED_KINDS = ("uri:", "name:")
+_warned_bare: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def allowed_entries(source: str, assets: list[str]) -> frozenset[str]:
@@ -111,7 +112,8 @@ def allowed_entries(source: str, assets: list[str]) -> frozenset[str]:
     both, with a warning."""
     entries: set[str] = set()
     bare = [a for a in assets if a != "*" and not a.startswith(ALLOWED_KINDS)]
-    if bare:
+    if bare and (source, tuple(bare)) not in _warned_bare:  # read per request: said once per process
+        _warned_bare.add((source, tuple(bare)))
         log.warning("inbox_allowed_assets entries without uri: or name: match an asset's URI or its name; "
                     "write uri:<URI> or name:<name>", source=source, entries=bare[:10])
     for entry in assets:

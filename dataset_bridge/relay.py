@@ -220,7 +220,8 @@ class Relay:
                     # target's config might (a rotated secret): retry until max_attempts anyway
                     raise DeliveryError(f"HTTP {response.status}: {answer_error(text, secret)}",
                                         status=response.status,
-                                        clock_skew=answer_reason(text) == signing.CLOCK_SKEW)
+                                        clock_skew=response.status == 401
+                                        and answer_reason(text) == signing.CLOCK_SKEW)
                 return _results(json.loads(text), body, response.status)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err

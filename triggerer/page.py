@@ -155,8 +155,12 @@ def _visible_teams(user: Any) -> frozenset[str] | None:
     if not multi_team_enabled():
         return None
     manager = get_auth_manager()
-    return frozenset(team for team in Team.get_all_team_names()
-                     if manager.is_authorized_team(method="GET", user=user, details=TeamDetails(name=team)))
+    try:
+        return frozenset(team for team in Team.get_all_team_names() if manager.is_authorized_team(
+            method="GET", user=user, details=TeamDetails(name=team)))
+    except NotImplementedError:  # Airflow refuses to run multi-team with such a manager: say so, no 500
+        raise HTTPException(status_code=403, detail="[core] multi_team is on, but the auth manager does not "
+                                                    "support teams (is_authorized_team)") from None
 
 
 def overview(may_read_assets: bool, teams: frozenset[str] | None = None) -> dict[str, Any]:

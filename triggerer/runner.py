@@ -662,21 +662,26 @@ class SmartTriggerRunner(TriggerRunner):
             return
         with suppress(Exception):
             async with asyncio.timeout(FINAL_SYNC_SECONDS):
-                await self._end_coroutines()
-                if not self.events:
-                    return
-                await self._asked_ahead()
-                await self.sync_state_to_supervisor(await self.cleanup_finished_triggers())
+                await self._sync_events()  # what fired before the stop goes first, whatever comes next
+                await self._end_coroutines(FINAL_SYNC_SECONDS / 2)
+                await self._sync_events()  # and what fired while they ended
 
-    async def _end_coroutines(self) -> None:
+    async def _sync_events(self) -> None:
+        if self.events:
+            await self._asked_ahead()
+            await self.sync_state_to_supervisor(await self.cleanup_finished_triggers())
+
+    async def _end_coroutines(self, timeout: float) -> None:
         """Every coroutine ended before the last sync, not after it: one that fires while the loop is torn
         down (a message it took a moment ago) would have its event die with the process. Cancelled as in a
-        handover (no ``on_kill``): the task is not over, its next owner runs it again."""
+        handover (no ``on_kill``): the task is not over, its next owner runs it again. A coroutine slow to
+        end (its cleanup waits on a stalled server) costs at most ``timeout``, never the events synced
+        after it."""
         tasks = [details["task"] for details in self.triggers.values() if not details["task"].done()]
         for task in tasks:
             task.cancel(HANDOVER_CANCEL_MSG)
         if tasks:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=timeout)
 
     async def _end_run(self) -> None:
         """Airflow's end of ``arun``, and the question asked ahead left unanswered."""

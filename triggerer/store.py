@@ -365,7 +365,7 @@ class Store:
         self.session.execute(text(PAGE_GROUPS_PLANNER))
         rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
                          queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members,
-                         scanned=scanned)
+                         scanned=scanned, multi_team=multi_team_enabled())
         return [dict(r._mapping) for r in rows]
 
     def page_chart(self) -> list[dict[str, Any]]:

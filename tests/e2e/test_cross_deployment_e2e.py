@@ -96,10 +96,16 @@ def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
     oversized = {"source": "deployment_a", "events": [{**event, "extra": {"x": "y" * 2_000_000}}]}
     huge = json.dumps(oversized).encode()
     assert _post(inbox_url, huge, signing.sign("deployment_a", secret, huge)).status_code == 413
-    # chunked: no Content-Length to refuse up front, so the inbox must stop reading at the limit
+    # chunked: no Content-Length to refuse up front, so the inbox must stop reading at the limit (the
+    # headers a caller anyone can be writes pass the checks made before the body is read)
+    anyones = signing.sign("deployment_a", "not the secret", b"")
     chunked = httpx.post(inbox_url, content=(b"x" * 65536 for _ in range(64)), timeout=30,
-                         headers={"Content-Type": "application/json"})
+                         headers={"Content-Type": "application/json", **anyones})
     assert chunked.status_code == 413
+    # without signature headers it is refused before its body is read
+    unsigned_chunked = httpx.post(inbox_url, content=(b"x" * 65536 for _ in range(64)), timeout=30,
+                                  headers={"Content-Type": "application/json"})
+    assert unsigned_chunked.status_code == 401
     non_ascii = {**signing.sign("deployment_a", secret, good), "X-Bridge-Signature": "sha256=\u00e9"}
     assert httpx.post(inbox_url, content=good, timeout=30, headers={
         k: v.encode("latin-1") for k, v in non_ascii.items()}).status_code == 401

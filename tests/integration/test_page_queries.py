@@ -462,7 +462,7 @@ def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: in
 
     params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
               "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,
-              "scanned": scanned}
+              "scanned": scanned, "multi_team": False}
     with create_session() as session:
         session.execute(text(PAGE_GROUPS_PLANNER))  # as Store.page_groups runs it
         result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)

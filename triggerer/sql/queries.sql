@@ -536,7 +536,9 @@ LEFT JOIN LATERAL (
     JOIN smart_triggerer.instance inst ON inst.job_id = l.owner_job_id
     WHERE l.shard = first.shard AND l.expires_at > now()
       -- the lease's space: its queue set, then '@<team>' for a team's instances (store.space_key)
-      AND split_part(l.queues, '@', 2) = coalesce(first.team_name, '')
+      -- (without [core] multi_team every instance runs rows of any team, in the team-less spaces)
+      AND split_part(l.queues, '@', 2) = CASE WHEN CAST(:multi_team AS boolean)
+                                              THEN coalesce(first.team_name, '') ELSE '' END
       AND (g.queue = '' AND split_part(l.queues, '@', 1) = ''
            OR g.queue = ANY(string_to_array(split_part(l.queues, '@', 1), ',')))
     LIMIT 1
