@@ -12,12 +12,15 @@ asset watchers. For ``--minutes`` a seeded schedule of faults runs while conditi
 arrive: SIGKILL, SIGSTOP past the lease, SIGTERM, a fourth instance joining and leaving, PostgreSQL
 restarts, an instance frozen for good inside a transaction (then killed and replaced), a network
 partition between an instance and PostgreSQL, a DB error right after a lease renewal, a forward step of
-the database's clock, one poison event and one asset event whose extra holds a ``\u0000``. Then the
+the database's clock, a trigger runner stopped alone past ``runner_stall_seconds`` (a wedged event loop:
+its instance must hand every shard over), one poison event and one asset event whose extra holds a
+``\u0000``. Then the
 checker proves from the databases that every waiter resumed exactly once with its own event or timed out
 no earlier than due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
 made exactly one asset event and the relay delivered it (the ``\u0000`` one dead-lettered alone), and no
 wait stalled past ``lease + poll interval + 3 s`` (the clock's steps and PostgreSQL's downtime taken
-out). Exit status 1 when any check fails. The shared implementation is ``tests/helpers/chaos/``.
+out; ``runner_stall_seconds`` more across a wedged runner). Exit status 1 when any check fails. The
+shared implementation is ``tests/helpers/chaos/``.
 """
 
 from __future__ import annotations

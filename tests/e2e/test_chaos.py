@@ -18,7 +18,16 @@ import pytest
 
 from devkit.system import ensure_libfaketime
 from tests.helpers.chaos import run_chaos
-from tests.helpers.chaos.checker import Observed, downtime, judge, judge_assets, judge_bridge, on_host_clock
+from tests.helpers.chaos.checker import (
+    Observed,
+    downtime,
+    judge,
+    judge_assets,
+    judge_bridge,
+    on_host_clock,
+    overlaps,
+    wedges,
+)
 from tests.helpers.chaos.cluster import FaultRecord
 from tests.helpers.chaos.constants import FAULT_KINDS, NUL_ASSET, ONCE, POISON
 from tests.helpers.chaos.plan import Identity, Profile, Waiter, make_plan
@@ -149,6 +158,19 @@ def test_stalls_are_measured_without_postgresqls_own_downtime() -> None:
     assert judge(http_waiter(timeout_at=10), timed_out, None, 12.0, at(10)).problems  # 14 s
     outcome = judge(http_waiter(timeout_at=10), timed_out, None, 12.0, at(10), down=downtime([restart]))
     assert (outcome.verdict, outcome.problems, outcome.stall) == ("timed_out", [], 10.0)
+
+
+def test_a_wait_across_a_wedged_runner_gets_the_stall_threshold_more() -> None:
+    """A wait whose condition held while a runner was stopped alone may move only once that instance
+    stepped out (``runner_stall_seconds`` after its runner last answered): the checker allows that much
+    more, and only for waits whose window meets a wedge."""
+    wedge = FaultRecord("wedge", "smart-1", at(10), ended=at(30))
+    kill = FaultRecord("sigkill", "smart-2", at(40), ended=at(42))
+    windows = wedges([wedge, kill])
+    assert windows == [(at(10), at(30))]
+    assert overlaps(at(5), at(12), windows) and overlaps(at(29), at(45), windows)
+    assert not overlaps(at(31), at(45), windows) and not overlaps(at(1), at(9), windows)
+    assert not overlaps(None, at(12), windows)
 
 
 def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:

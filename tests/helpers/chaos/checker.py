@@ -107,6 +107,17 @@ def condition_time(ident: Identity, conditions: dict[str, dt.datetime]) -> dt.da
 Windows = Sequence[tuple[dt.datetime, dt.datetime]]
 
 
+def wedges(faults: Sequence[FaultRecord]) -> list[tuple[dt.datetime, dt.datetime]]:
+    """When an instance's runner was stopped alone (the wedge fault): its waits move only once the
+    instance has stepped out, ``runner_stall_seconds`` after its runner last answered (the documented
+    bound is that threshold plus a lease)."""
+    return [(f.started, f.ended or f.started) for f in faults if f.kind == "wedge"]
+
+
+def overlaps(start: dt.datetime | None, end: dt.datetime | None, windows: Windows) -> bool:
+    return start is not None and end is not None and any(start < b and end > a for a, b in windows)
+
+
 def downtime(faults: Sequence[FaultRecord]) -> list[tuple[dt.datetime, dt.datetime]]:
     """When PostgreSQL itself was down (pg_restart): nothing can be stored then, by anyone, so a stall is
     measured less the downtime inside it, as it is less the database clock's steps."""
@@ -251,7 +262,8 @@ class AssetOutcome:
     refired: list[str] = field(default_factory=list)  # events whose first holders were struck: how late
 
 
-def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: float = 0.0) -> AssetOutcome:
+def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: float = 0.0, *,
+                 wedged: Windows = (), stall: float = 0.0) -> AssetOutcome:
     """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else.
 
     An event fired by an instance that a fault struck before it stored it (its log says it fired, before
@@ -274,7 +286,10 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
             continue
         result.success_rows += 1
         struck = _struck_holders(observed, row_id, events)
-        _judge_row(result, (row_id, table, at), uri, events, bound, down=down, struck=struck, retake=retake)
+        # a row whose watcher's runner may have been the stopped one (the wedge fault): + the threshold
+        allowed = bound + (stall if overlaps(at, events[0][3] if events else None, wedged) else 0.0)
+        _judge_row(result, (row_id, table, at), uri, events, allowed, down=down, struck=struck,
+                   retake=retake)
     for row_id, events in by_row.items():
         if row_id not in rows:
             result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
@@ -412,6 +427,7 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
     trigger_ids: set[int] = set()
     observed = on_host_clock(raw)
     down = downtime(faults)
+    wedged = wedges(faults)
     for waiter in plan.waiters:
         entries = observed.audit.get(waiter.ti_id, [])
         cond = condition_time(waiter.identity, observed.conditions)
@@ -419,6 +435,9 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
                continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
         struck = other_shard_holders(entries, cond, observed.took)
         bound = profile.bound(waiter.poll_interval) + struck * profile.retake
+        written = next((e["at"] for e in entries if e["op"] in ("resolved", "rewritten", "deleted")), None)
+        if overlaps(cond, written, wedged):  # its instance's runner may have been the stopped one
+            bound += profile.runner_stall_seconds
         outcome = judge(waiter, entries, cond, bound, due, down=down)
         outcome.struck = struck
         outcomes[waiter.index] = outcome
@@ -426,7 +445,7 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
             trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
             violations.append(_describe(waiter, outcome, cond, observed))
     assets = judge_assets(observed, profile.bound(profile.asset_poll), down,
-                          retake=profile.retake)
+                          retake=profile.retake, wedged=wedged, stall=profile.runner_stall_seconds)
     for uri in assets.failing_assets:
         trigger_ids.add(observed.watchers.get(uri, -1))
     violations += [f"ASSET {kind}: {text}" for kind, texts in
@@ -526,7 +545,8 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
         ("stalled over bound", str(problems["stalled"])),
         ("max stall / bound (s)", f"{stalls[-1] if stalls else 0:.2f} / "
                                   f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3, plus "
-                                  f"{p.retake:g} per other instance that took its shard meanwhile)"),
+                                  f"{p.retake:g} per other instance that took its shard meanwhile, "
+                                  f"{p.runner_stall_seconds:g} during a wedged runner)"),
         ("waits whose shard another instance took while they waited",
          str(sum(1 for o in outcomes.values() if o.struck))),
         ("stall p50 / p99 (s)", f"{_pct(stalls, 0.5):.2f} / {_pct(stalls, 0.99):.2f}"),
@@ -554,7 +574,7 @@ def _as_planned(faults: Sequence[FaultRecord]) -> str:
     DB error that reached the loop right after a renewal."""
     parts = []
     for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop"),
-                       ("lag", "shed shards while lagging")):
+                       ("lag", "shed shards while lagging"), ("wedge", "handed every shard over")):
         made = [f for f in faults if f.kind == kind]
         parts.append(f"{kind}: {sum(f.effective for f in made)}/{len(made)} {what}")
     return ", ".join(parts)

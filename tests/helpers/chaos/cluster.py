@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import re
 import signal
@@ -10,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import psycopg2
 
 from devkit.devstack import AirflowStack, Component
@@ -43,6 +45,7 @@ TERMINATE = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHER
              "AND datname = current_database() AND pid <> pg_backend_pid()")
 DB_UNAVAILABLE = "database unavailable"
 SHEDDING_MARK = "over a limit: taking no new shards"  # supervisor/load.py's line when shedding starts
+WEDGED_MARK = "event loop is blocked; handing every shard over"  # supervisor/stall.py's step-out line
 THROTTLE_STOPPED, THROTTLE_PERIOD = 1.2, 1.5  # a lag of about 1.2 s: over the run's max_loop_lag_ms
 
 
@@ -64,6 +67,7 @@ class Cluster:
         self.paused: set[str] = set()
         self.frozen: set[str] = set()
         self.throttled: dict[str, tuple[RunnerThrottle, int]] = {}  # slot -> its throttle, its log's offset
+        self.wedged: dict[str, tuple[psutil.Process, int]] = {}  # slot -> its stopped runner, log offset
         self.generation: Counter[str] = Counter()
         self.unexpected_exits: list[str] = []
         self.startup_exits: list[str] = []
@@ -104,6 +108,7 @@ class Cluster:
         component.process.wait(10)
         self.paused.discard(slot)
         self.frozen.discard(slot)
+        self.wedged.pop(slot, None)
 
     def terminate(self, slot: str, grace: float = 30.0) -> None:
         """SIGTERM the instance's process group without waiting: its exit is reaped by ``watch``.
@@ -154,6 +159,28 @@ class Cluster:
         throttle.stop()
         shed = SHEDDING_MARK in _log_since(self.slots[slot], offset)
         return shed, "shed shards while lagging" if shed else "lagged without shedding"
+
+    def wedge(self, slot: str) -> str:
+        """Stop the instance's trigger runner alone (SIGSTOP), as a trigger blocking its event loop does:
+        its supervisor goes on, and must hand every shard over past ``runner_stall_seconds``."""
+        from tests.helpers.waiting import wait_for
+
+        component = self.slots[slot]
+        tree = wait_for(component.tree, lambda t: len(t) > 1, 60, f"{component.name}'s trigger runner", 0.1)
+        runner = tree[1]
+        runner.send_signal(signal.SIGSTOP)
+        self.wedged[slot] = (runner, component.log_path.stat().st_size)
+        return f"runner pid {runner.pid} stopped"
+
+    def unwedge(self, slot: str) -> tuple[bool, str]:
+        """Let the runner go on; whether its instance stepped out meanwhile (its log says so)."""
+        runner, offset = self.wedged.pop(slot, (None, 0))
+        if runner is None:
+            return False, "the instance was gone"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            runner.send_signal(signal.SIGCONT)
+        stepped = WEDGED_MARK in _log_since(self.slots[slot], offset)
+        return stepped, "handed every shard over" if stepped else "did not step out"
 
     def pause(self, slot: str) -> None:
         self.paused.add(slot)

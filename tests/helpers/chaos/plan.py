@@ -42,11 +42,12 @@ class Profile:
     gap: tuple[float, float] = (3.0, 8.0)  # quiet time between two faults
     row_every: tuple[float, float] = (0.5, 2.0)  # new status rows for the asset watchers
     db_error_seconds: float = 1.0  # how long an instance's statements fail after its lease renewal
+    runner_stall_seconds: float = 12.0  # [smart_triggerer] runner_stall_seconds of the run (the wedge fault)
 
     @classmethod
     def quick(cls, seed: int) -> Profile:
         """The short profile: about three minutes end to end, at least one fault of each kind."""
-        return cls(seed=seed, minutes=1.5, waiters=300, assets=4, gap=(1.0, 2.5))
+        return cls(seed=seed, minutes=1.75, waiters=300, assets=4, gap=(1.0, 2.5))
 
     @property
     def seconds(self) -> float:
@@ -228,6 +229,8 @@ _HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
     "sigterm": lambda rng, p: rng.uniform(0.5, 3.0),
     # the runner starved long enough to shed a step (its lag shows within a second or two)
     "lag": lambda rng, p: rng.uniform(8.0, 14.0),
+    # the runner stopped alone (its loop wedged) past the stall threshold: the instance steps out
+    "wedge": lambda rng, p: p.runner_stall_seconds + rng.uniform(3.0, 8.0),
     "pg_restart": lambda rng, p: rng.uniform(0.5, 3.0),  # PostgreSQL down
     "join": lambda rng, p: 0.0,
     "leave": lambda rng, p: 0.0,
@@ -245,7 +248,7 @@ INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of t
 def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
     first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart", "freeze", "partition", "db_error",
-                        "clock_step", "poison", "nul_extra", "lag"], 11)
+                        "clock_step", "poison", "nul_extra", "lag", "wedge"], 12)
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
@@ -269,5 +272,5 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
     kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join", "freeze",
-             "partition", "db_error", "clock_step", "lag"]
-    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1))[0]
+             "partition", "db_error", "clock_step", "lag", "wedge"]
+    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1))[0]

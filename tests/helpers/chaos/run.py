@@ -172,6 +172,8 @@ class ChaosRun:
             # the lag fault's starved runner lags about 1.2 s: over this, it sheds shards (placement moves
             # by load under the other faults); a loaded host's passing lags stay under it
             "AIRFLOW__SMART_TRIGGERER__MAX_LOOP_LAG_MS": "800",
+            # the wedge fault's stopped runner: its instance hands every shard over past this
+            "AIRFLOW__SMART_TRIGGERER__RUNNER_STALL_SECONDS": str(self.profile.runner_stall_seconds),
         }
         return AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=root / "dags",
                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
@@ -307,6 +309,8 @@ class ChaosRun:
         elif fault.kind == "pg_restart":
             cluster.server.restart(down_seconds=fault.hold)
             record.ended = wall_clock()  # accepting connections again: the end of its downtime
+        elif fault.kind == "wedge":
+            record.note = cluster.wedge(fault.slot)
         elif fault.kind == "freeze":
             try:
                 record.effective, record.note = cluster.freeze(fault.slot)
@@ -349,6 +353,8 @@ class ChaosRun:
             self.cluster.unpause(fault.slot)
         elif fault.kind == "lag":
             record.effective, record.note = self.cluster.unthrottle(fault.slot)
+        elif fault.kind == "wedge":
+            record.effective, record.note = self.cluster.unwedge(fault.slot)
         elif fault.kind == "freeze":
             # never woken: killed and replaced in its slot, as an orchestrator would
             self.cluster.kill(fault.slot)
