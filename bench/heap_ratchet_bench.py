@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,17 +25,16 @@ from rich.table import Table
 
 from bench.source import PollSource
 from bench.triggerer_bench import (
-    _HOME,
     Waits,
+    bench_config,
     launch_instance,
     machine_speed,
     migrated_template,
     seed,
     settled,
 )
-from devkit.devstack import AirflowConfig, AirflowStack, Component
-from devkit.pgserver import create_database, drop_database
-from tests.helpers.databases import unique_name
+from devkit.devstack import AirflowStack, Component
+from devkit.pgserver import drop_database
 from tests.helpers.waiting import rows
 
 console = Console()
@@ -110,13 +108,8 @@ def one_round(fleet: Fleet, peer: Component, number: int) -> tuple[Component, Ro
 def run(args: argparse.Namespace, server_dsn: str, template: str) -> Result:
     unique = round(args.waiters * (1 - args.duplicates))
     result = Result(args.waiters, unique)
-    name = unique_name("st_bench_heap")
-    dsn = create_database(server_dsn, name, template)
-    home = _HOME / "heap"
-    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
-                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
-                           extra={"AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(args.lease_seconds)})
-    config.home.mkdir(parents=True, exist_ok=True)
+    name, config = bench_config("heap", server_dsn, template,
+                                {"AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(args.lease_seconds)})
     source = PollSource()
     source.start()
     stack = AirflowStack(config)

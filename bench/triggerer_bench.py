@@ -500,16 +500,25 @@ def instance_settings(args: argparse.Namespace) -> dict[str, str]:
     return extra
 
 
+def bench_config(label: str, server_dsn: str, template: str,
+                 extra: dict[str, str]) -> tuple[str, AirflowConfig]:
+    """A metadata database cloned from the run's template and an Airflow home of its own for ``label``:
+    (the database's name, to drop it at the end; the configuration)."""
+    name = unique_name(f"st_bench_{label}")
+    dsn = create_database(server_dsn, name, template)
+    home = _HOME / label
+    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
+                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
+    config.home.mkdir(parents=True, exist_ok=True)
+    return name, config
+
+
 def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str) -> Result:
     result = Result(mode=mode, waiters=args.waiters)
     unique = round(args.waiters * (1 - args.duplicates))
     result.unique = unique
-    name = unique_name(f"st_bench_{mode}")
-    dsn = create_database(server_dsn, name, template)
-    home = _HOME / mode
-    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
-                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=instance_settings(args))
-    config.home.mkdir(parents=True, exist_ok=True)
+    name, config = bench_config(mode, server_dsn, template, instance_settings(args))
+    dsn = config.database_dsn
     source = PollSource()
     source.start()
     stack = AirflowStack(config)

@@ -8,7 +8,7 @@ from typing import Any
 from triggerer.config import Settings
 
 
-def team_of(space: str | None) -> str | None:
+def team_of_space(space: str | None) -> str | None:
     """The team of an instance's shard space key (``<queues>@<team>``), None for no team."""
     from triggerer.store import split_space
 
@@ -18,7 +18,7 @@ def team_of(space: str | None) -> str | None:
 def in_teams(space: str | None, teams: frozenset[str] | None) -> bool:
     """Whether an instance (by its space key) is shown to someone who may see ``teams`` (None: every
     team, as without ``[core] multi_team``); an instance of no team is shown to everyone."""
-    team = team_of(space)
+    team = team_of_space(space)
     return teams is None or team is None or team in teams
 
 
@@ -75,7 +75,7 @@ def instance(row: dict[str, Any]) -> dict[str, Any]:
         "groups": int(row["groups"]),
         "capacity": int(row["capacity"]),
         "queues": row["queues"],
-        "team": team_of(row["queues"]),
+        "team": team_of_space(row["queues"]),
         "health_url": row["health_url"],
         "events_total": int(row["events_total"]),
         "resumed_total": int(row["resumed_total"]),
