@@ -4,19 +4,24 @@
     .venv/bin/python -m bench.chaos --quick --seed 7          # the short profile the test suite runs
 
 A private PostgreSQL (always: it is restarted and its clock stepped during the run; libfaketime is
-installed with apt-get when missing), a migrated Airflow metadata database with an audit trigger,
-``--instances`` smart triggerers (each through a TCP proxy of its own, its sessions named after it), the
-dataset bridge's outbox and relay to an inbox stub, seeded deferred waiters (40% duplicates, push and pull
-status-table waits, SQL flags, HTTP keys, some with a trigger_timeout due during the run) and status-table
+installed with apt-get when missing), a migrated Airflow metadata database with an audit trigger, a
+two-team fleet (``[core] multi_team``): ``--instances`` smart triggerers of no team and two of each team
+(``--team-name``), each through a TCP proxy of its own, its sessions named after it, each uploading its
+trigger logs to a remote store of its own; the dataset bridge's outbox and relay to an inbox stub; seeded
+deferred waiters (40% duplicates, push and pull status-table waits, SQL flags, HTTP keys, identical waits
+of both teams and of no team whose event says which team's environment ran it, consume-once waits whose
+source hands each message out once, some with a trigger_timeout due during the run) and status-table
 asset watchers. For ``--minutes`` a seeded schedule of faults runs while conditions flip and status rows
 arrive: SIGKILL, SIGSTOP past the lease, SIGTERM, a fourth instance joining and leaving, PostgreSQL
 restarts, an instance frozen for good inside a transaction (then killed and replaced), a network
 partition between an instance and PostgreSQL, a DB error right after a lease renewal, a forward step of
 the database's clock, a trigger runner stopped alone past ``runner_stall_seconds`` (a wedged event loop:
-its instance must hand every shard over), one poison event and one asset event whose extra holds a
-``\u0000``. Then the
-checker proves from the databases that every waiter resumed exactly once with its own event or timed out
-no earlier than due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
+its instance must hand every shard over), an instance's remote log store hanging for a few leases (its
+leases must go on renewing), consume-once messages queued and one instance SIGTERMed as they are taken,
+one poison event and one asset event whose extra holds a ``\u0000``. Then the checker proves from the
+databases that every waiter resumed exactly once with its own event (a team's wait with its own team's
+mark, a consume-once wait with its own message, each message taken once) or timed out no earlier than
+due (the poison group: failed once with the cause), nothing else failed, every SUCCESS row
 made exactly one asset event and the relay delivered it (the ``\u0000`` one dead-lettered alone), and no
 wait stalled past ``lease + poll interval + 3 s`` (the clock's steps and PostgreSQL's downtime taken
 out; ``runner_stall_seconds`` more across a wedged runner). Exit status 1 when any check fails. The
@@ -90,7 +95,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=None, help="length of the chaos phase (20)")
     parser.add_argument("--waiters", type=int, default=None, help="seeded deferred waiters (2000)")
     parser.add_argument("--instances", type=int, default=None, help="smart triggerer instances (3)")
-    parser.add_argument("--quick", action="store_true", help="the short profile: 1.5 minutes, 300 waiters")
+    parser.add_argument("--quick", action="store_true", help="the short profile: 2.25 minutes, 300 waiters")
     parser.add_argument("--keep-logs", type=Path, default=None,
                         help="copy the instances' logs to this directory before the temp dir is removed")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")

@@ -24,12 +24,13 @@ from tests.helpers.chaos.checker import (
     judge,
     judge_assets,
     judge_bridge,
+    judge_consumed,
     on_host_clock,
     overlaps,
     wedges,
 )
 from tests.helpers.chaos.cluster import FaultRecord
-from tests.helpers.chaos.constants import FAULT_KINDS, NUL_ASSET, ONCE, POISON
+from tests.helpers.chaos.constants import CONSUME, FAULT_KINDS, NUL_ASSET, ONCE, POISON, TEAM
 from tests.helpers.chaos.plan import Identity, Profile, Waiter, make_plan
 from tests.helpers.chaos.run import fired_by
 from tests.helpers.fake_clock import ClockStep, FakeClockPostgres, continuous
@@ -122,6 +123,41 @@ def test_a_poison_event_must_fail_its_tasks_with_the_cause_exactly_once(
         assert outcome.stall == 2.0
     else:
         assert any(problem in p for p in outcome.problems), outcome.problems
+
+
+@pytest.mark.parametrize(("team", "ran_in", "wrong"), [
+    ("alpha", "alpha", False), ("beta", "alpha", True), (None, "", False), (None, "beta", True),
+    ("alpha", "", True)])
+def test_a_team_wait_must_resume_with_its_own_teams_mark(team: str | None, ran_in: str, wrong: bool) -> None:
+    """Identical waits of two teams: an event made in another team's environment (or none) is wrong."""
+    waiter = Waiter(0, Identity(TEAM, "h00001", team=team), wave=0, poll_interval=2.0, push=False)
+    event = {"event": {"key": "h00001", "ran_in": ran_in}}
+    trail = [entry("deferred", 0), entry("resolved", 12, kwargs=event)]
+    outcome = judge(waiter, trail, at(10), BOUND)
+    assert any("wrong" in p for p in outcome.problems) == wrong, outcome.problems
+
+
+def test_a_consumed_message_must_reach_its_tasks_and_be_taken_once() -> None:
+    ident = Identity(CONSUME, "q00_1")
+    waiter = Waiter(0, ident, wave=0, poll_interval=1.0, push=False)
+    mine = {"event": {"key": "q00_1", "message": ident.message}}
+
+    def problems(kwargs: dict[str, Any]) -> list[str]:
+        trail = [entry("deferred", 0), entry("resolved", 12, kwargs=kwargs)]
+        return judge(waiter, trail, at(10), BOUND).problems
+
+    assert problems(mine) == []
+    assert problems({"event": {"key": "q00_1", "message": "message for q00_2"}})
+    plan = make_plan(Profile.quick(SEED))
+    keys = sorted({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})
+    assert keys, "the short plan has consume-once waits"
+    once = {k: [(f"message for {k}", "smart-1")] for k in keys}
+    assert judge_consumed(plan, Observed({}, {}, {}, {}, [], [], T0, takes=once)) == []
+    twice = {**once, keys[0]: once[keys[0]] * 2}
+    never = {k: v for k, v in once.items() if k != keys[-1]}
+    assert "taken 2 times" in judge_consumed(plan, Observed({}, {}, {}, {}, [], [], T0, takes=twice))[0]
+    left = judge_consumed(plan, Observed({}, {}, {}, {}, [], [], T0, takes=never, queue_left=[keys[-1]]))
+    assert left == [f"CONSUME {keys[-1]}: taken 0 times [], left in the queue"]
 
 
 def test_stalls_are_measured_without_the_database_clock_steps() -> None:
@@ -259,6 +295,20 @@ def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
     assert plan.describe() == make_plan(Profile.quick(SEED)).describe()
     assert any(w.timeout_at is not None for w in plan.waiters)
     assert len({w.identity.key for w in plan.waiters}) < len(plan.waiters)
+    # identical waits across teams: the same key waited on by every team (its twins seeded before the start)
+    teams = [w.identity for w in plan.waiters if w.identity.kind == TEAM]
+    by_key: dict[str, set[str | None]] = {}
+    for ident in teams:
+        by_key.setdefault(ident.name, set()).add(ident.team)
+    assert by_key and all({"alpha", "beta"} <= found for found in by_key.values()), by_key
+    assert all(w.wave == 0 for w in plan.waiters if w.identity.kind in (TEAM, CONSUME))
+    # a consume fault comes a lease and a loop after any fault that leaves stale coroutines behind
+    stale = ("sigkill", "sigstop", "freeze", "partition", "db_error", "clock_step", "wedge", "lag")
+    for consume in (f for f in plan.faults if f.kind == "consume"):
+        assert consume.slot.startswith("smart-")
+        before = [f for f in plan.faults if f.at < consume.at and f.kind in stale]
+        assert all(consume.at - (f.at + (0 if f.kind == "clock_step" else f.hold)) >= plan.profile.retake
+                   for f in before), (consume, before)
 
 
 def test_a_partition_holds_what_is_sent_until_it_heals(pg_db: str) -> None:

@@ -8,6 +8,7 @@ Importable by the triggerer processes the chaos run starts (PYTHONPATH = repo ro
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from triggers.http import shared_request
 from triggers.identity import DedupableTrigger
+from triggers.pg import shared_pool, target_for
 
 
 async def poll_until_ready(url: str, key: str, poll_interval: float) -> dict[str, Any]:
@@ -48,6 +50,78 @@ class SourcePollTrigger(DedupableTrigger, BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         yield TriggerEvent(await poll_until_ready(self.url, self.key, self.poll_interval))
+
+
+class TeamSourcePollTrigger(SourcePollTrigger):
+    """``SourcePollTrigger`` whose event also says which team's environment ran it (``TEAM_MARK``, set in a
+    team instance's environment; empty on an instance of no team). Identical waits of two teams have the
+    same kwargs: a task resumed by another team's coroutine shows it in its payload."""
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.TeamSourcePollTrigger",
+                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        await poll_until_ready(self.url, self.key, self.poll_interval)
+        yield TriggerEvent({"key": self.key, "ran_in": os.environ.get("TEAM_MARK", "")})
+
+
+# The queue's message is deleted and its taking recorded in one statement: what was taken, by which
+# instance process (PGAPPNAME, which the chaos run sets to the instance's name), when.
+TAKE_SQL = """
+WITH taken AS (DELETE FROM chaos.queue WHERE key = $1 RETURNING key, message)
+INSERT INTO chaos.queue_taken (key, message, taker, at)
+SELECT key, message, $2, clock_timestamp() FROM taken RETURNING message
+"""
+
+
+class QueueTakeTrigger(BaseTrigger):
+    """A task's wait on a message its source hands out once (taken, it is gone: a queue). An event the
+    triggerer dropped after this fired is lost for good, where a state-based trigger would fire again.
+    Not deduplicable (each task takes its own message), so each wait runs alone, as in stock Airflow.
+
+    The take is shielded from a cancel (a handover ends the coroutine): the take runs to its end and its
+    message is yielded before the cancel is honoured, so no cancel can come between the message leaving
+    the queue and the event leaving the coroutine. That is how a trigger of a consuming source must be
+    written; what the triggerer then does with the event is what the chaos run checks."""
+
+    def __init__(self, conn_id: str, key: str, poll_interval: float = 1.0) -> None:
+        super().__init__()
+        self.conn_id, self.key, self.poll_interval = conn_id, key, poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{__name__}.QueueTakeTrigger",
+                {"conn_id": self.conn_id, "key": self.key, "poll_interval": self.poll_interval})
+
+    async def _take(self) -> str | None:
+        pool = await shared_pool(await target_for(self.conn_id, patience=5.0))
+        taken: str | None = await pool.fetchval(TAKE_SQL, self.key, os.environ.get("PGAPPNAME", ""))
+        return taken
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            take = asyncio.ensure_future(self._take())
+            try:
+                message = await asyncio.shield(take)
+            except asyncio.CancelledError:
+                message = await _outcome(take)
+                if message is not None:
+                    yield TriggerEvent({"key": self.key, "message": message})
+                raise
+            except Exception:  # the source unreachable for a while: try again at the next poll
+                message = None
+            if message is not None:
+                yield TriggerEvent({"key": self.key, "message": message})
+                return
+            await asyncio.sleep(self.poll_interval)
+
+
+async def _outcome(take: asyncio.Future[str | None]) -> str | None:
+    """The take's message once it has ended (None if it failed)."""
+    try:
+        return await take
+    except Exception:
+        return None
 
 
 class SourceWatchTrigger(BaseEventTrigger):

@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.helpers.chaos.cluster import FaultRecord
-from tests.helpers.chaos.constants import FAULT_KINDS, FLAG, NUL_ASSET, POISON, REJECTED_MARK, TABLE
+from tests.helpers.chaos.constants import (
+    CONSUME,
+    FAULT_KINDS,
+    FLAG,
+    NUL_ASSET,
+    POISON,
+    REJECTED_MARK,
+    TABLE,
+    TEAM,
+)
 from tests.helpers.chaos.plan import Identity, Plan, Waiter
 from tests.helpers.fake_clock import ClockStep, continuous
 
@@ -36,8 +45,11 @@ class Observed:
     # its watcher first fired the row's event (host clock, its log's "Trigger fired event" line)
     fired_by: dict[int, dict[str, dt.datetime]] = field(default_factory=dict)
     stored_by: dict[int, str] = field(default_factory=dict)  # asset event id -> the process that stored it
-    # shard -> (when, instance process) of every "took shards" line naming it (host clock, its logs)
-    took: dict[int, list[tuple[dt.datetime, str]]] = field(default_factory=dict)
+    # (team, shard) -> (when, instance process) of every "took shards" line naming it (host clock, its logs)
+    took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]] = field(default_factory=dict)
+    # the consume-once source: each key's takes (message, taker process), the keys never taken
+    takes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    queue_left: list[str] = field(default_factory=list)
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -95,6 +107,10 @@ def payload_matches(ident: Identity, payload: Any) -> bool:
         return payload.get("status") == "success" and loaded == list(ident.tables)
     if ident.kind == FLAG:
         return payload.get("status") == "success"
+    if ident.kind == TEAM:  # run in its own team's environment, never another team's (or none)
+        return payload == {"key": ident.name, "ran_in": ident.team or ""}
+    if ident.kind == CONSUME:
+        return payload == {"key": ident.name, "message": ident.message}
     return payload == {"key": ident.name}
 
 
@@ -297,7 +313,8 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
 
 
 def other_shard_holders(entries: list[dict[str, Any]], condition: dt.datetime | None,
-                   took: dict[int, list[tuple[dt.datetime, str]]]) -> int:
+                        took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]],
+                        team: str | None = None) -> int:
     """Instance processes other than the one that resumed a wait which took the wait's shard while it
     waited (after its condition held and it deferred, before the resume): each was struck before it
     stored the event (killed, frozen, cut off, stopped), or handed the shard on, and the next owner had to
@@ -310,7 +327,7 @@ def other_shard_holders(entries: list[dict[str, Any]], condition: dt.datetime | 
         return 0
     first = writes[0]
     start = max([condition, *deferred[:1]])
-    takers = {process for at, process in took.get(int(first["shard"]), [])
+    takers = {process for at, process in took.get((team, int(first["shard"])), [])
               if start < at < first["at"] and process != first["writer"]}
     return len(takers)
 
@@ -433,7 +450,7 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
         cond = condition_time(waiter.identity, observed.conditions)
         due = (None if waiter.timeout_at is None else
                continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
-        struck = other_shard_holders(entries, cond, observed.took)
+        struck = other_shard_holders(entries, cond, observed.took, waiter.identity.team)
         bound = profile.bound(waiter.poll_interval) + struck * profile.retake
         written = next((e["at"] for e in entries if e["op"] in ("resolved", "rewritten", "deleted")), None)
         if overlaps(cond, written, wedged):  # its instance's runner may have been the stopped one
@@ -454,6 +471,8 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
     bridge = judge_bridge(observed)
     violations += bridge.violations
     violations += [f"INSTANCE exited on its own: {text}" for text in run["unexpected_exits"]]
+    violations += [f"INSTANCE leases lapsed: {text}" for text in run.get("lapses", [])]
+    violations += judge_consumed(plan, observed)
     figures = _figures(plan, outcomes, assets, faults, run) + _bridge_figures(bridge, run, raw.clock_steps)
     notes_faults = [f"{f.kind} {f.slot} not made as planned: {f.note}" for f in faults if not f.effective]
     notes = list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]]
@@ -463,6 +482,20 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
               for u in run["startup_exits"]]
     notes += notes_faults
     return Report(figures, violations, notes, trigger_ids, set(assets.failing_rows))
+
+
+def judge_consumed(plan: Plan, observed: Observed) -> list[str]:
+    """Each consume-once message queued was taken exactly once (the source hands it out once); its tasks'
+    events are judged with every waiter's (their own message, exactly once)."""
+    problems = []
+    queued = sorted({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})
+    for key in queued:
+        takes = observed.takes.get(key, [])
+        if len(takes) != 1:
+            where = "left in the queue" if key in observed.queue_left else "never queued"
+            problems.append(f"CONSUME {key}: taken {len(takes)} times {takes}"
+                            + ("" if takes else f", {where}"))
+    return problems
 
 
 def _bridge_figures(bridge: BridgeOutcome, run: dict[str, Any],
@@ -533,6 +566,12 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
                                          sorted(Counter(w.identity.kind for w in plan.waiters).items()))
          + f"; push {sum(w.push for w in plan.waiters)}; second wave {sum(w.wave for w in plan.waiters)}"),
         ("waiters with a timeout", str(len(timed))),
+        ("team waits resumed with their own team's mark / team waits (teams)",
+         f"{_own(plan, outcomes, TEAM)} / {sum(1 for w in plan.waiters if w.identity.kind == TEAM)} "
+         f"({', '.join(p.teams) or 'none'}, {p.team_instances} instances each)"),
+        ("consume-once waits resumed with their message / waits (messages, each taken once)",
+         f"{_own(plan, outcomes, CONSUME)} / {sum(1 for w in plan.waiters if w.identity.kind == CONSUME)} "
+         f"({len({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})})"),
         ("resumed", str(verdicts["resumed"])),
         ("timed out", str(verdicts["timed_out"])),
         ("poison waiters failed with the cause (expected) / poison waiters",
@@ -569,12 +608,20 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
     return figures
 
 
+def _own(plan: Plan, outcomes: dict[int, Outcome], kind: str) -> int:
+    """Waiters of ``kind`` resumed once with their own event (no problem at all)."""
+    return sum(1 for w in plan.waiters if w.identity.kind == kind
+               and outcomes[w.index].verdict == "resumed" and not outcomes[w.index].problems)
+
+
 def _as_planned(faults: Sequence[FaultRecord]) -> str:
     """Faults whose effect is confirmed, of those that need it: a freeze caught inside a transaction, a
     DB error that reached the loop right after a renewal."""
     parts = []
     for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop"),
-                       ("lag", "shed shards while lagging"), ("wedge", "handed every shard over")):
+                       ("lag", "shed shards while lagging"), ("wedge", "handed every shard over"),
+                       ("log_hang", "uploads hung"),
+                       ("consume", "the stopped instance had taken messages")):
         made = [f for f in faults if f.kind == kind]
         parts.append(f"{kind}: {sum(f.effective for f in made)}/{len(made)} {what}")
     return ", ".join(parts)

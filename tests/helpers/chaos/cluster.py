@@ -9,6 +9,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -16,7 +17,7 @@ import psycopg2
 
 from devkit.devstack import AirflowStack, Component
 from devkit.pgserver import EmbeddedPostgres, sqlalchemy_url
-from tests.helpers.chaos.constants import STARTED_MARK, Log
+from tests.helpers.chaos.constants import STARTED_MARK, TEAM_MARK_ENV, Log, team_of
 from tests.helpers.tcp_proxy import Proxies
 from tests.helpers.throttle import RunnerThrottle
 
@@ -47,6 +48,11 @@ DB_UNAVAILABLE = "database unavailable"
 SHEDDING_MARK = "over a limit: taking no new shards"  # supervisor/load.py's line when shedding starts
 WEDGED_MARK = "event loop is blocked; handing every shard over"  # supervisor/stall.py's step-out line
 THROTTLE_STOPPED, THROTTLE_PERIOD = 1.2, 1.5  # a lag of about 1.2 s: over the run's max_loop_lag_ms
+# supervisor/leases.py's lines when leases could not be renewed in time or lapsed
+LAPSE_MARKS = ("cannot renew shard leases", "shard leases lapsed")
+# every instance uploads its ended triggers' logs to a remote store that hangs while the log_hang fault
+# holds (tests/helpers/remote_logs.py: an upload blocks until the file "release" exists in its folder)
+REMOTE_LOGS = {"AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "tests.helpers.remote_logs.LOGGING_CONFIG"}
 
 
 class Cluster:
@@ -58,10 +64,13 @@ class Cluster:
     whose process exited is an unexpected exit: recorded and restarted.
     """
 
-    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log, proxies: Proxies,
-                 lease_seconds: float) -> None:
+    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log, proxies: Proxies, *,
+                 lease_seconds: float, uploads: Path) -> None:
         self.stack, self.server, self.log, self.proxies = stack, server, log, proxies
         self.lease_seconds = lease_seconds
+        self.uploads = uploads  # one folder per instance process: its remote log store
+        self.hung: dict[str, tuple[Path, int]] = {}  # slot -> its store's folder, its log's offset
+        self.lapses: list[str] = []  # instances whose leases lapsed while their log store hung
         self.slots: dict[str, Component] = {}
         self.down: set[str] = set()
         self.paused: set[str] = set()
@@ -83,16 +92,27 @@ class Cluster:
 
     def start(self, slot: str) -> Component:
         self.generation[slot] += 1
-        name = slot if self.generation[slot] == 1 else f"{slot}.{self.generation[slot]}"
+        name = self.process_name(slot)
         proxy = self.proxies.get(slot)
         through = re.sub(r"@127\.0\.0\.1:\d+/", f"@127.0.0.1:{proxy.port}/", self.dsn)
+        store = self.uploads / name
+        store.mkdir(parents=True, exist_ok=True)
+        (store / "release").touch()
         env = {"PGAPPNAME": name, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through),
                # capacity is a cap: the survivors of a fault must have room for every wait
-               "AIRFLOW__TRIGGERER__CAPACITY": "100000"}
-        component = self.stack.start_smart_triggerer(name, env=env)
+               "AIRFLOW__TRIGGERER__CAPACITY": "100000", **REMOTE_LOGS, "HANGING_UPLOADS_DIR": str(store)}
+        team = team_of(slot)
+        if team is not None:
+            env[TEAM_MARK_ENV] = team
+        component = self.stack.start_smart_triggerer(name, env=env, team_name=team)
         self.slots[slot] = component
         self.down.discard(slot)
         return component
+
+    def process_name(self, slot: str) -> str:
+        """The name of the slot's latest process (smart-3.13: its 13th start), its sessions' and log's."""
+        number = self.generation[slot]
+        return slot if number <= 1 else f"{slot}.{number}"
 
     def start_relay(self, args: list[str]) -> None:
         """The dataset bridge's relay (outbox -> the inbox stub); watched like the instances."""
@@ -181,6 +201,28 @@ class Cluster:
             runner.send_signal(signal.SIGCONT)
         stepped = WEDGED_MARK in _log_since(self.slots[slot], offset)
         return stepped, "handed every shard over" if stepped else "did not step out"
+
+    def hang_logs(self, slot: str) -> str:
+        """The instance's remote log store stops answering: each upload from now on blocks."""
+        component = self.slots[slot]
+        store = self.uploads / component.name
+        (store / "release").unlink(missing_ok=True)
+        self.hung[slot] = (store, component.log_path.stat().st_size)
+        return f"uploads of {component.name} hang"
+
+    def unhang_logs(self, slot: str) -> tuple[bool, str]:
+        """The store answers again; whether an upload hung meanwhile, and whether the instance's leases
+        lapsed (its log says so): a violation, since a hanging store must never stall the loop."""
+        store, offset = self.hung.pop(slot)
+        hung = [f for f in store.glob("*.started") if not f.with_suffix(".uploaded").exists()]
+        (store / "release").touch()
+        component = self.slots.get(slot)
+        if component is not None and store.name == component.name:
+            said = _log_since(component, offset)
+            lapsed = [mark for mark in LAPSE_MARKS if mark in said]
+            if lapsed:
+                self.lapses.append(f"{component.name}: {lapsed[0]!r} while its remote log store hung")
+        return bool(hung), f"{len(hung)} uploads hung" if hung else "no upload began while it hung"
 
     def pause(self, slot: str) -> None:
         self.paused.add(slot)
@@ -309,6 +351,8 @@ class Cluster:
         frozen ones (never woken), heal every partition."""
         for slot in list(self.throttled):
             self.unthrottle(slot)
+        for slot in list(self.hung):
+            self.unhang_logs(slot)
         for slot in list(self.paused):
             self.unpause(slot)
         for slot in list(self.frozen):

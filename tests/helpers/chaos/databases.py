@@ -11,6 +11,7 @@ import psycopg2
 
 from tests.helpers.chaos.constants import (
     ASSET_CHANNEL,
+    CONSUME,
     FLAG,
     FLAG_CHANNEL,
     LOAD_CHANNEL,
@@ -33,6 +34,12 @@ CREATE TABLE chaos.flags (
     name text PRIMARY KEY, value boolean NOT NULL DEFAULT false, flipped_at timestamptz
 );
 CREATE TABLE chaos.http_flip (key text PRIMARY KEY, at timestamptz NOT NULL);
+-- the consume-once source: a message is queued once (the record of it, with its time, stays in
+-- chaos.queued) and taken once (deleted from chaos.queue; who took it, when: chaos.queue_taken)
+CREATE TABLE chaos.queued (key text PRIMARY KEY, message text NOT NULL, at timestamptz NOT NULL);
+CREATE TABLE chaos.queue (key text PRIMARY KEY, message text NOT NULL);
+CREATE TABLE chaos.queue_taken (key text NOT NULL, message text NOT NULL, taker text NOT NULL,
+                                at timestamptz NOT NULL);
 """
 
 # Every transition of a task instance into or out of DEFERRED, every rewrite of a resolved one's
@@ -186,6 +193,11 @@ class Warehouse:
         elif ident.kind == FLAG:
             execute(self.dsn, "UPDATE chaos.flags SET value = true, flipped_at = clock_timestamp() "
                               f"WHERE name = %s AND NOT value; NOTIFY {FLAG_CHANNEL}", (ident.name,))
+        elif ident.kind == CONSUME:
+            execute(self.dsn, "WITH q AS (INSERT INTO chaos.queued (key, message, at) VALUES (%s, %s, "
+                              "clock_timestamp()) ON CONFLICT DO NOTHING RETURNING key, message) "
+                              "INSERT INTO chaos.queue (key, message) SELECT key, message FROM q",
+                    (ident.name, ident.message))
         else:
             # recorded first, then served: the recorded time is never later than the real flip
             execute(self.dsn, "INSERT INTO chaos.http_flip (key, at) VALUES (%s, clock_timestamp()) "
@@ -204,10 +216,19 @@ class Warehouse:
         queries = (f"SELECT table_name, min(created_dttm) FROM {STATUS_TABLE} "
                    "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%' GROUP BY table_name",
                    "SELECT name, flipped_at FROM chaos.flags WHERE value",
-                   "SELECT key, at FROM chaos.http_flip")
+                   "SELECT key, at FROM chaos.http_flip", "SELECT key, at FROM chaos.queued")
         for query in queries:
             found.update({r[0]: r[1] for r in execute(self.dsn, query, fetch=True)})
         return found
+
+    def takes(self) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
+        """Each queued message's takes (message, taker), by key; and the keys still in the queue."""
+        taken: dict[str, list[tuple[str, str]]] = {}
+        for key, message, taker in execute(self.dsn, "SELECT key, message, taker FROM chaos.queue_taken "
+                                                     "ORDER BY at", fetch=True):
+            taken.setdefault(key, []).append((message, taker))
+        left = [r[0] for r in execute(self.dsn, "SELECT key FROM chaos.queue ORDER BY key", fetch=True)]
+        return taken, left
 
     def asset_rows(self) -> list[tuple[int, str, str, dt.datetime]]:
         return [(int(r[0]), r[1], r[2], r[3]) for r in execute(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.helpers.chaos.constants import (
+    CONSUME,
     FLAG,
     FLAG_CHANNEL,
     FLAG_SQL,
@@ -19,6 +20,7 @@ from tests.helpers.chaos.constants import (
     POISON_MEMBERS,
     STATUS_TABLE,
     TABLE,
+    TEAM,
 )
 
 
@@ -43,11 +45,18 @@ class Profile:
     row_every: tuple[float, float] = (0.5, 2.0)  # new status rows for the asset watchers
     db_error_seconds: float = 1.0  # how long an instance's statements fail after its lease renewal
     runner_stall_seconds: float = 12.0  # [smart_triggerer] runner_stall_seconds of the run (the wedge fault)
+    # a two-team fleet ([core] multi_team): each team's instances beside the ``instances`` of no team, and
+    # a share of the identities waited on by every team alike (the same kwargs), some also by no team
+    teams: tuple[str, ...] = ("alpha", "beta")
+    team_instances: int = 2  # per team: one may be struck while the other takes its shards
+    team_share: float = 0.12
+    consume_waits: int = 10  # consume-once waits whose messages each consume fault puts in the queue
+    consume_poll: float = 1.0
 
     @classmethod
     def quick(cls, seed: int) -> Profile:
-        """The short profile: about three minutes end to end, at least one fault of each kind."""
-        return cls(seed=seed, minutes=1.75, waiters=300, assets=4, gap=(1.0, 2.5))
+        """The short profile: about four minutes end to end, at least one fault of each kind."""
+        return cls(seed=seed, minutes=2.25, waiters=300, assets=4, gap=(1.0, 2.5))
 
     @property
     def seconds(self) -> float:
@@ -69,6 +78,12 @@ class Profile:
         """Planned distance between a condition and a deadline, so the expected outcome is unambiguous."""
         return self.bound(max(*self.polls, self.push_poll)) + 3.0
 
+    @property
+    def slots(self) -> list[str]:
+        """Every instance slot a fault may strike: those of no team (smart-N), then each team's."""
+        return [f"smart-{n + 1}" for n in range(self.instances)] + [
+            f"{team}-{n + 1}" for team in self.teams for n in range(self.team_instances)]
+
 
 @dataclass
 class Identity:
@@ -80,10 +95,17 @@ class Identity:
     flip_at: float = 0.0
     earliest: float = 0.0  # constraints from members' deadlines (see _plan_timeouts)
     latest: float = float("inf")
+    team: str | None = None  # trigger.team_name of its waiters (the team kind)
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{'+'.join(self.tables) if self.tables else self.name}"
+        team = f"@{self.team}" if self.team else ""
+        return f"{self.kind}:{'+'.join(self.tables) if self.tables else self.name}{team}"
+
+    @property
+    def message(self) -> str:
+        """The consume kind's message, which its source hands out once."""
+        return f"message for {self.name}"
 
 
 @dataclass
@@ -102,8 +124,10 @@ class Waiter:
 
     def kwargs(self, http_url: str) -> dict[str, Any]:
         ident = self.identity
-        if ident.kind == POISON:
+        if ident.kind in (POISON, TEAM):
             return {"url": http_url, "key": ident.name, "poll_interval": self.poll_interval}
+        if ident.kind == CONSUME:
+            return {"conn_id": "warehouse", "key": ident.name, "poll_interval": self.poll_interval}
         if ident.kind == TABLE:
             return {"conn_id": "warehouse", "required_tables": list(ident.tables),
                     "status_table": STATUS_TABLE, "poll_interval": self.poll_interval,
@@ -149,6 +173,7 @@ def make_plan(profile: Profile) -> Plan:
     total = profile.seconds
     unique = max(3, round(profile.waiters * (1 - profile.duplicates)))
     identities = _plan_identities(rng, unique, total)
+    identities += _plan_team_twins(rng, profile, identities)
     waiters = _plan_waiters(rng, profile, identities)
     _plan_timeouts(rng, profile, waiters)
     for ident in identities:
@@ -159,6 +184,7 @@ def make_plan(profile: Profile) -> Plan:
     identities.append(poison)
     waiters += [Waiter(len(waiters) + n, poison, 0, rng.choice(profile.polls), False)
                 for n in range(POISON_MEMBERS)]
+    _plan_consumed(profile, faults, identities, waiters)
     return Plan(profile, identities, waiters, _plan_rows(rng, profile), faults, wave_at=0.3 * total)
 
 
@@ -178,6 +204,33 @@ def _plan_identities(rng: random.Random, unique: int, total: float) -> list[Iden
     return identities
 
 
+def _plan_team_twins(rng: random.Random, profile: Profile, identities: list[Identity]) -> list[Identity]:
+    """A share of the HTTP identities become the team kind, waited on by the first team; each gets a twin
+    of the same key (the same kwargs) for every other team, and every other one one of no team too."""
+    if not profile.teams:
+        return []
+    chosen = [i for i in identities if i.kind == HTTP]
+    chosen = rng.sample(chosen, min(len(chosen), max(1, round(len(identities) * profile.team_share))))
+    twins = []
+    for number, ident in enumerate(chosen):
+        ident.kind, ident.team = TEAM, profile.teams[0]
+        teams: list[str | None] = list(profile.teams[1:]) + ([None] if number % 2 == 0 else [])
+        twins += [Identity(TEAM, ident.name, flip_at=ident.flip_at, team=team) for team in teams]
+    return twins
+
+
+def _plan_consumed(profile: Profile, faults: list[FaultPlan], identities: list[Identity],
+                   waiters: list[Waiter]) -> None:
+    """The consume-once waits: ``consume_waits`` per consume fault (first wave, no deadline), each on a
+    message of its own (a consumed event is never shared: its trigger is not deduplicable), which that
+    fault puts in the queue."""
+    for number, fault in enumerate(f for f in faults if f.kind == "consume"):
+        for j in range(profile.consume_waits):
+            ident = Identity(CONSUME, f"q{number:02d}_{j}", flip_at=fault.at)
+            identities.append(ident)
+            waiters.append(Waiter(len(waiters), ident, 0, profile.consume_poll, False))
+
+
 def _plan_waiters(rng: random.Random, profile: Profile, identities: list[Identity]) -> list[Waiter]:
     hot = identities[: max(1, len(identities) // 10)]
     chosen = list(identities)  # every identity has at least one waiter
@@ -186,9 +239,10 @@ def _plan_waiters(rng: random.Random, profile: Profile, identities: list[Identit
     rng.shuffle(chosen)
     waiters = []
     for index, ident in enumerate(chosen):
-        push = ident.kind != HTTP and rng.random() < 0.5
+        push = ident.kind in (TABLE, FLAG) and rng.random() < 0.5
         poll = profile.push_poll if push else rng.choice(profile.polls)
-        wave = 1 if rng.random() < profile.wave_share else 0
+        # a team's waits are seeded before the instances start: their team_name is set with the seeding
+        wave = 1 if ident.kind != TEAM and rng.random() < profile.wave_share else 0
         waiters.append(Waiter(index, ident, wave, poll, push))
     return waiters
 
@@ -199,7 +253,9 @@ def _plan_timeouts(rng: random.Random, profile: Profile, waiters: list[Waiter]) 
     resume."""
     total, margin = profile.seconds, profile.margin
     wanted = round(len(waiters) * profile.timeout_share)
-    candidates = [w for w in waiters if w.wave == 0 and len(w.identity.tables) <= 1]
+    # twins share their flip: a deadline constrains one identity's flip only
+    candidates = [w for w in waiters
+                  if w.wave == 0 and len(w.identity.tables) <= 1 and w.identity.kind != TEAM]
     for waiter in rng.sample(candidates, min(wanted, len(candidates))):
         ident = waiter.identity
         if rng.random() < 0.7:
@@ -241,30 +297,46 @@ _HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
     "clock_step": lambda rng, p: rng.uniform(0.5, 2.0) * p.lease_seconds,
     "poison": lambda rng, p: 0.0,
     "nul_extra": lambda rng, p: 0.0,
+    # the instance's remote log store answers nothing for a few leases: its leases must go on renewing
+    "log_hang": lambda rng, p: p.lease_seconds * rng.uniform(1.5, 2.5),
+    # messages queued, then SIGTERM of one instance as they are taken: its handover stores what it took;
+    # down until restarted, then long enough for the next owners to take and store the rest
+    "consume": lambda rng, p: p.consume_poll + rng.uniform(5.0, 7.0),
 }
+# Faults after which an instance whose shards moved may still run their coroutines for a while (stopped,
+# cut off, its clock jumped, its runner wedged): a consume fault keeps this far from their end, so that
+# no stale coroutine takes a message (what it took would die with its fenced-out event: README, "Triggers
+# whose source hands a message out once")
+STALE_AFTER = ("sigkill", "sigstop", "freeze", "partition", "db_error", "clock_step", "wedge", "lag")
 INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of the schedule's
 
 
 def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
     first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart", "freeze", "partition", "db_error",
-                        "clock_step", "poison", "nul_extra", "lag", "wedge"], 12)
+                        "clock_step", "poison", "nul_extra", "lag", "wedge", "log_hang", "consume"], 14)
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
-    slots = [f"smart-{n + 1}" for n in range(profile.instances)]
+    slots = profile.slots
     extra = f"smart-{profile.instances + 1}"
     faults: list[FaultPlan] = []
-    at, joined = 4.0, False
+    at, joined, stale_until = 4.0, False, 0.0
     while True:
         kind = first[len(faults)] if len(faults) < len(first) else _random_kind(rng, joined)
         hold = _HOLDS[kind](rng, profile)
+        if kind == "consume":  # far enough from the end of the last fault that leaves stale coroutines
+            at = max(at, stale_until)
         takes = 0.0 if kind in INSTANT else hold
         if at + takes > profile.seconds - 8:
             break
+        # the consume-once waits are of no team: their fault strikes an instance of no team
+        pool = slots[:profile.instances] if kind == "consume" else slots
         slot = ({"join": extra, "leave": extra, "pg_restart": "postgres", "clock_step": "postgres",
-                 "poison": "source", "nul_extra": "source"}.get(kind) or rng.choice(slots))
+                 "poison": "source", "nul_extra": "source"}.get(kind) or rng.choice(pool))
         faults.append(FaultPlan(kind, at, hold, slot))
+        if kind in STALE_AFTER:
+            stale_until = max(stale_until, at + takes + profile.retake + 2.0)
         joined = {"join": True, "leave": False}.get(kind, joined)
         at += takes + rng.uniform(*profile.gap)
     return faults
@@ -272,5 +344,5 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
     kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join", "freeze",
-             "partition", "db_error", "clock_step", "lag", "wedge"]
-    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1))[0]
+             "partition", "db_error", "clock_step", "lag", "wedge", "log_hang", "consume"]
+    return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1, 1, 1))[0]

@@ -30,6 +30,7 @@ from tests.helpers.chaos.constants import (
     ASSET_DAG,
     BRIDGE_SOURCE,
     CLASSPATHS,
+    CONSUME,
     FLAG,
     NUL_ASSET,
     NUL_KEY,
@@ -41,9 +42,10 @@ from tests.helpers.chaos.constants import (
     SINK_SECRET_ENV,
     STATUS_TABLE,
     Log,
+    team_of,
 )
 from tests.helpers.chaos.databases import ASSET_DAG_FILE, AUDIT_DDL, Warehouse, db_now, execute
-from tests.helpers.chaos.plan import FaultPlan, Profile, Waiter, make_plan
+from tests.helpers.chaos.plan import FaultPlan, Identity, Profile, Waiter, make_plan
 from tests.helpers.chaos.source import KeySource
 from tests.helpers.fake_clock import ClockStep, FakeClockPostgres
 from tests.helpers.tcp_proxy import Proxies
@@ -106,15 +108,16 @@ class ChaosRun:
         stack = AirflowStack(self._config(root, airflow_dsn, warehouse_dsn, routes))
         stack.config.dags_folder.mkdir(parents=True, exist_ok=True)
         self.stack = stack
-        cluster = Cluster(stack, server, self.log, self.proxies, self.profile.lease_seconds)
+        cluster = Cluster(stack, server, self.log, self.proxies, lease_seconds=self.profile.lease_seconds,
+                          uploads=root / "uploads")
         self.cluster = cluster
         resources.callback(self._stop_everything)
         self._sync_assets()
         self._bridge(routes)
         self._seed_wave(0)
         self._set_timeouts()
-        for n in range(self.profile.instances):
-            cluster.start(f"smart-{n + 1}")
+        for slot in self.profile.slots:
+            cluster.start(slot)
         self._wait_loaded()
         self._chaos(self._wait_for_t0())
         self._finish()
@@ -133,6 +136,9 @@ class ChaosRun:
         migrate(AirflowConfig(home=root / "migrate", database_dsn=airflow_dsn, dags_folder=root / "dags",
                               fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
         execute(airflow_dsn, AUDIT_DDL)
+        if self.profile.teams:
+            execute(airflow_dsn, "INSERT INTO team (name) SELECT unnest(%s::text[])",
+                    (list(self.profile.teams),))
         return airflow_dsn, create_database(server.dsn, "chaos_warehouse")
 
     def _routes(self, root: Path) -> Path:
@@ -174,6 +180,8 @@ class ChaosRun:
             "AIRFLOW__SMART_TRIGGERER__MAX_LOOP_LAG_MS": "800",
             # the wedge fault's stopped runner: its instance hands every shard over past this
             "AIRFLOW__SMART_TRIGGERER__RUNNER_STALL_SECONDS": str(self.profile.runner_stall_seconds),
+            # a two-team fleet: every instance filters by team, those of no team serve rows of no team
+            "AIRFLOW__CORE__MULTI_TEAM": str(bool(self.profile.teams)),
         }
         return AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=root / "dags",
                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
@@ -214,14 +222,20 @@ class ChaosRun:
         from tests.helpers.seeding import seed_deferred
 
         for kind, classpath in CLASSPATHS.items():
-            members = [w for w in self.plan.waiters if w.wave == wave and w.identity.kind == kind]
-            if not members:
-                continue
-            seeded = seed_deferred(
-                self.airflow_dsn, self.stack.config.dags_folder, count=len(members), classpath=classpath,
-                kwargs_for=partial(_kwargs_of, members, self.source.url), dag_id=f"chaos_w{wave}_{kind}")
-            for map_index, (waiter, ti_id) in enumerate(zip(members, seeded.ti_ids, strict=True)):
-                waiter.ti_id, waiter.dag_id, waiter.map_index = ti_id, seeded.dag_id, map_index
+            for team in (None, *self.profile.teams):
+                members = [w for w in self.plan.waiters
+                           if w.wave == wave and w.identity.kind == kind and w.identity.team == team]
+                if not members:
+                    continue
+                seeded = seed_deferred(
+                    self.airflow_dsn, self.stack.config.dags_folder, count=len(members), classpath=classpath,
+                    kwargs_for=partial(_kwargs_of, members, self.source.url),
+                    dag_id=f"chaos_w{wave}_{kind}" + (f"_{team}" if team else ""))
+                if team is not None:  # as Airflow sets it from the DAG's bundle; before any instance reads
+                    execute(self.airflow_dsn, "UPDATE trigger SET team_name = %s WHERE id = ANY(%s)",
+                            (team, list(seeded.trigger_ids)))
+                for map_index, (waiter, ti_id) in enumerate(zip(members, seeded.ti_ids, strict=True)):
+                    waiter.ti_id, waiter.dag_id, waiter.map_index = ti_id, seeded.dag_id, map_index
         self.log(f"seeded wave {wave + 1}: {sum(1 for w in self.plan.waiters if w.wave == wave)} waiters")
 
     def _wait_loaded(self) -> None:
@@ -282,9 +296,9 @@ class ChaosRun:
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
         flip = self.warehouse.flip
-        # the poison group's condition is its fault
+        # the poison group's condition is its fault, the consume-once waits' messages theirs
         actions = [Action(i.flip_at, next(seq), f"flip {i.name}", partial(flip, i, self.source))
-                   for i in self.plan.identities if i.kind != POISON]
+                   for i in self.plan.identities if i.kind not in (POISON, CONSUME)]
         actions += [Action(at, next(seq), f"row {t} {s}", partial(self.warehouse.status_row, t, s))
                     for at, t, s in self.plan.rows]
         actions.append(Action(self.plan.wave_at, next(seq), "wave 2", partial(self._seed_wave, 1)))
@@ -311,6 +325,10 @@ class ChaosRun:
             record.ended = wall_clock()  # accepting connections again: the end of its downtime
         elif fault.kind == "wedge":
             record.note = cluster.wedge(fault.slot)
+        elif fault.kind == "log_hang":
+            record.note = cluster.hang_logs(fault.slot)
+        elif fault.kind == "consume":
+            record.note = self._consume(fault)
         elif fault.kind == "freeze":
             try:
                 record.effective, record.note = cluster.freeze(fault.slot)
@@ -324,6 +342,28 @@ class ChaosRun:
         elapsed = time.monotonic() - self.chaos_start
         note = f": {record.note}" if record.note else ""
         self.log(f"  {elapsed:6.1f}s fault {fault.kind} {fault.slot}{note}")
+
+    def _consume(self, fault: FaultPlan) -> str:
+        """Queue the messages of this fault's consume-once waits, then SIGTERM one instance as they are
+        taken (half a poll later): what its handover took must be stored, what it had not yet taken is
+        taken by the next owner."""
+        queued = self._queued_by(fault)
+        for ident in queued:
+            self.warehouse.flip(ident, self.source)
+        time.sleep(0.7 * self.profile.consume_poll)
+        self.cluster.terminate(fault.slot)
+        return f"{len(queued)} messages queued, then SIGTERM"
+
+    def _queued_by(self, fault: FaultPlan) -> list[Identity]:
+        return [i for i in self.plan.identities if i.kind == CONSUME and i.flip_at == fault.at]
+
+    def _consumed(self, fault: FaultPlan) -> tuple[bool, str]:
+        """Who took the consume fault's messages: made as planned when the stopped instance took some."""
+        takers = Counter(taker for ident in self._queued_by(fault)
+                         for _message, taker in self.warehouse.takes()[0].get(ident.name, []))
+        stopped = self.cluster.process_name(fault.slot)  # not restarted yet
+        said = ", ".join(f"{n} by {taker}" for taker, n in sorted(takers.items()))
+        return takers[stopped] > 0, f"taken: {said or 'none yet'} ({stopped} was stopped)"
 
     def _instant_fault(self, fault: FaultPlan, record: FaultRecord) -> None:
         """Faults that are over once made: a DB error window, a clock step, the poison, the NUL extra."""
@@ -347,8 +387,12 @@ class ChaosRun:
         record.ended = wall_clock()
 
     def _fault_end(self, fault: FaultPlan, record: FaultRecord) -> None:
-        if fault.kind in ("sigkill", "sigterm"):
+        if fault.kind == "consume":
+            record.effective, record.note = self._consumed(fault)
+        if fault.kind in ("sigkill", "sigterm", "consume"):
             self.cluster.start(fault.slot)
+        elif fault.kind == "log_hang":
+            record.effective, record.note = self.cluster.unhang_logs(fault.slot)
         elif fault.kind == "sigstop":
             self.cluster.unpause(fault.slot)
         elif fault.kind == "lag":
@@ -419,6 +463,7 @@ class ChaosRun:
                  "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)
         events = [(int(r[0]), r[1], as_dict(r[2]), r[3]) for r in found]
         stored_by = {int(r[0]): r[4] for r in found if r[4]}
+        takes, left = self.warehouse.takes()
         outbox = {int(r[0]): (str(r[1]), r[2]) for r in execute(
             dsn, "SELECT asset_event_id, status, last_error FROM dataset_bridge.outbox WHERE target = %s",
             (SINK,), fetch=True)}
@@ -426,7 +471,8 @@ class ChaosRun:
                         self.warehouse.asset_rows(), events, self.t0_db, diagnostics,
                         clock_steps=list(self.clock_steps), outbox=outbox,
                         delivered=Counter(self.source.received), fired_by=fired_by(self.stack.log_dir),
-                        stored_by=stored_by, took=took_shards(self.stack.log_dir))
+                        stored_by=stored_by, took=took_shards(self.stack.log_dir),
+                        takes=takes, queue_left=left)
 
     def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
@@ -480,7 +526,8 @@ class ChaosRun:
                 "startup_exits": list(self.cluster.startup_exits),
                 "unclean_stops": list(self.cluster.unclean_stops), "notes": list(self.notes),
                 "term_exit_seconds": list(self.cluster.term_exit_seconds),
-                "polls": self.source.polls, "inbox_refusals": self.source.inbox_refusals}
+                "polls": self.source.polls, "inbox_refusals": self.source.inbox_refusals,
+                "lapses": list(self.cluster.lapses)}
 
     def _evidence(self, trigger_ids: set[int], row_ids: set[int], per_component: int = 12) -> list[str]:
         """Log lines that name a failing waiter's trigger or a lost status row, and each component's last
@@ -502,6 +549,7 @@ class ChaosRun:
         return lines
 
 
+INSTANCE_LOG = re.compile(r"^[a-z]+-\d+(\.\d+)?$")  # smart-3.13, alpha-2: not the relay
 FIRED_LINE = re.compile(r"^(\S+Z) .*Trigger fired event.*'row_id': (\d+)")
 TOOK_LINE = re.compile(r"^(\S+Z) .*took shards .*shards=\[([\d, ]*)\]")
 
@@ -510,19 +558,20 @@ def _matching_lines(log_dir: Path,
                     pattern: re.Pattern[str]) -> Iterator[tuple[str, dt.datetime, re.Match[str]]]:
     """(instance process, the line's time, the match) of every instance log line ``pattern`` matches; the
     pattern's first group is the line's timestamp."""
-    for log_file in sorted(log_dir.glob("smart-*.log")):
+    for log_file in sorted(f for f in log_dir.glob("*.log") if INSTANCE_LOG.match(f.stem)):
         for line in log_file.read_text(errors="replace").splitlines():
             found = pattern.search(line)
             if found:
                 yield log_file.stem, dt.datetime.fromisoformat(found.group(1).replace("Z", "+00:00")), found
 
 
-def took_shards(log_dir: Path) -> dict[int, list[tuple[dt.datetime, str]]]:
-    """When each instance process took each shard (their logs' "took shards" lines)."""
-    took: dict[int, list[tuple[dt.datetime, str]]] = {}
+def took_shards(log_dir: Path) -> dict[tuple[str | None, int], list[tuple[dt.datetime, str]]]:
+    """When each instance process took each shard of its team's space (their logs' "took shards" lines),
+    by (team, shard): each team's shards are leases of their own."""
+    took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]] = {}
     for process, at, found in _matching_lines(log_dir, TOOK_LINE):
         for shard in filter(None, (s.strip() for s in found.group(2).split(","))):
-            took.setdefault(int(shard), []).append((at, process))
+            took.setdefault((team_of(process), int(shard)), []).append((at, process))
     return took
 
 
