@@ -80,10 +80,13 @@ class QueueTakeTrigger(BaseTrigger):
     triggerer dropped after this fired is lost for good, where a state-based trigger would fire again.
     Not deduplicable (each task takes its own message), so each wait runs alone, as in stock Airflow.
 
-    The take is shielded from a cancel (a handover ends the coroutine): the take runs to its end and its
-    message is yielded before the cancel is honoured, so no cancel can come between the message leaving
-    the queue and the event leaving the coroutine. That is how a trigger of a consuming source must be
-    written; what the triggerer then does with the event is what the chaos run checks."""
+    The take is shielded from cancels (a handover ends the coroutine, and its cancel is sent again with
+    every answer until the coroutine has ended): the take runs to its end, however many cancels come
+    meanwhile, and its message is yielded before the cancel is honoured, so no cancel can come between the
+    message leaving the queue and the event leaving the coroutine. That is how a trigger of a consuming
+    source must be written; what the triggerer then does with the event is what the chaos run checks. A
+    message taken stays ``TAKE_REPLY_SECONDS`` in the take (a slow reply), so that takes are in flight
+    when an instance is stopped: the window a cancel must not fall into is wide."""
 
     def __init__(self, conn_id: str, key: str, poll_interval: float = 1.0) -> None:
         super().__init__()
@@ -93,18 +96,15 @@ class QueueTakeTrigger(BaseTrigger):
         return (f"{__name__}.QueueTakeTrigger",
                 {"conn_id": self.conn_id, "key": self.key, "poll_interval": self.poll_interval})
 
-    async def _take(self) -> str | None:
-        pool = await shared_pool(await target_for(self.conn_id, patience=5.0))
-        taken: str | None = await pool.fetchval(TAKE_SQL, self.key, os.environ.get("PGAPPNAME", ""))
-        return taken
-
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        # the connection is looked up before any take: a cancel there takes nothing
+        pool = await shared_pool(await target_for(self.conn_id, patience=5.0))
         while True:
-            take = asyncio.ensure_future(self._take())
+            take = asyncio.ensure_future(_take(pool, self.key))
             try:
                 message = await asyncio.shield(take)
             except asyncio.CancelledError:
-                message = await _outcome(take)
+                message = await _ended(take)
                 if message is not None:
                     yield TriggerEvent({"key": self.key, "message": message})
                 raise
@@ -116,12 +116,25 @@ class QueueTakeTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_interval)
 
 
-async def _outcome(take: asyncio.Future[str | None]) -> str | None:
-    """The take's message once it has ended (None if it failed)."""
-    try:
-        return await take
-    except Exception:
-        return None
+TAKE_REPLY_SECONDS = 0.3
+
+
+async def _take(pool: Any, key: str) -> str | None:
+    taken: str | None = await pool.fetchval(TAKE_SQL, key, os.environ.get("PGAPPNAME", ""))
+    if taken is not None:
+        await asyncio.sleep(TAKE_REPLY_SECONDS)
+    return taken
+
+
+async def _ended(take: asyncio.Future[str | None]) -> str | None:
+    """The take's message once it has ended (None if it failed), shielded from every further cancel."""
+    while True:
+        try:
+            return await asyncio.shield(take)
+        except asyncio.CancelledError:
+            continue  # another cancel of the coroutine, not of the take: it runs on
+        except Exception:
+            return None
 
 
 class SourceWatchTrigger(BaseEventTrigger):

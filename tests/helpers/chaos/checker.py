@@ -485,8 +485,10 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
 
 
 def judge_consumed(plan: Plan, observed: Observed) -> list[str]:
-    """Each consume-once message queued was taken exactly once (the source hands it out once); its tasks'
-    events are judged with every waiter's (their own message, exactly once)."""
+    """Each consume-once message queued was taken once. That is the source's promise (a DELETE), checked
+    here so that the harness's own source is known to hold it; the product's part is judged with every
+    waiter's: each task resumed once with its own message (a message taken and dropped leaves its task
+    deferred: lost)."""
     problems = []
     queued = sorted({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})
     for key in queued:
@@ -556,7 +558,9 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
     timed = [w for w in plan.waiters if w.timeout_at is not None]
     figures = [
         ("seed", str(p.seed)),
-        ("instances", f"{p.instances} (+1 joining), {p.shards} shards, lease {p.lease_seconds:g}s"),
+        ("instances", f"{p.instances} of no team (+1 joining), {p.team_instances} of each team "
+                      f"({', '.join(p.teams) or 'none'}); {p.shards} shards per team space, "
+                      f"lease {p.lease_seconds:g}s"),
         ("chaos phase / total wall time (s)", f"{run['chaos_seconds']:.0f} / {run['wall_seconds']:.0f}"),
         ("faults", f"{len(faults)}: " + ", ".join(f"{k} {kinds[k]}" for k in FAULT_KINDS)),
         ("faults made as planned", _as_planned(faults)),

@@ -48,8 +48,9 @@ DB_UNAVAILABLE = "database unavailable"
 SHEDDING_MARK = "over a limit: taking no new shards"  # supervisor/load.py's line when shedding starts
 WEDGED_MARK = "event loop is blocked; handing every shard over"  # supervisor/stall.py's step-out line
 THROTTLE_STOPPED, THROTTLE_PERIOD = 1.2, 1.5  # a lag of about 1.2 s: over the run's max_loop_lag_ms
-# supervisor/leases.py's lines when leases could not be renewed in time or lapsed
-LAPSE_MARKS = ("cannot renew shard leases", "shard leases lapsed")
+# the instance's leases: how many, and the least renewed one's expiry (database clock)
+OWNED = ("SELECT count(*), min(expires_at), clock_timestamp() FROM smart_triggerer.shard_lease "
+         "WHERE owner_job_id = %s")
 # every instance uploads its ended triggers' logs to a remote store that hangs while the log_hang fault
 # holds (tests/helpers/remote_logs.py: an upload blocks until the file "release" exists in its folder)
 REMOTE_LOGS = {"AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "tests.helpers.remote_logs.LOGGING_CONFIG"}
@@ -69,7 +70,7 @@ class Cluster:
         self.stack, self.server, self.log, self.proxies = stack, server, log, proxies
         self.lease_seconds = lease_seconds
         self.uploads = uploads  # one folder per instance process: its remote log store
-        self.hung: dict[str, tuple[Path, int]] = {}  # slot -> its store's folder, its log's offset
+        self.hung: dict[str, Hang] = {}  # slot -> what its hanging store's fault saw at the start
         self.lapses: list[str] = []  # instances whose leases lapsed while their log store hung
         self.slots: dict[str, Component] = {}
         self.down: set[str] = set()
@@ -205,24 +206,40 @@ class Cluster:
     def hang_logs(self, slot: str) -> str:
         """The instance's remote log store stops answering: each upload from now on blocks."""
         component = self.slots[slot]
+        job = self.job_of(component)
+        owned, _least, now = self._owned(job)
         store = self.uploads / component.name
         (store / "release").unlink(missing_ok=True)
-        self.hung[slot] = (store, component.log_path.stat().st_size)
-        return f"uploads of {component.name} hang"
+        self.hung[slot] = Hang(component.name, store, job, owned, now)
+        return f"uploads of {component.name} hang ({owned} shards held)"
 
     def unhang_logs(self, slot: str) -> tuple[bool, str]:
-        """The store answers again; whether an upload hung meanwhile, and whether the instance's leases
-        lapsed (its log says so): a violation, since a hanging store must never stall the loop."""
-        store, offset = self.hung.pop(slot)
-        hung = [f for f in store.glob("*.started") if not f.with_suffix(".uploaded").exists()]
-        (store / "release").touch()
-        component = self.slots.get(slot)
-        if component is not None and store.name == component.name:
-            said = _log_since(component, offset)
-            lapsed = [mark for mark in LAPSE_MARKS if mark in said]
-            if lapsed:
-                self.lapses.append(f"{component.name}: {lapsed[0]!r} while its remote log store hung")
-        return bool(hung), f"{len(hung)} uploads hung" if hung else "no upload began while it hung"
+        """Before the store answers again: the instance must still hold its shards, every lease renewed
+        after the hang began plus a lease (a loop stalled by an upload renews nothing, and its shards
+        lapse and move); a violation otherwise. Made as planned when an upload hung meanwhile."""
+        hang = self.hung.pop(slot)
+        hung = [f for f in hang.store.glob("*.started") if not f.with_suffix(".uploaded").exists()]
+        try:
+            owned, least, _now = self._owned(hang.job)
+        finally:
+            (hang.store / "release").touch()
+        renewed = least is not None and least > hang.since + dt.timedelta(seconds=self.lease_seconds)
+        if hang.owned and not (owned and renewed):
+            self.lapses.append(f"{hang.process} held {hang.owned} shards when its remote log store began to "
+                               f"hang at {hang.since.isoformat()}; {owned} when it answered again, the "
+                               f"least renewed lease expiring {least.isoformat() if least else None}")
+        said = f"{len(hung)} uploads hung" if hung else "no upload began while it hung"
+        return bool(hung) and bool(hang.owned), f"{said}; shards held {hang.owned} -> {owned}"
+
+    def _owned(self, job: int) -> tuple[int, dt.datetime | None, dt.datetime]:
+        conn = psycopg2.connect(self.dsn, connect_timeout=5)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(OWNED, (job,))
+                count, least, now = cur.fetchone()
+                return int(count), least, now
+        finally:
+            conn.close()
 
     def pause(self, slot: str) -> None:
         self.paused.add(slot)
@@ -359,6 +376,15 @@ class Cluster:
             self.kill(slot)
         for slot in list(self.proxies.by_name):
             self.proxies.heal(slot)
+
+
+@dataclass(frozen=True)
+class Hang:
+    process: str
+    store: Path
+    job: int
+    owned: int  # shards it held when its store began to hang
+    since: dt.datetime  # the database clock then
 
 
 def _log_head(component: Component, size: int = 4_000_000) -> str:

@@ -21,6 +21,7 @@ from tests.helpers.chaos.constants import (
     STATUS_TABLE,
     TABLE,
     TEAM,
+    team_of,
 )
 
 
@@ -318,28 +319,47 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
-    slots = profile.slots
     extra = f"smart-{profile.instances + 1}"
     faults: list[FaultPlan] = []
     at, joined, stale_until = 4.0, False, 0.0
+    struck: dict[str, float] = {}  # slot -> when its last fault ended
     while True:
         kind = first[len(faults)] if len(faults) < len(first) else _random_kind(rng, joined)
         hold = _HOLDS[kind](rng, profile)
-        if kind == "consume":  # far enough from the end of the last fault that leaves stale coroutines
-            at = max(at, stale_until)
+        if kind in ("consume", "log_hang"):  # away from the end of the last fault that leaves stale
+            at = max(at, stale_until)               # coroutines (or lapses) behind
         takes = 0.0 if kind in INSTANT else hold
         if at + takes > profile.seconds - 8:
             break
-        # the consume-once waits are of no team: their fault strikes an instance of no team
-        pool = slots[:profile.instances] if kind == "consume" else slots
         slot = ({"join": extra, "leave": extra, "pg_restart": "postgres", "clock_step": "postgres",
-                 "poison": "source", "nul_extra": "source"}.get(kind) or rng.choice(pool))
+                 "poison": "source", "nul_extra": "source"}.get(kind)
+                or rng.choice(_strikable(profile, kind, at, struck)))
         faults.append(FaultPlan(kind, at, hold, slot))
+        struck[slot] = at + takes
         if kind in STALE_AFTER:
             stale_until = max(stale_until, at + takes + profile.retake + 2.0)
         joined = {"join": True, "leave": False}.get(kind, joined)
         at += takes + rng.uniform(*profile.gap)
     return faults
+
+
+# a team instance struck this long after its team's other one was: that one is back (restarted, woken,
+# reconnected) and holds its shards again, so that the team always has an instance to take over
+TEAM_RECOVERY_SECONDS = 20.0
+
+
+def _strikable(profile: Profile, kind: str, at: float, struck: dict[str, float]) -> list[str]:
+    """The slots a fault of ``kind`` may strike at ``at``: those of no team for the consume fault (its waits
+    are of no team) and the log_hang fault (they end most triggers, so uploads happen); a team's slot only
+    when the team's other instances have recovered from their last fault."""
+    teamless = profile.slots[:profile.instances]
+    if kind in ("consume", "log_hang"):
+        return teamless
+    ready = [slot for slot in profile.slots[profile.instances:]
+             if all(at - struck.get(other, -1e9) >= TEAM_RECOVERY_SECONDS
+                    for other in profile.slots[profile.instances:]
+                    if other != slot and team_of(other) == team_of(slot))]
+    return teamless + ready
 
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
