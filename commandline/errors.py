@@ -16,7 +16,7 @@ from sqlalchemy.exc import ArgumentError
 
 
 class ExitCode(IntEnum):
-    """Documented in the README's Troubleshooting section; keep them stable."""
+    """Documented in docs/reference.md (Exit codes); keep them stable."""
 
     CONFIG = 2  # an invalid setting, argument or file
     DATABASE_UNREACHABLE = 3  # the database cannot be reached or refuses the login
@@ -208,7 +208,7 @@ def explain(err: BaseException) -> tuple[str, int] | None:
                     "postgresql://user:password@host:5432/airflow", ExitCode.CONFIG)
         denied = _privilege_failure(link)
         if denied is not None:
-            return (f"the database role lacks a privilege ({denied}): see the README's Install section for "
+            return (f"the database role lacks a privilege ({denied}): see docs/operations/install.md for "
                     "the privileges the smart triggerer and the dataset bridge need",
                     ExitCode.DATABASE_PRIVILEGE)
         reason = _connection_failure(link)

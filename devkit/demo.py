@@ -516,7 +516,7 @@ def _run(demo: Demo, console: Console, keep_running: bool, publish: Callable[[Su
         config = demo.config(airflow_dsn, warehouse_dsn)
         with console.status("airflow db migrate (about a minute on a small machine)"):
             migrate(config)
-        # metadata-DB sensors read Airflow's database through a role that cannot write (README)
+        # metadata-DB sensors read Airflow's database through a read-only role (docs/guides/sensors.md)
         config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(airflow_dsn)
         stack = AirflowStack(config)
         try:

@@ -107,7 +107,8 @@ READER_TABLES = ("asset", "asset_event", "dag_run")
 
 def reader_dsn(dsn: str) -> str:
     """A DSN for ``dsn``'s database through a role that can only read it (created once): what the
-    ``airflow_db`` connection of metadata-DB sensors should use. The statements are the README's."""
+    ``airflow_db`` connection of metadata-DB sensors should use (the statements of
+    docs/guides/sensors.md)."""
     import psycopg2
     from psycopg2 import sql
 

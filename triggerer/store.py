@@ -45,7 +45,7 @@ class SchemaTooNew(UserError, RuntimeError):
         super().__init__(
             f"the smart_triggerer schema needs instances that know its version {needed} (a newer release "
             f"changed it incompatibly); this release knows up to version {known}: run the newer release "
-            "here too, or see README 'Upgrade and rollback' to go back"
+            "here too, or see docs/operations/upgrade.md to go back"
         )
 
 

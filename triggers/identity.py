@@ -140,8 +140,8 @@ class DedupableTrigger(DeclaresIdentity):
     Deduplication makes one poll per *distinct* wait. A trigger whose check reads rows by key (a status
     row per table) can also share one query with the other distinct waits on the same source: its
     ``run`` joins a :class:`triggers.coalesce.KeyedBatch` (``shared_batch``) instead of polling alone, and
-    judges the rows of its own keys itself. The contract is in ``triggers/coalesce.py``; the README's
-    "Writing a deduplicable trigger" has an example.
+    judges the rows of its own keys itself. The contract is in ``triggers/coalesce.py``;
+    docs/guides/deduplicable-triggers.md has an example.
     """
 
 

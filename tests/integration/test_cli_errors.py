@@ -144,7 +144,7 @@ def test_a_missing_database_privilege_is_one_line(config: AirflowConfig) -> None
     reader = sqlalchemy_url(reader_dsn(config.database_dsn))
     env = env_with(config, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=reader)
     one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.DATABASE_PRIVILEGE,
-             "the database role lacks a privilege (permission denied", "README's Install section")
+             "the database role lacks a privilege (permission denied", "docs/operations/install.md")
 
 
 def test_a_health_port_in_use_is_one_line(config: AirflowConfig) -> None:

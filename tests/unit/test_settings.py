@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from triggerer.config import ConfigError, Settings
@@ -87,14 +89,21 @@ def test_every_setting_read_is_declared_for_airflow_config_list(monkeypatch: pyt
             assert (declared or None) == (code_default or None), key
 
 
-def test_the_readme_lists_every_setting_with_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reference_lists_every_setting_with_its_default_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/reference.md holds the one settings table; no other document repeats it (where a second copy
+    would go stale unchecked)."""
     options = provider_options()
-    listed = documented("README.md", set(options))
-    assert set(listed) == set(options), f"missing from the README: {sorted(set(options) - set(listed))}"
+    listed = documented("docs/reference.md", set(options))
+    missing = sorted(set(options) - set(listed))
+    assert set(listed) == set(options), f"missing from docs/reference.md: {missing}"
     for key, default in listed.items():
         declared = str(options[key]["default"])
         assert same_default(default, declared), (
-            f"README says {key} defaults to {default!r}, the provider {declared!r}")
+            f"docs/reference.md says {key} defaults to {default!r}, the provider {declared!r}")
+    root = Path(__file__).resolve().parents[2]
+    for path in ["README.md", *(str(p.relative_to(root)) for p in (root / "docs").rglob("*.md"))]:
+        if path != "docs/reference.md":
+            assert documented(path, set(options)) == {}, f"{path} repeats rows of the settings table"
 
 
 def same_default(written: str, declared: str) -> bool:
