@@ -12,7 +12,8 @@ it, as ours has), once with ours, and counts the
 runner thread's CPU (``time.thread_time``) until the HTTP source (a process of its own) has answered
 every first poll. Airflow's loop gives every coroutine greenback's portal, as stock Airflow does; ours
 gives none to a trigger that says it makes no sync SDK call (``calls_sync_sdk = False``, as the bench's
-trigger does; runner.py, item 10). The rest of a coroutine's start (Airflow's ``run_trigger``, its first
+trigger does; docs/design.md, runner: Greenback's portal). The rest of a coroutine's start (Airflow's
+``run_trigger``, its first
 request through aiohttp) is the same code in both.
 """
 

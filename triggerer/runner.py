@@ -1,69 +1,8 @@
-"""The async trigger runner subprocess: Airflow's own, with these changes.
-
-1. Cancellation: Airflow cancels every trigger it is told to stop as a "user action" and calls
-   ``on_kill()``. A shard handover or a group whose members all left is not a user action: the supervisor
-   sends those ids negated, and this runner cancels them without ``on_kill()``.
-2. Latency: Airflow's loop reports fired events to the supervisor once a second. Here the loop wakes as
-   soon as a trigger fires, so a shared event reaches every waiting task sooner; idle, it ticks every
-   ``IDLE_TICK`` seconds, which is also how soon it picks up new coroutines (the supervisor can only answer
-   the runner's syncs): after a takeover the new owner's coroutines start within half a second, and while
-   a sync brings coroutines to start the next one follows after ``BUSY_TICK`` (the supervisor builds them
-   in batches). While
-   events keep coming (a resume burst) it syncs at most once per ``EVENT_GATHER`` seconds: each sync is a
-   transaction in the supervisor, and hundreds a second of one or two events each cost more CPU than
-   the events themselves.
-3. Cost while waiting: Airflow looks at every coroutine on every tick to find those that ended, yielding
-   to the event loop after each one. Here each coroutine reports its own end (a done callback), and a
-   tick looks only at those: an idle tick costs the same for 10 coroutines as for 10,000.
-4. Log lines: Airflow writes "trigger completed" after every coroutine, also after one that fired and
-   returned; here that line is left out when the coroutine fired ("Trigger fired event" already says
-   it), and kept when it was cancelled or failed. Each line costs the supervisor a secrets-masking pass
-   and a write to the task's log file; in a resume burst these lines were most of its work.
-5. Event loop: uvloop by default (``[smart_triggerer] event_loop``). At 50,000 waiters on 2 cores, under
-   Python's loop the polls due during a resume burst came seconds late (p50 1-4 s), under uvloop 0.1 s.
-6. Log channel: the runner's log lines reach the supervisor through a socket written with blocking writes
-   (Airflow's JSON log channel). Its default send buffer (about 200 KB, a few hundred lines) filled while the
-   supervisor built a batch of workloads, and then the whole event loop waited for the supervisor: at a
-   takeover of thousands the runner created coroutines only between the supervisor's batches. The buffer is
-   widened to ``LOG_CHANNEL_BYTES`` (capped by the kernel's ``net.core.wmem_max``). And lines are sent in
-   batches: Airflow writes each line to the channel with a system call of its own (an unbuffered file), and
-   each wakes the supervisor; at a start of thousands, each coroutine's "trigger ... starting" line was a
-   fifth of the runner's CPU. Here they are gathered and sent in one write (``BatchedLogChannel``) before
-   each sync with the supervisor (which closes an ended coroutine's file), before the loop sleeps, and as
-   soon as ``LOG_BATCH_BYTES`` are waiting; a "Trigger fired event" line goes at once, as Airflow's.
-7. Collector: a big start (a takeover, a cold start) is frozen when each pass of it begins and ends, and
-   only the young generation is collected while it runs (``triggerer.heap.StartFreezer``): collections of
-   the older ones scanned every new coroutine again, freed nothing and stopped the loop for up to 0.7 s
-   each at 50,000 waiters. An idle runner collects its young generation half way to its threshold
-   (``heap.collect_young_while_idle``). Ended coroutines are still freed by reference counting.
-8. Creating coroutines: Airflow's ``create_triggers`` yields to the event loop twice per trigger (before
-   each, and after loading its class); each yield is a pass of the loop with its poll of the sockets. At a
-   takeover of 15,000 that was a tenth of the runner's CPU. Here the same steps yield once per
-   ``CREATE_YIELD_EVERY`` triggers, and after a trigger class was imported (that may take a while). The
-   new coroutines start at that yield, a few milliseconds later at most.
-9. Asking ahead: while the supervisor hands coroutines over, the runner asks for the next pile once
-   ``PREFETCH_BELOW`` are left to create, and goes on creating while the answer comes. Asked only once a
-   pile was done, it waited for the supervisor (reading the next part of a takeover, up to half a second
-   at 50,000 waiters) about a fifth of a takeover.
-10. Greenback's portal: Airflow gives every coroutine one (``greenback.ensure_portal``) so that a trigger
-    may call a sync SDK method (``get_connection()``) from ``async def run()``; the portal then wraps every
-    step of the coroutine for its whole life. A trigger class that says it makes no such call
-    (``calls_sync_sdk = False`` on the class itself: ours, which use ``aget_connection``, ``asend`` and
-    ``aextra_dejson``) runs without one, unless it has templates to render (a template may read a
-    Variable). A sync call made there anyway fails that trigger: a direct one with Airflow's error, which
-    names the async method; a connection or variable lookup as "isn't defined" (Airflow's secrets backend
-    swallows the error). The portal was a sixth of the runner's CPU for a new coroutine in a takeover.
-11. Log processing: Airflow's ``redact_jwt`` runs ``re.sub`` over every string of every log line; its
-    pattern starts with a literal ``eyJ``, so a string without one is left alone here without a search
-    (``redact_jwt_quickly``: the same output for every line). A coroutine's "trigger ... starting" line
-    costs a quarter less.
-12. Nudges: an idle runner syncs with the supervisor every ``IDLE_TICK`` (half a second), and the supervisor
-    can only answer. When it has coroutines to hand over or cancel and the runner has not asked since, it
-    sends the runner ``NUDGE_SIGNAL`` (SIGURG, ignored by default), which ends the tick at once: the first
-    pile of a takeover, and a pile that was not ready at the runner's last sync (while the supervisor read
-    the next phase of a takeover), waited up to half a second for the runner's next tick; so did every new
-    deferral's coroutine.
-"""
+"""The async trigger runner subprocess: Airflow's own, with twelve changes (cancels without ``on_kill``
+on a handover, waking on events, ends reported by each coroutine, fewer log lines, uvloop, a batched log
+channel, the collector at a big start, cheaper creation, asking ahead, no greenback portal where none is
+needed, cheaper JWT redaction, nudges). Each is named where it is made; why, and what it was measured to
+save: docs/design.md, "The trigger runner: what differs from Airflow's"."""
 
 from __future__ import annotations
 
@@ -113,13 +52,14 @@ LOG_CHANNEL_BYTES = 4 * 2**20  # thousands of log lines in flight before the run
 LOG_BATCH_BYTES = 256 * 2**10  # log lines sent at once at most (sooner when the loop pass ends)
 CREATE_YIELD_EVERY = 64  # coroutines created between two yields to the event loop (a few milliseconds)
 PREFETCH_BELOW = 1000  # during a handover, the next pile is asked for with this many left (about 0.3 s)
-# the supervisor's nudge (item 12): its default action is to be ignored, so a nudge sent before the runner
-# listens (or to a runner of another build) does nothing
+# the supervisor's nudge (design: Nudges): its default action is to be ignored, so a nudge sent before
+# the runner listens (or to a runner of another build) does nothing
 NUDGE_SIGNAL = signal.SIGURG
-# Airflow's JWT_PATTERN as this release knows it (item 11): every match starts with JWT_PREFIX
+# Airflow's JWT_PATTERN as this release knows it (design: JWT redaction): every match starts with JWT_PREFIX
 JWT_PATTERN = re.compile(r"eyJ[\.A-Za-z0-9-_]*")
 JWT_PREFIX = "eyJ"
-# set around the creation of a coroutine whose trigger makes no sync SDK call (item 10): copied into its task
+# set around the creation of a coroutine whose trigger makes no sync SDK call (design: Greenback's portal):
+# copied into its task
 _WITHOUT_PORTAL: contextvars.ContextVar[bool] = contextvars.ContextVar("without_portal", default=False)
 
 
@@ -168,7 +108,8 @@ def skip_untraced_spans() -> bool:
 
 class _PortalOnDemand:
     """Stands in for the ``greenback`` module in Airflow's runner module: ``ensure_portal`` does nothing in
-    a task created without a portal (item 10); everything else is greenback's (the module Airflow imported:
+    a task created without a portal (design: Greenback's portal); everything else is greenback's (the
+    module Airflow imported:
     greenback is Airflow's dependency, not ours)."""
 
     def __init__(self, greenback: Any) -> None:
@@ -183,7 +124,8 @@ class _PortalOnDemand:
 
 
 def portal_on_demand() -> None:
-    """Airflow's ``run_trigger`` gives a portal only to coroutines that may need one (item 10)."""
+    """Airflow's ``run_trigger`` gives a portal only to coroutines that may need one (design: Greenback's
+    portal)."""
     from airflow.jobs import triggerer_job_runner
 
     module: Any = triggerer_job_runner
@@ -199,7 +141,8 @@ def needs_portal(trigger_class: Any, context: Any) -> bool:
 
 
 def listen_for_nudges(wake: Callable[[], None]) -> bool:
-    """``NUDGE_SIGNAL`` ends the runner's idle tick (item 12); False where the loop cannot handle signals
+    """``NUDGE_SIGNAL`` ends the runner's idle tick (design: Nudges); False where the loop cannot handle
+    signals
     (not the main thread)."""
     try:
         asyncio.get_running_loop().add_signal_handler(NUDGE_SIGNAL, wake)
@@ -210,7 +153,7 @@ def listen_for_nudges(wake: Callable[[], None]) -> bool:
 
 def quick_jwt_redaction() -> int:
     """Airflow's ``redact_jwt`` log processor in the configured chain replaced by ``redact_jwt_quickly``
-    (item 11), in place: loggers made before share the list; returns how many were replaced."""
+    (design: JWT redaction), in place: loggers made before share the list; returns how many were replaced."""
     from airflow.sdk._shared.logging import structlog as airflow_structlog
 
     theirs = airflow_structlog.JWT_PATTERN
@@ -329,7 +272,8 @@ class _TriggerLog:
         if event == COMPLETED_LINE and self._fired():
             return None
         # on the loop's own thread: structlog's ``ainfo`` hands each line to a thread pool so that a slow
-        # write never blocks the loop, but the runner's channel only adds it to a batch (item 6). Through
+        # write never blocks the loop, but the runner's channel only adds it to a batch (design: The log
+        # channel). Through
         # the pool, the last lines of a handover's thousands of cancelled coroutines cost twice the CPU.
         result = self._log.info(event, *args, **kw)
         if event == FIRED_LINE:

@@ -1,4 +1,5 @@
-"""The runner's log channel gets a send buffer that holds thousands of lines (triggerer/runner.py, item 6)."""
+"""The runner's log channel gets a send buffer that holds thousands of lines (docs/design.md, runner: The
+log channel)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The runner creates coroutines as Airflow's ``create_triggers`` does, yielding to the event loop once per
-``CREATE_YIELD_EVERY`` triggers instead of twice per trigger (triggerer/runner.py, item 8)."""
+``CREATE_YIELD_EVERY`` triggers instead of twice per trigger (docs/design.md, runner: Creating coroutines)."""
 
 from __future__ import annotations
 

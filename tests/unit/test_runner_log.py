@@ -70,7 +70,8 @@ def test_a_cancelled_coroutine_says_completed_even_after_firing() -> None:
 
 
 def test_a_fired_line_is_sent_at_once_other_lines_wait_for_the_loop() -> None:
-    """The runner batches its log lines (runner.py item 6) but sends a "Trigger fired event" line at once:
+    """The runner batches its log lines (docs/design.md, runner: The log channel) but sends a "Trigger
+    fired event" line at once:
     an instance killed before its next sync still leaves in its log what it fired."""
     drains: list[int] = []
 

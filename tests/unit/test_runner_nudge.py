@@ -1,4 +1,4 @@
-"""The supervisor's nudge (triggerer/runner.py, item 12): ``NUDGE_SIGNAL`` ends the runner's idle tick at
+"""The supervisor's nudge (docs/design.md, runner: Nudges): ``NUDGE_SIGNAL`` ends the runner's idle tick at
 once, a nudge before the runner listens is ignored, and the supervisor nudges a runner once until it asks."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Greenback's portal only for coroutines that may need it (triggerer/runner.py, item 10): a trigger class
+"""Greenback's portal only for coroutines that may need it (docs/design.md, runner: Greenback's portal): a
+trigger class
 that says it makes no sync SDK call runs without one; every other (a subclass that does not say it again
 included), and one with templates to render, gets Airflow's portal, and its sync calls work. A sync call
 made without a portal fails that trigger alone: a direct one with Airflow's error naming the async method,

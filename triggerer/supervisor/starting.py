@@ -308,8 +308,9 @@ class GroupStarting(SupervisorState):
         return bool(not_started), more
 
     def _nudge_runner(self) -> None:
-        """Coroutines wait to be handed to the runner (or cancelled): end its idle tick now (runner.py,
-        item 12), once until it asks again. A runner that is gone or not listening yet loses nothing: its
+        """Coroutines wait to be handed to the runner (or cancelled): end its idle tick now
+        (design: Nudges), once until it asks again. A runner that is gone or not listening yet loses
+        nothing: its
         next tick asks anyway."""
         if self.nudged or self.pid is None or self.pid <= 0 or self._exit_code is not None:
             # asked already; not started (0 or less would signal a whole process group: ours); or exited
@@ -482,7 +483,8 @@ class GroupStarting(SupervisorState):
     def _read_sent_log_lines(self) -> None:
         """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
         sync reports it ended, and its reader takes 4 KB a call: the runner sends its lines in
-        batches just before a sync (runner.py, item 6), and the ended coroutines' last lines must reach their
+        batches just before a sync (docs/design.md, runner: The log channel), and the ended coroutines'
+        last lines must reach their
         files, not the supervisor's own log. Bounded: a runner that never stops writing holds nothing up."""
         for key in self._log_keys():
             # Airflow's reader, its 4 KB reads counted; a closed channel is left to the loop's next select
