@@ -32,8 +32,8 @@ from airflow.jobs.triggerer_job_runner import (  # type: ignore[attr-defined]  #
 )
 from airflow.triggers.base import TriggerEvent
 
+from triggerer.collector import StartFreezer, collect_young_while_idle, tune_collector
 from triggerer.config import Settings
-from triggerer.heap import StartFreezer, collect_young_while_idle, tune_collector
 from triggerer.identities import decode_kwargs, decrypt_kwargs
 from triggerer.loop_lag import BlockSpotter, LagBoard, LagMeter
 from triggers.identity import IDENTITY_KWARG
@@ -333,7 +333,7 @@ class SmartTriggerRunner(TriggerRunner):
 
     async def create_triggers(self) -> None:
         """Every coroutine to create, a pile at a time (piles asked ahead arrive meanwhile): each pile is
-        frozen at its end when the start is big (heap.py)."""
+        frozen at its end when the start is big (collector.py)."""
         while self.to_create and not self.stop:
             coming = len(self.to_create)
             with self.freezer.start(coming):
@@ -532,7 +532,7 @@ class SmartTriggerRunner(TriggerRunner):
         assert self._wake is not None
         if not self.events:
             if not self._handing_over and not self.to_create:
-                collect_young_while_idle()  # not within the next start's first piles (heap.py)
+                collect_young_while_idle()  # not within the next start's first piles (collector.py)
             with suppress(TimeoutError):
                 async with asyncio.timeout(BUSY_TICK if self._handing_over else IDLE_TICK):
                     await self._wake.wait()

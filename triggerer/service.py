@@ -16,9 +16,9 @@ from airflow.jobs.triggerer_job_runner import TriggererJobRunner
 from sqlalchemy.exc import SQLAlchemyError
 
 from triggerer.bounded import bound_waits
+from triggerer.collector import tune_collector
 from triggerer.config import ConfigError, Settings
 from triggerer.health import HealthServer
-from triggerer.heap import tune_collector
 from triggerer.supervisor import SmartTriggerRunnerSupervisor
 from triggerer.supervisor.starting import EXIT_LOG_SECONDS
 

@@ -156,8 +156,8 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     be read, or a big hand-out's first log lines are still held; released once none does."""
     import gc
 
+    from triggerer.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
     from triggerer.groups import Groups
-    from triggerer.heap import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
     from triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)

@@ -198,7 +198,7 @@ class GroupStarting(SupervisorState):
             close_ended(trigger_id, factory, self.log_uploads)
 
     def _hold_collector(self) -> None:
-        """No collection of the older generations while a big start runs (``heap.OlderHeld``): groups
+        """No collection of the older generations while a big start runs (``collector.OlderHeld``): groups
         wait to start or to be built, shards of a phased takeover are still to be read, or the first log
         lines of a big hand-out are still held. The last is the runner's own sign: the lines are held
         until none of a new coroutine came for a moment (``_pace_log_files``), and Airflow counts a

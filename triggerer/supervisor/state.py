@@ -20,12 +20,12 @@ from airflow.jobs.triggerer_job_runner import (
 from airflow.triggers.base import TriggerEvent
 from sqlalchemy.orm import Session
 
+from triggerer.collector import OlderHeld
 from triggerer.config import Settings
 from triggerer.dagbag import DagCache, OneBuildDagBag
 from triggerer.db_errors import cause, is_outage
 from triggerer.dead_letters import DeadLetters
 from triggerer.groups import Group, Groups
-from triggerer.heap import OlderHeld
 from triggerer.log_uploads import LogUploads
 from triggerer.notices import MembershipNotices
 from triggerer.store import RowScope, Store, multi_team_enabled, space_key

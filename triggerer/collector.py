@@ -1,33 +1,9 @@
-"""Python's cyclic garbage collector, set for processes that hold tens of thousands of live objects.
-
-A supervisor or runner serving 50,000 waiters keeps hundreds of thousands of objects alive (groups, member
-records, ORM rows while a batch builds, coroutines and their tasks). With CPython's default thresholds
-(a young collection every 700 new container objects, a full one once a quarter of the heap is new) a
-takeover that builds thousands of workloads spends most of its CPU in the collector: building 4,000
-workloads took 2.9 s with the defaults and 0.8 s with the young threshold at 50,000 (measured with
-cProfile on Airflow's ``build_trigger_workloads``, bench/RESULTS.md). Reference counting still frees
-everything that is not in a cycle at once; cycles wait a little longer for their collection.
-
-A big start in the runner (a takeover, a cold start) then makes thousands of coroutines that live until
-their tasks resume. The young collections find them alive and promote them, and each collection of the
-middle generation scans them all again and frees nothing: at 50,000 waiters, pauses of 0.2-0.7 s of the
-runner's loop in the middle of a takeover (measured with ``gc.callbacks``), each reported by Airflow's
-watchdog as "likely caused by a badly-written trigger". ``StartFreezer`` freezes what is alive when a big
-start's pass begins, keeps the middle and the old generations uncollected while it runs and freezes what
-it made at its end: the coroutines are never scanned while they wait. The freeze at the pass's beginning
-is for what the waiting coroutines made since the last young collection (their current sleeps, their last
-responses): the first young collection of a takeover scanned it all, 260-280 ms of the runner's loop at
-25,000 waits (bench/RESULTS.md). Young collections still run within a pass, for the garbage the waiting
-coroutines make meanwhile. What is garbage when a pass begins or ends is frozen with the rest and never
-collected: at most what the young generation held then (it is collected at ``YOUNG_THRESHOLD``
-allocations, and at half of them when the runner is idle), once per pass of a big start, a rare event;
-the bench's runner made none (``collected=0`` in every young collection). When frozen coroutines end,
-reference counting frees them as before; only a cycle that a frozen object is part of is never collected
-(measured: 0.2 objects left per ended coroutine, greenback's portal, 10,000 coroutines cancelled).
-Frozen objects are never given back to the collector: a full collection over them would also write to
-every object the runner inherited frozen from its supervisor, copying those pages (about 60 MB per
-runner, measured) and pausing the loop over the whole heap.
-"""
+"""Python's cyclic garbage collector, set for processes that hold tens of thousands of live objects:
+a young threshold of ``YOUNG_THRESHOLD`` (the defaults spent most of a takeover's CPU in the collector),
+and ``StartFreezer``/``OlderHeld`` around a big start, so that coroutines that wait are never scanned
+again while they wait. Frozen objects are never given back to the collector (a full collection over them
+would copy the pages the runner shares with its supervisor). Why, and what each setting was measured to
+save: docs/design.md, "The collector at a big start"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The collector settings every smart triggerer process runs with (triggerer/heap.py)."""
+"""The collector settings every smart triggerer process runs with (triggerer/collector.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from triggerer import heap
-from triggerer.heap import (
+from triggerer import collector
+from triggerer.collector import (
     BURST_WINDOW_SECONDS,
     FREEZE_FROM,
     HOLD_AT_MOST_SECONDS,
@@ -135,7 +135,7 @@ def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
     that makes it big is frozen, and those after it; new waits at a steady trickle never are."""
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
     clock = [1000.0]
-    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])
     freezer = StartFreezer()
     kept: list[Node] = []
     quarter = FREEZE_FROM // 4
@@ -230,10 +230,10 @@ def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends
     uncollected for as long: released after ``HOLD_AT_MOST_SECONDS``, held again only by the next start."""
     gc.set_threshold(1000, 2, 10)
     clock = [1000.0]
-    monkeypatch.setattr(heap.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])
     held = OlderHeld()
     held.update(FREEZE_FROM, starting=True)
-    assert gc.get_threshold()[1:] == (heap.NO_OLDER_COLLECTIONS, heap.NO_OLDER_COLLECTIONS)
+    assert gc.get_threshold()[1:] == (collector.NO_OLDER_COLLECTIONS, collector.NO_OLDER_COLLECTIONS)
     clock[0] += HOLD_AT_MOST_SECONDS
     held.update(FREEZE_FROM, starting=True)
     assert gc.get_threshold() == (1000, 2, 10)
@@ -242,7 +242,7 @@ def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends
     assert gc.get_threshold() == (1000, 2, 10)
     held.update(0, starting=False)
     held.update(FREEZE_FROM, starting=True)  # the next start
-    assert gc.get_threshold()[1] == heap.NO_OLDER_COLLECTIONS
+    assert gc.get_threshold()[1] == collector.NO_OLDER_COLLECTIONS
 
 
 def test_a_leaving_instance_collects_nothing_more(restored_collector: None) -> None:
