@@ -84,11 +84,12 @@ SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
 
 async def refuse_writable_role(conn: asyncpg.Connection | asyncpg.Pool, conn_id: str) -> None:
     """SourceError when ``conn_id`` logs in as a role that can write: a metadata-DB connection that DAG
-    code may use must be read-only (docs/guides/sensors.md, "A read-only role for airflow_db")."""
+    code may use must be read-only (docs/guides/sensors.md, "Metadata-DB sensors: a
+    read-only role for airflow_db")."""
     if await conn.fetchval(WRITABLE_ROLE_SQL):
         raise SourceError(f"connection {conn_id!r} logs in as a role that can write to Airflow's metadata "
-                          "database; give it a read-only role (docs/guides/sensors.md: 'A read-only role "
-                          "for airflow_db')")
+                          "database; give it a read-only role (docs/guides/sensors.md, "
+                          "'Metadata-DB sensors: a read-only role for airflow_db')")
 
 
 async def target_for(conn_id: str, *, patience: float = 0.0) -> PgTarget:

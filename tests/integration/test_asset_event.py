@@ -80,8 +80,8 @@ def test_external_latest_run_is_read_from_the_metadata_db(
 
 async def test_a_metadata_connection_that_can_write_is_refused(
         airflow_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """airflow_db with the owner's credentials: the sensor fails with the reason, naming the README's
-    read-only role; the reader role (the README's GRANTs) is accepted."""
+    """airflow_db with the owner's credentials: the sensor fails with the reason, naming the
+    read-only role of docs/guides/sensors.md; the reader role (its GRANTs) is accepted."""
     import asyncpg
 
     from deferrables.external_dag import latest_run_id

@@ -8,6 +8,8 @@ import pytest
 
 from triggerer.config import ConfigError, Settings
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def test_event_loop_defaults_to_uvloop_and_accepts_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIRFLOW__SMART_TRIGGERER__EVENT_LOOP", raising=False)
@@ -55,19 +57,6 @@ def provider_options() -> dict[str, dict[str, object]]:
     return get_provider_info()["config"]["smart_triggerer"]["options"]
 
 
-def documented(path: str, keys: set[str]) -> dict[str, str]:
-    """key -> default from the tables of a document whose first column is a settings key."""
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / path).read_text()
-    found = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0].startswith("`") and cells[0].strip("`") in keys:
-            found[cells[0].strip("`")] = cells[1]
-    return found
-
-
 def test_every_setting_read_is_declared_for_airflow_config_list(monkeypatch: pytest.MonkeyPatch) -> None:
     """`airflow config list --section smart_triggerer` shows what the provider declares: every key the
     code reads must be there, with the default the code uses."""
@@ -89,21 +78,56 @@ def test_every_setting_read_is_declared_for_airflow_config_list(monkeypatch: pyt
             assert (declared or None) == (code_default or None), key
 
 
-def test_the_reference_lists_every_setting_with_its_default_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/reference.md holds the one settings table; no other document repeats it (where a second copy
-    would go stale unchecked)."""
+SETTINGS_TABLE = "## `[smart_triggerer]` settings"
+
+
+def table_rows(text: str, heading: str | None = None) -> list[list[str]]:
+    """The cells of each table row (the header and its rule left out), in the first table after
+    ``heading`` or, without one, in every table of ``text``."""
+    lines = text.splitlines()
+    if heading is not None:
+        start = lines.index(heading)
+        first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+        end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+        lines = lines[first:end]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
+    return [cells for cells in rows if cells[0] not in ("key", "") and not set(cells[0]) <= set("-:")]
+
+
+def test_the_reference_lists_every_setting_once_with_its_default() -> None:
+    """docs/reference.md holds the one settings table: each declared option exactly once, nothing else."""
     options = provider_options()
-    listed = documented("docs/reference.md", set(options))
-    missing = sorted(set(options) - set(listed))
-    assert set(listed) == set(options), f"missing from docs/reference.md: {missing}"
-    for key, default in listed.items():
+    rows = table_rows((ROOT / "docs" / "reference.md").read_text(), SETTINGS_TABLE)
+    keys = [cells[0].strip("`") for cells in rows]
+    assert len(keys) == len(set(keys)), f"listed twice: {sorted(k for k in set(keys) if keys.count(k) > 1)}"
+    assert set(keys) == set(options), (f"missing: {sorted(set(options) - set(keys))}; not a setting: "
+                                       f"{sorted(set(keys) - set(options))}")
+    for cells in rows:
+        key, default = cells[0].strip("`"), cells[1]
         declared = str(options[key]["default"])
         assert same_default(default, declared), (
             f"docs/reference.md says {key} defaults to {default!r}, the provider {declared!r}")
-    root = Path(__file__).resolve().parents[2]
-    for path in ["README.md", *(str(p.relative_to(root)) for p in (root / "docs").rglob("*.md"))]:
-        if path != "docs/reference.md":
-            assert documented(path, set(options)) == {}, f"{path} repeats rows of the settings table"
+
+
+def test_no_other_document_repeats_the_settings_table() -> None:
+    """A second copy would go stale unchecked: no other document has a table row for a setting."""
+    options = set(provider_options())
+    documents = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "example_dags" / "README.md",
+                 ROOT / "bench" / "RESULTS.md", *(ROOT / "docs").rglob("*.md")]
+    for path in documents:
+        text = path.read_text()
+        if path.name == "reference.md":  # its other tables, below the settings one
+            text = text[text.index(SETTINGS_TABLE) + len(SETTINGS_TABLE):]
+            text = text[text.index("\n## "):]
+        repeated = [cells[0] for cells in table_rows(text)
+                    if len(cells) >= 3 and cells[0].strip("`") in options]
+        assert not repeated, f"{path.relative_to(ROOT)} repeats rows of the settings table: {repeated}"
+
+
+def test_the_table_reader_sees_a_doubled_or_stale_row() -> None:
+    text = f"{SETTINGS_TABLE}\n\n| key | default | meaning |\n|---|---|---|\n| `shards` | 64 | a |\n" \
+           "| `shards` | 32 | b |\n| `gone` | 1 | c |\n\nafter\n| `x` | 1 | d |\n"
+    assert [cells[0] for cells in table_rows(text, SETTINGS_TABLE)] == ["`shards`", "`shards`", "`gone`"]
 
 
 def same_default(written: str, declared: str) -> bool:

@@ -38,7 +38,7 @@ seeded schedule of faults runs:
 - ``consume``: messages queued for ten consume-once waits (``QueueTakeTrigger``, one message each,
   handed out once), then one instance of no team SIGTERMed 0.7 s later, as they are taken: each message
   must reach its own task (its fault comes a lease and a loop after any fault that leaves stale
-  coroutines behind: what those take is lost by nature, see the README);
+  coroutines behind: what those take is lost by nature, see docs/guides/deduplicable-triggers.md);
 - ``poison``: the source hands one group of waiters an event with a ``\u0000`` (jsonb refuses it): their
   tasks must fail with the cause ("could not be stored"), exactly once;
 - ``nul_extra``: an asset watcher's event whose extra holds a ``\u0000``: one asset event in Airflow, no

@@ -306,8 +306,8 @@ _HOLDS: dict[str, Callable[[random.Random, Profile], float]] = {
 }
 # Faults after which an instance whose shards moved may still run their coroutines for a while (stopped,
 # cut off, its clock jumped, its runner wedged): a consume fault keeps this far from their end, so that
-# no stale coroutine takes a message (what it took would die with its fenced-out event: README, "Triggers
-# whose source hands a message out once")
+# no stale coroutine takes a message (what it took would die with its fenced-out event:
+# docs/guides/deduplicable-triggers.md, on triggers whose source hands a message out once)
 STALE_AFTER = ("sigkill", "sigstop", "freeze", "partition", "db_error", "clock_step", "wedge", "lag")
 INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of the schedule's
 

@@ -150,7 +150,8 @@ class ChaosRun:
         return path
 
     def _bridge(self, routes: Path) -> None:
-        """``dataset-bridge init --routes`` (before any event, as the README says), then the relay."""
+        """``dataset-bridge init --routes`` (before any event, as docs/guides/dataset-bridge.md says), then
+        the relay."""
         import subprocess
         import sys
 
