@@ -37,6 +37,9 @@ jobs:
         --quick         a smaller scenario (40 tasks, for CI)
         --json          stdout is exactly the summary as one JSON object; progress goes to stderr
         --keep-running  leave the stack up and print the UI URL and the environment for the CLIs
+  test --fast
+        the fast lane, about a minute: ruff, mypy (unused `type: ignore`s are errors here), the unit
+        tests; no database, no Airflow process, no system package installed. CI runs it first.
   test [--airflow VERSION] [PYTEST ARGS...]
         ruff, mypy, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow processes);
         fails when no test ran or a test left a temporary directory behind. Extra arguments go to
@@ -157,6 +160,14 @@ def ensure_system_packages() -> None:
     os.environ["SMART_TRIGGERER_CHROMIUM"] = found["chromium"]
 
 
+def only_unit_tests(pytest_args: list[str]) -> bool:
+    """Whether the arguments select only unit tests (paths under tests/unit): those need no browser and
+    no stepped clock, so nothing is installed on the system for them."""
+    paths = [arg for arg in pytest_args if not arg.startswith("-")]
+    return bool(paths) and all(Path(p.split("::")[0]).resolve().is_relative_to(ROOT / "tests" / "unit")
+                               for p in paths)
+
+
 def count_tests(junit: Path) -> tuple[int, int, int, int]:
     """(tests, failures+errors, skipped, executed) from pytest's JUnit XML."""
     root = ET.parse(junit).getroot()  # noqa: S314 (our own pytest report)
@@ -194,8 +205,35 @@ def parallel(pytest_args: list[str]) -> list[str]:
     return workers if dist_given else [*workers, "--dist", "load", "--maxschedchunk", "1"]
 
 
+def fast() -> int:
+    """The fast lane: what a commit must pass before the suite (lint, types, unit tests), in a minute or
+    two. Unit tests need neither a database nor a browser: nothing is installed on the system."""
+    checks = [("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
+              ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
+              ("pytest tests/unit", [str(VENV.bin / "python"), "-m", "pytest", "-q", "tests/unit",
+                                     *parallel([]), f"--basetemp={VENV.path / 'pytest-tmp'}"])]
+    for title, command in checks:
+        step(title)
+        code = run(command)
+        if code != 0:
+            print(f"total time {clock()}; {title} failed (exit {code})", flush=True)
+            return code
+    print(f"total time {clock()}; the fast lane passed", flush=True)
+    return 0
+
+
 def test(pytest_args: list[str]) -> int:
-    ensure_system_packages()
+    if pytest_args[:1] == ["--fast"]:
+        if pytest_args[1:]:
+            sys.exit("dev.py test --fast takes no other arguments")
+        return fast()
+    return suite(pytest_args)
+
+
+def suite(pytest_args: list[str]) -> int:
+    """Lint, types, then pytest in its phases; fails when no test ran or one left a temp dir behind."""
+    if not only_unit_tests(pytest_args):
+        ensure_system_packages()
     airflow = subprocess.run([str(VENV.bin / "python"), "-c", "from importlib import metadata; "
                               "print(metadata.version('apache-airflow'))"],
                              capture_output=True, text=True, check=False).stdout.strip()
@@ -265,7 +303,7 @@ def demo(demo_args: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     jobs = {"demo": demo, "test": test}
-    if argv and argv[0] in ("-h", "--help", "help"):
+    if argv[:1] in (["-h"], ["--help"], ["help"]) or argv[:2] in (["test", "-h"], ["test", "--help"]):
         print(USAGE, end="")
         return 0
     if not argv or argv[0] not in jobs:

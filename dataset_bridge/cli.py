@@ -47,7 +47,8 @@ def build_parser() -> Parser:
         epilog="Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, "
                "AIRFLOW__SECTION__KEY); the metadata database must be PostgreSQL.\nExit codes: 0 ok, 1 "
                "unexpected error (traceback), 2 invalid argument or file, 3 database unreachable, 4 "
-               "metadata database not PostgreSQL, 6 missing database privilege.",
+               "metadata database not PostgreSQL, 6 missing database privilege, 9 Airflow's tables never "
+               "migrated.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in (("run", "run the bridge: mapped task successes and the reconciler"),

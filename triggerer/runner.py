@@ -326,7 +326,8 @@ class SmartTriggerRunner(TriggerRunner):
         self.events = _WakingDeque(self._on_event)
         self._ended: deque[int] = deque()
         self.triggers = _WatchedTriggers(self._ended.append)
-        self.log = _TriggerLog(self.log, self.triggers, self._send_log_lines)  # type: ignore[assignment]
+        # the ignore is needed where Airflow's runner annotates ``log`` otherwise (releases differ)
+        self.log = _TriggerLog(self.log, self.triggers, self._send_log_lines)  # type: ignore[assignment, unused-ignore]
         self.log_channel: BatchedLogChannel | None = None
         self.lag_meter = LagMeter(LAG_BOARD)
         self.freezer = StartFreezer()
