@@ -1,4 +1,4 @@
-"""A rolling upgrade from the previous release and a rollback to it, with waits in flight (issue 29.1).
+"""A rolling upgrade from the previous release and a rollback to it, with waits in flight.
 
 The previous release is built from its git tag (``v0.1.0``; the commit if a clone came without tags) as
 a wheel, installed into a folder of its own and put first on the ``PYTHONPATH`` of its instances: they run

@@ -1,4 +1,4 @@
-"""The change feed (issue 13): each loop reads what changed among trigger rows, never every waiter.
+"""The change feed: each loop reads what changed among trigger rows, never every waiter.
 
 Driven step by step in this process against a real PostgreSQL, as in test_supervisor_faults: the test
 plays the runner and calls the supervisor's loop steps, then checks what the database and the supervisor

@@ -1,4 +1,4 @@
-"""Member timeouts on the database clock, through a step of that clock (issue 25.3: expiry is judged on
+"""Member timeouts on the database clock, through a step of that clock (expiry is judged on
 the database clock only). A PostgreSQL server whose clock jumps forward while it runs (libfaketime, as in
 the chaos run): the deadlines the supervisor keeps between loads must follow it within a loop, not fire
 as late as the step is long (a 20-minute chaos run timed a member out 14 s after it was due)."""

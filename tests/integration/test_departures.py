@@ -1,4 +1,4 @@
-"""Departed waits leave without reading every waiter (issue 28.4): the trigger rows of tasks we resume go
+"""Departed waits leave without reading every waiter: the trigger rows of tasks we resume go
 in the same transaction, tasks that left otherwise are found through a partial index that holds only them,
 and Airflow's full clean_unused is a rare sweep. Driven step by step as in test_change_feed."""
 

@@ -1,4 +1,4 @@
-"""Fault paths an independent review of issue 25 found, each a test that failed before its fix: a refusal
+"""Fault paths an independent review found, each a test that failed before its fix: a refusal
 while failing members, errors told apart by SQLSTATE, a migration behind a reader, a slow renewal, a lingering
 session of its own, a lock on one task row, a workload that cannot be built, unstartable groups, the
 connection limits' reach, and a frozen holder with a result in flight."""

@@ -1,4 +1,4 @@
-"""The Smart Triggerer page's queries (issue 15) on a real PostgreSQL: groups as the supervisor forms them,
+"""The Smart Triggerer page's queries on a real PostgreSQL: groups as the supervisor forms them,
 counted over the DAGs a user may read; the last hour's chart from the instances' samples; the bridge
 panel, with or without the bridge's tables. The e2e test covers the same through the api-server."""
 

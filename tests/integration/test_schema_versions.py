@@ -1,4 +1,4 @@
-"""A schema newer than the release (issue 29): a newer release's migrations that older instances can run on
+"""A schema newer than the release: a newer release's migrations that older instances can run on
 are ignored by them; one marked ``-- breaks-older-instances`` makes an older instance refuse to start
 (one line, exit code 8) and a running one stop gracefully with that code."""
 

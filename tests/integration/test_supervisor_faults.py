@@ -588,7 +588,7 @@ def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_li
     """Issue 25.6: a non-database exception in the event path (here Airflow's configured asset manager is
     the bridge's, and its routes file is missing on this host) used to escape the loop and kill the
     instance; the next owner re-fired the event and died too. The watcher restarts with backoff, the
-    task group's event in the same batch is stored (issue 25.4: restarted, reported)."""
+    task group's event in the same batch is stored (restarted, reported)."""
     import airflow.assets.manager
 
     from dataset_bridge.asset_manager import OutboxAssetManager
@@ -665,7 +665,7 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
 
 def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
         env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review of issue 25.4: a watcher whose source replays what was not acknowledged (a status table in
+    """From a review: a watcher whose source replays what was not acknowledged (a status table in
     ack mode) met the same unstorable event at every restart, for ever, and its later rows never became
     events. After DEAD_AFTER failures of that event it is set aside (dead_event) and acknowledged; the
     watcher runs on and its next event is stored."""

@@ -26,7 +26,7 @@ from tests.integration.test_smart_triggerer import LEASE, _job_of, health_url, m
 SOURCE_POLL = "tests.helpers.chaos_triggers.SourcePollTrigger"
 WAITS = 3000
 POLL_INTERVAL = 30.0
-# the goal of issue 30 at 50,000 waiters; the loading path before it took lease + 7 s for 1,500 waits here
+# the takeover goal at 50,000 waiters; the loading path before it took lease + 7 s for 1,500 waits here
 BOUND = LEASE + 5.0
 
 
