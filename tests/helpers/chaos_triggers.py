@@ -45,7 +45,8 @@ class SourcePollTrigger(DedupableTrigger, BaseTrigger):
         self.url, self.key, self.poll_interval = url, key, poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.SourcePollTrigger",
+        # the class's own name: a subclass (TeamSourcePollTrigger) serializes as itself
+        return (f"{__name__}.{type(self).__name__}",
                 {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -56,10 +57,6 @@ class TeamSourcePollTrigger(SourcePollTrigger):
     """``SourcePollTrigger`` whose event also says which team's environment ran it (``TEAM_MARK``, set in a
     team instance's environment; empty on an instance of no team). Identical waits of two teams have the
     same kwargs: a task resumed by another team's coroutine shows it in its payload."""
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.TeamSourcePollTrigger",
-                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         await poll_until_ready(self.url, self.key, self.poll_interval)
