@@ -38,11 +38,12 @@ jobs:
         --json          stdout is exactly the summary as one JSON object; progress goes to stderr
         --keep-running  leave the stack up and print the UI URL and the environment for the CLIs
   test --fast
-        the fast lane, about a minute: ruff, mypy (unused `type: ignore`s are errors here), the unit
-        tests; no database, no Airflow process, no system package installed. CI runs it first.
+        the fast lane, about a minute: ruff, mypy (unused `type: ignore`s are errors), the import
+        contracts (lint-imports), the unit tests; no database, no Airflow process, no system package
+        installed. CI runs it first.
   test [--airflow VERSION] [PYTEST ARGS...]
-        ruff, mypy, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow processes);
-        fails when no test ran or a test left a temporary directory behind. Extra arguments go to
+        ruff, mypy, lint-imports, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow
+        processes); fails when no test ran or a test left a temporary directory behind. Extra arguments go to
         pytest, e.g. `python3 dev.py test tests/unit -x`. Tests marked `alone` (they assert time
         bounds) run first, one at a time; the rest in one worker more than there are cores
         (pytest-xdist); `-n 0` (or --pdb, -p no:xdist) runs them in this process; a `-m` of yours
@@ -131,6 +132,7 @@ def ensure_venv(extra: str) -> None:
     pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     installed = VENV.stamp.read_text().split() if VENV.stamp.exists() else []
     if installed[:1] == [pyproject] and extra in installed[1:] + (["demo"] if "dev" in installed else []):
+        put_clone_on_path()
         return
     pinned = [f"apache-airflow=={VENV.airflow}"] if VENV.airflow else []
     step(f"installing airflow-smart-triggerer[{extra}] {' '.join(pinned)} into {VENV.path.relative_to(ROOT)} "
@@ -145,7 +147,17 @@ def ensure_venv(extra: str) -> None:
     for stale in ROOT.glob("*.egg-info"):
         shutil.rmtree(stale, ignore_errors=True)
     kept = installed[1:] if installed[:1] == [pyproject] else []
+    put_clone_on_path()
     VENV.stamp.write_text(" ".join([pyproject, *sorted({*kept, extra})]))
+
+
+def put_clone_on_path() -> None:
+    """The clone's own tooling (devkit/: the demo, the local Airflow stack; tests/ and bench/) is not in
+    the wheel: a path file puts the clone's root on the virtualenv's sys.path, wherever a job runs."""
+    for site_packages in VENV.path.glob("lib/python3*/site-packages"):
+        path_file = site_packages / "airflow_smart_triggerer_clone.pth"
+        if not path_file.is_file() or path_file.read_text().strip() != str(ROOT):
+            path_file.write_text(f"{ROOT}\n")
 
 
 def ensure_system_packages() -> None:
@@ -205,11 +217,17 @@ def parallel(pytest_args: list[str]) -> list[str]:
     return workers if dist_given else [*workers, "--dist", "load", "--maxschedchunk", "1"]
 
 
+def static_checks() -> list[tuple[str, list[str]]]:
+    """Lint, types (unused ``type: ignore``s are errors) and the rooms' import contracts (pyproject.toml)."""
+    return [("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
+            ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
+            ("import contracts (lint-imports)", [str(VENV.bin / "lint-imports"), "--no-cache"])]
+
+
 def fast() -> int:
     """The fast lane: what a commit must pass before the suite (lint, types, unit tests), in a minute or
     two. Unit tests need neither a database nor a browser: nothing is installed on the system."""
-    checks = [("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
-              ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
+    checks = [*static_checks(),
               ("pytest tests/unit", [str(VENV.bin / "python"), "-m", "pytest", "-q", "tests/unit",
                                      *parallel([]), f"--basetemp={VENV.path / 'pytest-tmp'}"])]
     for title, command in checks:
@@ -238,14 +256,11 @@ def suite(pytest_args: list[str]) -> int:
                               "print(metadata.version('apache-airflow'))"],
                              capture_output=True, text=True, check=False).stdout.strip()
     step(f"testing against apache-airflow {airflow or '(not found)'}")
-    step("ruff check")
-    if run([str(VENV.bin / "ruff"), "check", "."]) != 0:
-        print(f"total time {clock()}; ruff failed", flush=True)
-        return 1
-    step("mypy (strict on our packages)")
-    if run([str(VENV.bin / "mypy")]) != 0:
-        print(f"total time {clock()}; mypy failed", flush=True)
-        return 1
+    for title, command in static_checks():
+        step(title)
+        if run(command) != 0:
+            print(f"total time {clock()}; {title} failed", flush=True)
+            return 1
     before = leftovers()
     tests = bad = skipped = executed = 0
     code = 0
@@ -294,11 +309,12 @@ def pytest_phases(pytest_args: list[str]) -> list[tuple[str, list[str], Path]]:
 
 
 def demo(demo_args: list[str]) -> int:
-    """The demo: a whole Airflow deployment on a private PostgreSQL (see `smart-triggerer demo --help`)."""
-    step("smart-triggerer demo " + " ".join(demo_args))
+    """The demo: a whole Airflow deployment on a private PostgreSQL (see `python3 dev.py demo --help`)."""
+    step("demo " + " ".join(demo_args))
     # exec, not a child: Ctrl-C must reach the demo alone, so it can stop every process it started
     os.chdir(ROOT)
-    os.execv(VENV.bin / "smart-triggerer", [str(VENV.bin / "smart-triggerer"), "demo", *demo_args])  # noqa: S606
+    python = str(VENV.bin / "python")
+    os.execv(python, [python, "-m", "devkit.demo", *demo_args])  # noqa: S606
 
 
 def main(argv: list[str]) -> int:

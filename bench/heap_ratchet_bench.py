@@ -1,7 +1,7 @@
 """Memory of an instance that takes a peer's shards over and gives them back, again and again.
 
-A big start freezes what lives at its end (``triggerer/collector.py``): if what a takeover froze stayed behind
-once the shards went back, each takeover would add to the instance's memory for good. Two smart
+A big start freezes what lives at its end (``smart_triggerer/runner/collector.py``): if what a takeover froze
+stayed behind once the shards went back, each takeover would add to the instance's memory for good. Two smart
 instances share the waits; the peer is stopped (SIGTERM: the survivor takes every shard) and started
 again (the survivor hands half back), ``--takeovers`` times. After each round, once every wait polls
 again, the survivor's memory is read (PSS and RSS of supervisor and runner). The goal: after the last

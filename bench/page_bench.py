@@ -64,7 +64,7 @@ def store_identities(dsn: str, shape: Shape) -> None:
     from airflow.utils.session import create_session
 
     from bench.triggers import PollTrigger
-    from triggerer.store import NewIdentity, Store
+    from smart_triggerer.db.store import NewIdentity, Store
     from triggers.identity import IdentityPolicy
 
     policy = IdentityPolicy.with_extra([])
@@ -149,7 +149,7 @@ def median_ms(call: Callable[[], object], times: int) -> float:
 def time_shape(dag_ids: list[str], repeat: int) -> list[tuple[str, float]]:
     """Median milliseconds of the groups API body for each page and user: as the page's 10 s refresh finds
     it (the order kept), and as the first request for a set of DAGs does (the order read first)."""
-    from triggerer import page
+    from smart_triggerer.web import page
 
     def groups(readable: list[str], offset: int, *, cold: bool) -> Callable[[], object]:
         viewer = page.Viewer(frozenset(readable), views_triggers=True)

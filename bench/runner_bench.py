@@ -49,8 +49,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.triggers import PollTrigger
+from smart_triggerer.runner.trigger_runner import (
+    SmartTriggerRunner,
+    batch_log_channel,
+    prepare_runner_process,
+)
 from tests.helpers.task_instances import task_instance_dto
-from triggerer.runner import SmartTriggerRunner, batch_log_channel, prepare_runner_process
 from triggers.http import shared_request
 
 console = Console()
@@ -153,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def as_the_runner_starts() -> None:
-    """Log lines as the runner makes them, JSON for its supervisor in batches (triggerer/runner.py), into
-    /dev/null: what they cost the runner is counted, and nothing is printed. Spans as the runner makes
-    them (none, untraced), and its collector settings."""
+    """Log lines as the runner makes them, JSON for its supervisor in batches
+    (smart_triggerer/runner/trigger_runner.py), into /dev/null: what they cost the runner is counted, and
+    nothing is printed. Spans as the runner makes them (none, untraced), and its collector settings."""
     from airflow.sdk.log import configure_logging, reset_logging
 
     reset_logging()

@@ -353,7 +353,7 @@ def measure_sweep(deployment: Deployment, scans: Scans, args: argparse.Namespace
     """The same waits under instances that sweep every SWEEP_TEST_SECONDS: a window's rows less the
     quiet rate, per sweep seen in it, is what one sweep reads; spread over the default interval, what
     it adds per 30 s."""
-    from triggerer.config import Settings
+    from smart_triggerer.config import Settings
 
     deployment.restart({"AIRFLOW__SMART_TRIGGERER__SWEEP_SECONDS": str(SWEEP_TEST_SECONDS)})
     time.sleep(2 * args.interval)

@@ -896,7 +896,7 @@ def record_page(result: Result) -> None:
 def time_page(dag_ids: set[str]) -> tuple[float, float]:
     """Median milliseconds of the Smart Triggerer page's two API bodies over 5 calls each (the queries and
     their JSON, without HTTP): the biggest groups page and the overview."""
-    from triggerer import page
+    from smart_triggerer.web import page
 
     def median_ms(call: Callable[[], object]) -> float:
         took = []

@@ -12,9 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from commandline.parser import Parser
 from dataset_bridge.service import BridgeSettings
 from dataset_bridge.task_success import MappingError, TaskMapping
+from smart_triggerer.cli.parser import Parser
 
 
 def _positive(value: str) -> float:
@@ -89,7 +89,7 @@ def build_parser() -> Parser:
     status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
                         help="also show status-table watermarks kept in this connection's database")
     status.add_argument("--json", action="store_true", help="print one JSON object")
-    from commandline.errors import add_common_arguments
+    from smart_triggerer.cli.errors import add_common_arguments
 
     for sub in commands.choices.values():
         add_common_arguments(sub)
@@ -244,14 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from commandline.errors import guarded
+    from smart_triggerer.cli.errors import guarded
 
     return guarded("dataset-bridge", args.verbose, lambda: dispatch(args))
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    from commandline.errors import UserError, require_migrated, require_postgres
     from dataset_bridge.routes import RoutesError
+    from smart_triggerer.db.preflight import require_migrated, require_postgres
+    from smart_triggerer.errors import UserError
 
     try:
         require_postgres()

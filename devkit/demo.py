@@ -1,5 +1,5 @@
-"""``smart-triggerer demo``: a whole Airflow deployment on a private PostgreSQL, the example DAGs, a warehouse
-scenario, live progress and a summary.
+"""The demo (``python3 dev.py demo``, or ``python -m devkit.demo`` in the clone's virtualenv): a whole Airflow
+deployment on a private PostgreSQL, the example DAGs, a warehouse scenario, live progress and a summary.
 
 Many sensor tasks in many DAGs wait on a few distinct load-status conditions while a simulated ETL writes
 status rows; two smart triggerers run one poll per distinct wait; an asset-scheduled consumer runs once its
@@ -8,6 +8,7 @@ tables are loaded. Every process runs in its own process group and is stopped at
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import json
@@ -17,8 +18,9 @@ import secrets
 import shlex
 import signal
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,7 +250,7 @@ class Demo:
 
     def render(self) -> Table:
         p = self.progress
-        table = Table(title=f"smart-triggerer demo: {p.phase}", show_header=False, min_width=60)
+        table = Table(title=f"airflow-smart-triggerer demo: {p.phase}", show_header=False, min_width=60)
         table.add_row("sensor tasks (model DAGs)", str(self.scenario.tasks))
         table.add_row("waiting (deferred)", str(p.waiting))
         table.add_row("resumed", str(p.resumed))
@@ -440,7 +442,7 @@ def _percentile(values: list[float], pct: float) -> float:
 
 
 def summary_table(summary: Summary) -> Table:
-    table = Table(title="smart-triggerer demo: summary", min_width=60)
+    table = Table(title="airflow-smart-triggerer demo: summary", min_width=60)
     table.add_column("measure")
     table.add_column("value", justify="right")
     saved = (1 - summary.polls / summary.baseline_polls) * 100 if summary.baseline_polls else 0.0
@@ -560,3 +562,31 @@ def write_env_file(config: AirflowConfig) -> Path:
     path.chmod(0o600)
     path.write_text("# the kept-running demo deployment; removed when it stops\n" + "\n".join(lines) + "\n")
     return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python3 dev.py demo",
+        description="A whole Airflow deployment on a private PostgreSQL, the example DAGs, a warehouse "
+                    "scenario and a summary. Creates its databases on SMART_TRIGGERER_DSN (a PostgreSQL "
+                    "server URL) when set, else on a private embedded PostgreSQL it starts and removes "
+                    "itself. Uses 16 shards (the production default is 64) so that two instances show an "
+                    "even split.",
+        epilog="Exit codes: 0 every task resumed and nothing failed, 1 a task did not resume or failed, "
+               "2 invalid argument, 130 interrupted before the summary.")
+    parser.add_argument("--quick", action="store_true", help="a smaller scenario (for CI)")
+    parser.add_argument("--json", action="store_true",
+                        help="progress on stderr; stdout is exactly the summary as one JSON object")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="leave the stack up after the summary, print the UI URL and the environment "
+                             "that points the CLIs at it (Ctrl-C stops it)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_demo(quick=args.quick, as_json=args.json, keep_running=args.keep_running)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The README's first command, as CI runs it: ``smart-triggerer demo --quick --json`` with no database
+"""The README's first command, as CI runs it: ``python -m devkit.demo --quick --json`` with no database
 configured (a private embedded PostgreSQL) ends with a summary in which every task resumed."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_quick_demo_resumes_every_task_and_prints_its_summary(tmp_path: Path) ->
     environment file it names points ``smart-triggerer status`` and ``dataset-bridge status`` at it."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AIRFLOW") and k != "SMART_TRIGGERER_DSN"}  # no database configured
-    command = [str(Path(sys.executable).with_name("smart-triggerer")), "demo", "--quick", "--json",
+    command = [sys.executable, "-m", "devkit.demo", "--quick", "--json",
                "--keep-running"]
     demo = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

@@ -1,9 +1,11 @@
 """Release artifacts: the wheel and sdist ``python -m build`` makes pass ``twine check``, and the wheel,
 installed alone into a new virtualenv (it brings Airflow 3.3 with it), works there as a user would find
 it: ``smart-triggerer --version`` gives the package's version, ``airflow providers list`` lists the
-provider, none of the demo's or the developer's parts came with it, and a one-task DAG with one of our
-deferrable sensors runs to success with ``airflow dags test`` (the sensor defers; its trigger, from the
-installed wheel, fires in that process)."""
+provider, none of the demo's or the developer's parts came with it (its top-level packages are the three
+DAG authors import and ``smart_triggerer``), and a one-task DAG with one of our deferrable sensors runs to
+success with ``airflow dags test`` (the sensor defers; its trigger, from the installed wheel, fires in
+that process). A DAG folder with a ``triggers/`` of its own gets the import error docs/operations/install.md
+describes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -24,6 +27,17 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "airflow-smart-triggerer"
+TOP_LEVEL = {"deferrables", "triggers", "dataset_bridge", "smart_triggerer"}
+
+# a team's own folder named as one of ours, beside its DAGs (docs/operations/install.md, name collisions)
+TEAM_FOLDER_DAG = '''
+import pendulum
+from airflow.sdk import DAG
+from triggers.team_helpers import TEAM  # the team's triggers/team_helpers.py, beside this file
+
+with DAG(dag_id="team_folder", schedule=None, start_date=pendulum.datetime(2024, 1, 1), catchup=False):
+    pass
+'''
 
 SMOKE_DAG = '''
 import pendulum
@@ -40,20 +54,31 @@ with DAG(dag_id="release_smoke", schedule=None, start_date=pendulum.datetime(202
 '''
 
 
-def run(argv: list[str | Path], **kwargs: object) -> str:
+def run(argv: list[str | Path], *, with_stderr: bool = False, **kwargs: object) -> str:
     done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=900,
                           check=False, **kwargs)  # type: ignore[call-overload]
     assert done.returncode == 0, (f"{' '.join(map(str, argv[:4]))} exited {done.returncode}:\n"
                                   f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return str(done.stdout)
+    return str(done.stdout) + (str(done.stderr) if with_stderr else "")
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sdist, and the wheel built from it (``python -m build``, in its own build environment)."""
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", out, ROOT])
+    output = run([sys.executable, "-m", "build", "--outdir", out, ROOT], with_stderr=True)
+    (out / "build.log").write_text(output)
     return out
+
+
+def test_the_build_warns_of_nothing_and_the_wheel_holds_only_the_product(artifacts: Path) -> None:
+    output = (artifacts / "build.log").read_text()
+    assert "would be ignored" not in output and "absent from the `packages`" not in output, output[-4000:]
+    names = zipfile.ZipFile(next(artifacts.glob("*.whl"))).namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == TOP_LEVEL, top
+    for data in ("smart_triggerer/db/sql/0001_initial.sql", "smart_triggerer/web/static/page.html"):
+        assert data in names, data
 
 
 def test_the_artifacts_pass_twine_check(artifacts: Path) -> None:
@@ -82,8 +107,11 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     env["AIRFLOW_CONN_RELEASE_DB"] = airflow_config.database_dsn
     home = {"env": env, "cwd": tmp_path}  # never the checkout: what runs is the installed wheel
 
-    located = run([python, "-c", "import triggerer, deferrables; print(triggerer.__file__)"], **home)
-    assert located.strip().startswith(str(venv)), located
+    located = run([python, "-c", "import smart_triggerer, deferrables, triggers, dataset_bridge; "
+                   "print(smart_triggerer.__file__, triggers.__file__)"], **home)
+    assert all(path.startswith(str(venv)) for path in located.split()), located
+    assert "No module named 'devkit'" in subprocess.run(
+        [python, "-c", "import devkit"], capture_output=True, text=True, check=False, **home).stderr
     assert run([scripts / "smart-triggerer", "--version"], **home).split()[-1] == metadata.version(PACKAGE)
     providers = run([scripts / "airflow", "providers", "list"], **home)
     listed = [line for line in providers.splitlines() if line.startswith(PACKAGE)]
@@ -95,7 +123,21 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
 
     airflow_config.dags_folder.mkdir(parents=True, exist_ok=True)
     (airflow_config.dags_folder / "release_smoke.py").write_text(textwrap.dedent(SMOKE_DAG))
+    team_folder = airflow_config.dags_folder / "triggers"
+    team_folder.mkdir()
+    (team_folder / "__init__.py").write_text("")
+    (team_folder / "team_helpers.py").write_text("TEAM = 'data-platform'\n")
+    (airflow_config.dags_folder / "team_folder.py").write_text(textwrap.dedent(TEAM_FOLDER_DAG))
     run([scripts / "airflow", "dags", "reserialize"], **home)
+    listed = subprocess.run([str(scripts / "airflow"), "dags", "list-import-errors", "--output", "plain"],
+                            capture_output=True, text=True, timeout=300, check=False, **home)
+    # our installed triggers/ comes first on sys.path (Airflow appends the DAGs folder): the team's
+    # module is not found, and the error names it (docs/operations/install.md says what to do); the
+    # command exits 1 when there is an import error
+    assert listed.returncode == 1, listed.stdout[-4000:] + listed.stderr[-4000:]
+    assert "team_folder.py" in listed.stdout, listed.stdout[-4000:]
+    assert "No module named 'triggers.team_helpers'" in listed.stdout, listed.stdout[-4000:]
+    (airflow_config.dags_folder / "team_folder.py").unlink()  # the rest runs on a DAG folder that parses
     output = run([scripts / "airflow", "dags", "test", "release_smoke"], **home)
     states = rows(airflow_config.database_dsn,
                   "SELECT state FROM task_instance WHERE dag_id = 'release_smoke'")

@@ -1,11 +1,11 @@
 """A rolling upgrade from the previous release and a rollback to it, with waits in flight.
 
-The previous release is built from its git tag (``v0.1.0``; the commit if a clone came without tags) as
-a wheel, installed into a folder of its own and put first on the ``PYTHONPATH`` of its instances: they run
-that release's code and schema migrations beside this one's, on the same Airflow. The rollout replaces
-the two old instances one at a time while loads land, the new release applying its migrations (placement,
-0012) under them; the rollback stops the new instances and starts an old one on the newer schema. Every
-sensor must resume once, each phase's within a bound of its load landing, and none may fail.
+The previous release is built from its commit (``fe46614``, as the CHANGELOG names it) as a wheel, installed
+into a folder of its own and put first on the ``PYTHONPATH`` of its instances: they run that release's code
+and schema migrations beside this one's, on the same Airflow. The rollout replaces the two old instances one
+at a time while loads land, the new release applying its migrations (placement, 0012) under them; the rollback
+stops the new instances and starts an old one on the newer schema. Every sensor must resume once, each phase's
+within a bound of its load landing, and none may fail.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.helpers.waiting import rows, wait_for
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-PREVIOUS_TAG, PREVIOUS_COMMIT = "v0.1.0", "fe46614"
+PREVIOUS_COMMIT = "fe46614"  # 0.1.0 (CHANGELOG.md)
 PACKAGE = "airflow-smart-triggerer"
 TABLES = 12  # 24 sensors, two per table (one group each)
 
@@ -65,20 +65,18 @@ JOB_ID = re.compile(r"smart triggerer started.*?\bjob_id=(\d+)")
 
 
 def previous_commit() -> str:
-    """The previous release's commit: its tag, else the commit the CHANGELOG names for it."""
-    for ref in (PREVIOUS_TAG, PREVIOUS_COMMIT):
-        argv = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"]
-        found = subprocess.run(argv, capture_output=True, text=True, check=False)
-        if found.returncode == 0:
-            return found.stdout.strip()
-    raise AssertionError(f"neither {PREVIOUS_TAG} nor {PREVIOUS_COMMIT} is in this clone: the rolling "
-                         "upgrade test needs the previous release's history (git fetch --tags, not a shallow "
-                         "clone)")
+    """The previous release's commit, as the CHANGELOG names it."""
+    argv = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{PREVIOUS_COMMIT}^{{commit}}"]
+    found = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        raise AssertionError(f"{PREVIOUS_COMMIT} is not in this clone: the rolling upgrade test needs the "
+                             "previous release's history (a full clone, not a shallow one)")
+    return found.stdout.strip()
 
 
 @pytest.fixture(scope="module")
 def previous_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The previous release's wheel, built from its tag, installed (without dependencies: they are this
+    """The previous release's wheel, built from its commit, installed (without dependencies: they are this
     environment's) into a folder that goes first on its instances' PYTHONPATH."""
     work = tmp_path_factory.mktemp("previous")
     archive = work / "source.tar"

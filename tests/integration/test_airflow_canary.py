@@ -1,6 +1,6 @@
 """Canary: every statement of ours that reads Airflow's tables still compiles against Airflow's schema.
 
-Each named query of triggerer/sql/queries.sql is PREPAREd (parsed and analysed, not run) on a freshly
+Each named query of smart_triggerer/db/sql/queries.sql is PREPAREd (parsed and analysed, not run) on a freshly
 migrated metadata database: a column or table an Airflow release renamed or dropped fails here with
 PostgreSQL's message naming it ("column t.queue does not exist"), before any deployment meets it.
 """
@@ -13,7 +13,7 @@ import psycopg2
 import pytest
 
 from devkit.devstack import AirflowConfig
-from triggerer.store import queries
+from smart_triggerer.db.store import queries
 
 # what an Airflow schema change gives; other errors (a parameter whose type PREPARE cannot infer) are not it
 SCHEMA_ERRORS = {"42703": "undefined column", "42P01": "undefined table", "42883": "undefined function"}
@@ -53,7 +53,7 @@ def migrated(airflow_config: AirflowConfig) -> str:
     from sqlalchemy.orm import Session
 
     from devkit.pgserver import sqlalchemy_url
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     engine = create_engine(sqlalchemy_url(airflow_config.database_dsn))
     with Session(engine) as session, session.begin():

@@ -18,6 +18,7 @@ import psycopg2
 import pytest
 
 from devkit.devstack import AirflowConfig
+from smart_triggerer.db.store import Store
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states, wait_for
 from tests.integration.test_supervisor_faults import (
@@ -28,7 +29,6 @@ from tests.integration.test_supervisor_faults import (
     load,
     make_supervisor,
 )
-from triggerer.store import Store
 
 
 def seed(config: AirflowConfig, count: int, **kw: Any) -> Seeded:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from devkit.devstack import AirflowConfig
-from triggerer import __version__
+from smart_triggerer import __version__
 
 BIN = Path(sys.executable).parent
 
@@ -57,8 +57,8 @@ def test_airflow_lists_the_provider_and_runs_status_through_it(airflow_config: A
 def test_a_changed_shard_count_is_refused_with_the_fix(airflow_config: AirflowConfig) -> None:
     from airflow.utils.session import create_session
 
+    from smart_triggerer.db.store import ShardCountMismatch, Store, migrations
     from tests.helpers.airflow_orm import use_airflow_db
-    from triggerer.store import ShardCountMismatch, Store, migrations
 
     use_airflow_db(airflow_config.database_dsn)
     with create_session() as session:

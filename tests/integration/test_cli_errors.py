@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from commandline.errors import ExitCode, supported_airflow
 from devkit.devstack import AirflowConfig
 from devkit.pgserver import create_database, drop_database, free_port, plain_dsn, sqlalchemy_url
+from smart_triggerer.db.preflight import supported_airflow
+from smart_triggerer.errors import ExitCode
 from tests.helpers.waiting import rows
 
 BIN = Path(sys.executable).parent
@@ -91,8 +92,8 @@ def test_a_sqlite_metadata_database_is_refused(config: AirflowConfig, tmp_path: 
 def test_a_changed_shard_count_is_one_line_with_the_fix(config: AirflowConfig) -> None:
     from airflow.utils.session import create_session
 
+    from smart_triggerer.db.store import Store
     from tests.helpers.airflow_orm import use_airflow_db
-    from triggerer.store import Store
 
     use_airflow_db(config.database_dsn)
     with create_session() as session:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from devkit.devstack import AirflowConfig
+from smart_triggerer.supervisor.housekeeping import SWEEP_SECONDS, build_left_index
 from tests.helpers.waiting import rows, ti_states
 from tests.integration.test_supervisor_faults import (
     LATER,
@@ -20,7 +21,6 @@ from tests.integration.test_supervisor_faults import (
     runner_of,
     seed,
 )
-from triggerer.supervisor.housekeeping import SWEEP_SECONDS, build_left_index
 
 
 def trigger_rows(dsn: str, trigger_ids: list[int]) -> int:
@@ -104,7 +104,7 @@ def test_without_the_index_and_once_a_sweep_airflow_cleans_up(env: AirflowConfig
     calls: list[float] = []
     monkeypatch.setattr(type(supervisor), "clean_unused", lambda self: calls.append(time.monotonic()))
     supervisor.owned = {0}
-    monkeypatch.setattr("triggerer.supervisor.housekeeping.build_left_index", lambda: None)
+    monkeypatch.setattr("smart_triggerer.supervisor.housekeeping.build_left_index", lambda: None)
     supervisor._look_at_left_index(time.monotonic())
     assert supervisor.left_index == "missing"
     supervisor._clean_up(time.monotonic())

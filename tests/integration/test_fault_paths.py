@@ -40,7 +40,7 @@ def bounded(env: AirflowConfig) -> Iterator[Callable[[float], float]]:
     from airflow import settings
     from sqlalchemy import event
 
-    from triggerer.bounded import bound_waits
+    from smart_triggerer.db.bounded import bound_waits
 
     listeners: list[Any] = []
 
@@ -132,8 +132,8 @@ def test_a_poison_event_whose_cause_jsonb_refuses_never_blocks_other_events(
 
 CHILD = r"""
 import sys, psycopg2
-from triggerer.bounded import connect_params
-from triggerer.store import queries
+from smart_triggerer.db.bounded import connect_params
+from smart_triggerer.db.store import queries
 dsn, job_id, lease = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 conn = psycopg2.connect(dsn, **connect_params(lease))
 cur = conn.cursor()
@@ -202,7 +202,7 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
     running instance renews meanwhile, and the new release migrates once the reader is gone."""
     from structlog.testing import capture_logs
 
-    import triggerer.store as store_module
+    import smart_triggerer.db.store as store_module
 
     dsn = env.database_dsn
     lease = bounded(4.0)
@@ -289,7 +289,7 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
     be idle inside a transaction. Checked from another session while the build is stopped there."""
     from airflow.serialization.serialized_objects import DagSerialization
 
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     dsn = env.database_dsn
     lease = bounded(4.0)
@@ -469,7 +469,7 @@ def test_a_lingering_session_of_its_own_never_makes_it_drop_valid_shards(env: Ai
     them is dropped (every coroutine restarted a loop later)."""
     import re
 
-    from triggerer.store import queries
+    from smart_triggerer.db.store import queries
 
     dsn = env.database_dsn
     supervisor = make_supervisor()
@@ -500,7 +500,7 @@ def test_a_slow_but_successful_renewal_keeps_the_shards(
     right after it still finds it overdue and stops every shard, with whatever last_error was."""
     from structlog.testing import capture_logs
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     supervisor = make_supervisor()
     seeded = seed(env, 3)
@@ -589,7 +589,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     """One by one, the first event meets a row lock (kept for the next loop in a local list) and the
     second finds the database refusing every writer: raising out of the loop lost the list, so the first
     event was neither stored, queued nor acknowledged."""
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     dsn = env.database_dsn
     supervisor = make_supervisor(lease_seconds=8.0)
@@ -678,7 +678,7 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
     from sqlalchemy import text
 
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     supervisor = make_supervisor()
     bad = seed(env, 1)
@@ -715,7 +715,7 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
     that session died: past 0.6 of a lease every shard was dropped). The release skips them instead."""
     import re
 
-    from triggerer.store import queries
+    from smart_triggerer.db.store import queries
 
     dsn = env.database_dsn
     lease = bounded(6.0)
@@ -754,7 +754,7 @@ def test_sessions_ended_from_outside_again_and_again_fail_no_event(
     sat as long as the idle limit counts: these stay queued and are stored once the sessions live on."""
     from sqlalchemy import text
 
-    from triggerer import fanout
+    from smart_triggerer.supervisor import fanout
 
     dsn = env.database_dsn
     supervisor = make_supervisor()

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, OperationalError, PendingRollbackError
 from sqlalchemy.orm import Session
 
-from triggerer.db_errors import blames_event, is_outage, is_transient
-from triggerer.fanout import delete_unused
+from smart_triggerer.db.errors import blames_event, is_outage, is_transient
+from smart_triggerer.supervisor.fanout import delete_unused
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Membership notices (triggerer/notices.py): a join, a graceful stop and a handover are acted on by the
-peers at once, not at their next loop.
+"""Membership notices (smart_triggerer/db/notices.py): a join, a graceful stop and a handover are acted on by
+the peers at once, not at their next loop.
 
 The instances here load, and so renew their leases, every 20 s (a 60 s lease): without the
 notices a newcomer would get its share, and a stopped instance's shards a new owner, up to 20 s later.
@@ -72,8 +72,8 @@ def test_joins_and_graceful_stops_are_acted_on_at_once(airflow_stack: AirflowSta
 
 def test_a_listener_hears_peers_not_itself_and_listens_again_after_its_connection_broke(
         airflow_config: AirflowConfig) -> None:
+    from smart_triggerer.db import notices as module
     from tests.helpers.airflow_orm import use_airflow_db
-    from triggerer import notices as module
 
     use_airflow_db(airflow_config.database_dsn)
     dsn = airflow_config.database_dsn

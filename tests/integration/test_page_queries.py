@@ -14,11 +14,11 @@ import pytest
 from airflow.utils.net import get_hostname
 
 from devkit.devstack import AirflowConfig
+from smart_triggerer.web import page
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows, wait_for
 from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor, unhashed
-from triggerer import page
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_groups_are_the_supervisors_counted_over_readable_dags_biggest_first(env
 def test_the_chart_sums_the_instances_latest_sample_of_each_minute(env: AirflowConfig) -> None:
     from airflow.utils.session import create_session
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     make_supervisor()  # the schema
     dsn = env.database_dsn
@@ -298,7 +298,7 @@ def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
     supervisor._heartbeat_counters()
     later = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     later.monotonic = lambda: time.monotonic() + 15  # the supervisor's clock, 15 s on
-    monkeypatch.setattr("triggerer.supervisor.housekeeping.time", later)
+    monkeypatch.setattr("smart_triggerer.supervisor.housekeeping.time", later)
     supervisor._housekeeping()
     totals = page.overview(may_read_assets=False)["totals"]
     assert totals["groups"] == 1 and totals["polls_saved_per_minute"] == 2 * 60 / 0.2
@@ -321,7 +321,7 @@ def remigrate(env: AirflowConfig, version: int) -> None:
     """Run a migration again, as an upgrade from the release before it does."""
     from airflow.utils.session import create_session
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     rows(env.database_dsn, "DELETE FROM smart_triggerer.migration WHERE version = %s RETURNING 1", version)
     with create_session() as session:
@@ -384,7 +384,7 @@ def test_a_failing_asset_watcher_is_shown_with_its_instance(env: AirflowConfig) 
     instance = next(i for i in found["instances"] if i["job_id"] == supervisor.job_id)
     assert (instance["watchers_failing"], instance["watcher_restarts_total"]) == (1, 1)
     assert found["totals"]["watchers_failing"] == 1
-    html = resources.files("triggerer").joinpath("static/page.html").read_text()
+    html = resources.files("smart_triggerer.web").joinpath("static/page.html").read_text()
     assert "<th>Failing watchers</th>" in html and "i.watchers_failing" in html
 
 
@@ -405,7 +405,7 @@ def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: Air
     on unanalysed tables, then analysed."""
     from airflow.utils.session import create_session
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     load(make_supervisor())
     dsn = env.database_dsn
@@ -458,7 +458,7 @@ def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: in
     from airflow.utils.session import create_session
     from sqlalchemy import text
 
-    from triggerer.store import PAGE_GROUPS_PLANNER, queries
+    from smart_triggerer.db.store import PAGE_GROUPS_PLANNER, queries
 
     params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
               "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,

@@ -1,7 +1,7 @@
-"""Placement that follows load (``triggerer/placement.py``, ``supervisor/load.py``) on real ``smart-triggerer
-run`` processes and a real PostgreSQL: capacity as a cap, also in a full fleet (the waits beyond it wait
-deferred for room), and an instance whose runner lags shedding shards and taking them again once calm,
-without flapping."""
+"""Placement that follows load (``smart_triggerer/placement/shards.py``, ``supervisor/load.py``) on real
+``smart-triggerer run`` processes and a real PostgreSQL: capacity as a cap, also in a full fleet (the waits
+beyond it wait deferred for room), and an instance whose runner lags shedding shards and taking them again
+once calm, without flapping."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from devkit.devstack import AirflowStack, Component
+from smart_triggerer.placement.rendezvous import Member, assign, shards_of
 from tests.helpers.chaos.databases import AUDIT_DDL, doubled_resumes
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.shards import keys_per_shard
@@ -21,7 +22,6 @@ from tests.helpers.throttle import RunnerThrottle
 from tests.helpers.triggers import FlagFileTrigger
 from tests.helpers.waiting import execute, lease_owners, settled_owners, ti_states, wait_for
 from tests.integration.test_smart_triggerer import ENV, FLAG_FILE, SHARDS, health_url, metrics
-from triggerer.rendezvous import Member, assign, shards_of
 
 
 @pytest.fixture

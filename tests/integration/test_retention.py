@@ -23,7 +23,7 @@ def _session() -> Any:
 
 
 def _schemas(pg: str) -> None:
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     use_airflow_db(pg)
     with _session() as session:

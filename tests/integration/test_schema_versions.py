@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import structlog.testing
 
-from commandline.errors import ExitCode
 from devkit.devstack import AirflowConfig, AirflowStack
+from smart_triggerer.errors import ExitCode
 from tests.helpers.airflow_orm import use_airflow_db
 from tests.helpers.waiting import lease_owners, wait_for
 from tests.integration.test_cli_errors import SMART, one_line, run
@@ -21,7 +21,7 @@ SHARDS = 4  # as test_supervisor_faults.make_supervisor configures it
 
 
 def known() -> int:
-    from triggerer.store import migrations
+    from smart_triggerer.db.store import migrations
 
     return max(version for version, _name, _sql in migrations())
 
@@ -32,7 +32,7 @@ def newer_release(dsn: str, *, breaks_older: bool) -> int:
     from airflow.utils.session import create_session
     from sqlalchemy import text
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     use_airflow_db(dsn)
     version = known() + 1
@@ -49,7 +49,7 @@ def newer_release(dsn: str, *, breaks_older: bool) -> int:
 def test_a_newer_compatible_migration_is_ignored(airflow_config: AirflowConfig) -> None:
     from airflow.utils.session import create_session
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     newer_release(airflow_config.database_dsn, breaks_older=False)
     with create_session() as session:
@@ -85,8 +85,8 @@ def test_a_migration_marked_as_breaking_raises_the_oldest_reader(airflow_config:
     """Applying a migration with the marker line records it: older instances stop from then on."""
     from airflow.utils.session import create_session
 
-    from triggerer import store as store_module
-    from triggerer.store import SchemaTooNew, Store
+    from smart_triggerer.db import store as store_module
+    from smart_triggerer.db.store import SchemaTooNew, Store
 
     use_airflow_db(airflow_config.database_dsn)
     shipped = store_module.migrations()

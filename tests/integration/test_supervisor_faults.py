@@ -20,10 +20,10 @@ import structlog
 import structlog.testing
 
 from devkit.devstack import AirflowConfig
+from smart_triggerer.config import Settings
+from smart_triggerer.web.health import is_healthy
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.waiting import rows, ti_states, wait_for
-from triggerer.config import Settings
-from triggerer.health import is_healthy
 
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
 LATER = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)).isoformat()
@@ -44,7 +44,7 @@ def make_supervisor(**settings: Any) -> Any:
     from airflow.jobs.job import Job
     from airflow.utils.session import create_session
 
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     class InProcess(SmartTriggerRunnerSupervisor):
         def is_alive(self) -> bool:
@@ -310,7 +310,7 @@ def test_a_leader_that_cannot_start_hands_the_group_to_another_member(env: Airfl
 
 def test_a_late_commit_with_a_lower_id_is_not_skipped(env: AirflowConfig) -> None:
     """Issue 11.10: incremental loads read by transaction id, not by ``trigger_id > max_seen``."""
-    from triggerer.identities import compute_identities
+    from smart_triggerer.supervisor.identities import compute_identities
 
     dsn = env.database_dsn
     supervisor = make_supervisor()
@@ -444,7 +444,7 @@ def blip_once(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str]:
     the server (a real connection blip, seen by SQLAlchemy as an invalidated connection)."""
     from sqlalchemy import text
 
-    from triggerer.store import Store
+    from smart_triggerer.db.store import Store
 
     original = getattr(Store, method)
     blips: list[str] = []
@@ -592,7 +592,7 @@ def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_li
     import airflow.assets.manager
 
     from dataset_bridge.asset_manager import OutboxAssetManager
-    from triggerer.health import render_metrics
+    from smart_triggerer.web.health import render_metrics
 
     dsn = env.database_dsn
     supervisor = make_supervisor()
@@ -671,7 +671,7 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
     watcher runs on and its next event is stored."""
     import airflow.assets.manager
 
-    import triggerer.supervisor.events as supervisor_module
+    import smart_triggerer.supervisor.events as supervisor_module
 
     dsn = env.database_dsn
     monkeypatch.setattr(supervisor_module, "DEAD_AFTER", 3)
@@ -723,8 +723,8 @@ def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_
 
     from airflow.jobs.triggerer_job_runner import messages
 
-    from triggerer.supervisor import starting
-    from triggerer.trigger_logs import PooledTriggerLoggingFactory
+    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor.trigger_logs import PooledTriggerLoggingFactory
 
     monkeypatch.setattr(starting, "WRITE_HELD_SECONDS", 0.0)  # one file per pass: the budget is what counts
     supervisor = make_supervisor()

@@ -164,10 +164,10 @@ def test_the_start_order_is_kept_between_calls_until_a_group_arrives(airflow_con
     """A takeover of thousands starts them a batch at a time over many calls: they are sorted once, not
     for every batch, and a group that comes to wait meanwhile (here an asset watcher, the most urgent) is
     started next."""
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
     from tests.helpers.airflow_orm import use_airflow_db
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, add_watcher, load, make_supervisor
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     use_airflow_db(airflow_config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
@@ -209,10 +209,10 @@ def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
     runner served meanwhile: minutes at tens of thousands). Builds stay a batch each."""
     from sqlalchemy.exc import OperationalError
 
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
     from tests.helpers.airflow_orm import use_airflow_db
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     use_airflow_db(airflow_config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
@@ -249,10 +249,10 @@ def taken_over(config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, count: in
     owned); ``FIRST_READ_GROUPS`` is 4 here. Returns (owner, taker)."""
     import math
 
+    from smart_triggerer.supervisor import feed
     from tests.helpers.airflow_orm import use_airflow_db
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, load, make_supervisor
-    from triggerer.supervisor import feed
 
     use_airflow_db(config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
@@ -277,9 +277,9 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
         airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """The taker reads the shards holding its first ``FIRST_READ_GROUPS`` groups (by the loads the last
     owner published), starts them, then reads the other shards; every wait is loaded and claimed."""
+    from smart_triggerer.db.store import Store
+    from smart_triggerer.supervisor.starting import GroupStarting
     from tests.integration.test_supervisor_faults import load
-    from triggerer.store import Store
-    from triggerer.supervisor.starting import GroupStarting
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)
@@ -325,8 +325,8 @@ def test_a_takeover_whose_second_read_fails_reads_the_shards_left_in_the_next_lo
         airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     from sqlalchemy.exc import OperationalError
 
+    from smart_triggerer.db.store import Store
     from tests.integration.test_supervisor_faults import load
-    from triggerer.store import Store
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)
@@ -359,9 +359,9 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
     """Phases go on for a share of the lease after the renewal that took the shards (a slow machine, a
     short lease): then the next loop renews at once and reads the rest. A stop ends them too. Either
     way the shards not read yet stay to be read: nothing of them is lost or started unread."""
+    from smart_triggerer.db.store import Store
+    from smart_triggerer.supervisor.starting import GroupStarting
     from tests.integration.test_supervisor_faults import load
-    from triggerer.store import Store
-    from triggerer.supervisor.starting import GroupStarting
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)
@@ -436,8 +436,8 @@ def test_a_shard_whose_lease_lapsed_during_a_read_starts_nothing(
     """A read's fence finds a shard's lease lapsed by the database clock (a clock step, a stall past the
     lease): no start after it may run its waits (a peer may be claiming it); it is dropped, and the
     other shards are read and started."""
+    from smart_triggerer.db.store import Store
     from tests.integration.test_supervisor_faults import load
-    from triggerer.store import Store
 
     owner, taker = taken_over(airflow_config, monkeypatch)
     fence = Store.fence
@@ -474,9 +474,9 @@ def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
     """While the first shards start (between the two reads), a wait of the first shards and one of the
     rest leave (their tasks cleared, their trigger rows deleted as Airflow's clean_unused does) and new
     waits arrive: after the next loop the taker runs exactly the waits still waiting."""
+    from smart_triggerer.supervisor.starting import GroupStarting
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, LATER, load
-    from triggerer.supervisor.starting import GroupStarting
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)

@@ -1,6 +1,6 @@
-"""Task triggers' workloads read in one statement per batch (``triggerer/workloads.py``): the workloads
-and log files Airflow's own builder makes, for plain tasks, tasks that start from the trigger and asset
-watchers alike, in a number of statements that does not grow with the batch."""
+"""Task triggers' workloads read in one statement per batch (``smart_triggerer/supervisor/workloads.py``): the
+workloads and log files Airflow's own builder makes, for plain tasks, tasks that start from the trigger and
+asset watchers alike, in a number of statements that does not grow with the batch."""
 
 from __future__ import annotations
 

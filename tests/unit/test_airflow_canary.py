@@ -55,7 +55,8 @@ def test_the_triggerer_internals_we_override_or_call_are_unchanged(cls_name: str
 
 
 def test_the_span_function_we_replace_when_untraced_is_unchanged() -> None:
-    """triggerer.runner.skip_untraced_spans replaces this module function of Airflow's."""
+    """smart_triggerer.runner.trigger_runner.skip_untraced_spans replaces this module function of
+    Airflow's."""
     from airflow.jobs import triggerer_job_runner
 
     found = getattr(triggerer_job_runner, "_make_trigger_span", None)
@@ -64,13 +65,14 @@ def test_the_span_function_we_replace_when_untraced_is_unchanged() -> None:
 
 
 def test_the_task_instance_dto_is_what_the_one_statement_build_fills() -> None:
-    """triggerer.workloads builds each task's TaskInstanceDTO from the task instance columns it names: a
-    field Airflow adds would make every row go Airflow's slower way (or a required one, fail validation)."""
+    """smart_triggerer.supervisor.workloads builds each task's TaskInstanceDTO from the task instance columns
+    it names: a field Airflow adds would make every row go Airflow's slower way (or a required one, fail
+    validation)."""
     from airflow.executors.workloads.task import TaskInstanceDTO
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
 
-    from triggerer.workloads import DTO_FIELDS
+    from smart_triggerer.supervisor.workloads import DTO_FIELDS
 
     executor_only = {"external_executor_id", "executor_config"}  # excluded from what the runner gets
     assert set(TaskInstanceDTO.model_fields) - executor_only == set(DTO_FIELDS)
@@ -84,8 +86,8 @@ def test_every_override_of_ours_is_in_the_canary() -> None:
     """A new override must be added above, or the canary would not watch it."""
     from airflow.jobs.triggerer_job_runner import TriggerRunner, TriggerRunnerSupervisor
 
-    from triggerer.runner import SmartTriggerRunner
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     pairs = ((SmartTriggerRunnerSupervisor, TriggerRunnerSupervisor), (SmartTriggerRunner, TriggerRunner))
     for ours, base in pairs:
@@ -98,11 +100,13 @@ def test_every_override_of_ours_is_in_the_canary() -> None:
 # _decode_next_kwargs, and its handle_event_submit raises on a payload it cannot store: refused)
 FUNCTIONS: dict[str, dict[str, list[str]]] = {
     "airflow.models.trigger": {
-        "handle_event_submit": ["event", "task_instance", "session"],  # triggerer/fanout.py
-        "_decode_next_kwargs": ["next_kwargs_raw"],  # triggerer/fanout.py
+        "handle_event_submit": ["event", "task_instance", "session"],  # smart_triggerer/supervisor/fanout.py
+        "_decode_next_kwargs": ["next_kwargs_raw"],  # smart_triggerer/supervisor/fanout.py
     },
-    "airflow.serialization.decoders": {"smart_decode_trigger_kwargs": ["d"]},  # triggerer/identities.py
-    "airflow.utils.helpers": {"log_filename_template_renderer": []},  # triggerer/workloads.py
+    # smart_triggerer/runner/kwargs.py
+    "airflow.serialization.decoders": {"smart_decode_trigger_kwargs": ["d"]},
+    # smart_triggerer/supervisor/workloads.py
+    "airflow.utils.helpers": {"log_filename_template_renderer": []},
 }
 
 
@@ -119,7 +123,8 @@ def test_the_airflow_functions_we_call_are_unchanged(module: str, function: str)
 
 
 def test_the_trigger_failure_reasons_we_write_are_unchanged() -> None:
-    """triggerer/fanout.py writes these values into next_kwargs, as Airflow's own failure path does."""
+    """smart_triggerer/supervisor/fanout.py writes these values into next_kwargs, as Airflow's own failure
+    path does."""
     from airflow.models.trigger import TriggerFailureReason
 
     assert {reason.name for reason in TriggerFailureReason} >= {"TRIGGER_FAILURE", "TRIGGER_TIMEOUT"}
@@ -129,7 +134,8 @@ def test_the_trigger_failure_reasons_we_write_are_unchanged() -> None:
 # digest of the method's tokens (whitespace and comments aside, so the same on every Python) as of 3.3.1
 # and 3.3.2
 COPIED: dict[str, str] = {
-    # triggerer/runner.py SmartTriggerRunner._create_all/_create_one: the same steps, fewer yields
+    # smart_triggerer/runner/trigger_runner.py SmartTriggerRunner._create_all/_create_one: the same steps,
+    # fewer yields
     "TriggerRunner.create_triggers": "eb131f8a21c73e209f83aa931fd903e403e5ccf0e2960ec268ae134628437d2f",
 }
 

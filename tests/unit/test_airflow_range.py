@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from commandline.errors import ExitCode, UnsupportedAirflow, require_airflow, supported_airflow
+from smart_triggerer.db.preflight import require_airflow, supported_airflow
+from smart_triggerer.errors import ExitCode, UnsupportedAirflow
 
 
 def test_the_range_is_the_package_requirement() -> None:

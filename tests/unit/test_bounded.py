@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triggerer.bounded import connect_params, limits
+from smart_triggerer.db.bounded import connect_params, limits
 
 
 def test_every_wait_ends_within_half_a_lease() -> None:

@@ -42,12 +42,14 @@ def test_no_other_taker_inside_the_wait_allows_nothing_more() -> None:
 def test_took_lines_are_read_per_instance_process(tmp_path: Path) -> None:
     (tmp_path / "smart-2.2.log").write_text(
         "2026-11-26T12:31:21.921546Z [info     ] took shards                    "
-        "[triggerer.supervisor.leases] loc=leases.py:147 shards=[1, 9]\n"
+        "[smart_triggerer.supervisor.leases] loc=leases.py:147 shards=[1, 9]\n"
         "2026-11-26T12:31:22.000000Z [info     ] handing over shards  shards=[9]\n")
     (tmp_path / "alpha-1.log").write_text(
-        "2026-11-26T12:31:21.921546Z [info     ] took shards   [triggerer.supervisor.leases] shards=[9]\n")
+        "2026-11-26T12:31:21.921546Z [info     ] took shards   [smart_triggerer.supervisor.leases] "
+        "shards=[9]\n")
     (tmp_path / "relay.log").write_text(
-        "2026-11-26T12:31:21.921546Z [info     ] took shards   [triggerer.supervisor.leases] shards=[4]\n")
+        "2026-11-26T12:31:21.921546Z [info     ] took shards   [smart_triggerer.supervisor.leases] "
+        "shards=[4]\n")
     assert took_shards(tmp_path) == {(None, 1): [(at(21.921546), "smart-2.2")],
                                      (None, 9): [(at(21.921546), "smart-2.2")],
                                      ("alpha", 9): [(at(21.921546), "alpha-1")]}

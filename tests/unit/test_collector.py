@@ -1,4 +1,4 @@
-"""The collector settings every smart triggerer process runs with (triggerer/collector.py)."""
+"""The collector settings every smart triggerer process runs with (smart_triggerer/runner/collector.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from triggerer import collector
-from triggerer.collector import (
+from smart_triggerer.runner import collector
+from smart_triggerer.runner.collector import (
     BURST_WINDOW_SECONDS,
     FREEZE_FROM,
     HOLD_AT_MOST_SECONDS,
@@ -246,9 +246,9 @@ def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends
 
 
 def test_a_leaving_instance_collects_nothing_more(restored_collector: None) -> None:
-    """Once its leases are released (triggerer/service.py), the heap is frozen and the collector off: the
-    exit scans nothing of the groups it drops."""
-    from triggerer.service import leave_the_heap
+    """Once its leases are released (smart_triggerer/supervisor/service.py), the heap is frozen and the
+    collector off: the exit scans nothing of the groups it drops."""
+    from smart_triggerer.supervisor.service import leave_the_heap
 
     alive = [Node() for _ in range(1000)]
     try:

@@ -1,11 +1,11 @@
-"""Deserialized DAGs shared between the builds of one start (``triggerer/dagbag.py``)."""
+"""Deserialized DAGs shared between the builds of one start (``smart_triggerer/supervisor/dagbag.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from triggerer.dagbag import DagCache, OneBuildDagBag
+from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``decode_kwargs`` (triggerer/identities.py) gives what Airflow's runner gives, calling Airflow's
+"""``decode_kwargs`` (smart_triggerer/runner/kwargs.py) gives what Airflow's runner gives, calling Airflow's
 decoder only for values it can change; ``decrypt_kwargs`` gives what Airflow's ``_decrypt_kwargs`` gives,
 without passing our identity marker through Airflow's deserializer."""
 
@@ -12,7 +12,7 @@ from airflow.models.trigger import Trigger
 from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
 from bench.triggers import PollTrigger
-from triggerer.identities import decode_kwargs, decrypt_kwargs
+from smart_triggerer.runner.kwargs import decode_kwargs, decrypt_kwargs
 from triggers.http import HttpConditionTrigger
 from triggers.identity import IDENTITY_KWARG
 
@@ -75,7 +75,7 @@ def test_a_marker_another_serializer_encoded_is_read_airflows_way() -> None:
     encoded and the identity could not be read (the chaos run's watchers failed as "kwargs unreadable")."""
     from airflow.serialization.serialized_objects import BaseSerialization
 
-    from triggerer.identities import _decrypt
+    from smart_triggerer.supervisor.identities import _decrypt
 
     marker = {"v": 1, "shared_stream": ["conn_id", "table"], "describe": "{table} rows"}
     encoded = BaseSerialization.serialize(marker)

@@ -6,7 +6,7 @@ import asyncpg
 import pytest
 from sqlalchemy.exc import PendingRollbackError
 
-from triggerer.db_errors import blames_event, is_outage
+from smart_triggerer.db.errors import blames_event, is_outage
 from triggers.pg import SourceError, is_permanent
 
 

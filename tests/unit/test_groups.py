@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from triggerer.groups import Groups
+from smart_triggerer.placement.groups import Groups
 
 
 def test_join_same_hash_makes_one_group() -> None:

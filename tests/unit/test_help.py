@@ -6,12 +6,12 @@ import re
 
 import pytest
 
-from commandline.errors import ExitCode
+from smart_triggerer.errors import ExitCode
 
 
 def help_text(which: str) -> str:
     if which == "smart-triggerer":
-        from triggerer.cli import build_parser
+        from smart_triggerer.cli.main import build_parser
 
         return build_parser().format_help()
     from dataset_bridge.cli import build_parser as bridge_parser

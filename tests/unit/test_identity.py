@@ -208,7 +208,7 @@ def test_allow_listed_constructor_variants_share_one_identity() -> None:
 
 def test_shared_stream_triggers_are_placed_together_but_not_grouped() -> None:
     from dataset_bridge.status_table import TableStatusTrigger
-    from triggerer.config import Settings
+    from smart_triggerer.config import Settings
 
     def watcher(table_name: str, status_table: str = "meta.status") -> dict[str, Any]:
         return TableStatusTrigger("wh", table_name, status_table=status_table).serialize()[1]
@@ -360,8 +360,8 @@ def test_the_identity_the_triggerer_stores_is_the_kwargs_identity(monkeypatch: p
     from airflow.models.trigger import Trigger
     from cryptography.fernet import Fernet
 
-    from triggerer.config import Settings
-    from triggerer.identities import compute_identities
+    from smart_triggerer.config import Settings
+    from smart_triggerer.supervisor.identities import compute_identities
 
     monkeypatch.setenv("AIRFLOW__CORE__FERNET_KEY", Fernet.generate_key().decode())
     get_fernet.cache_clear()

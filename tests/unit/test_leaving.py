@@ -1,4 +1,4 @@
-"""A stopping instance yields the CPU once its leases are released (triggerer/service.py)."""
+"""A stopping instance yields the CPU once its leases are released (smart_triggerer/supervisor/service.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, subprocess, sys, threading
-from triggerer.service import LEAVING_NICENESS, yield_cpu
+from smart_triggerer.supervisor.service import LEAVING_NICENESS, yield_cpu
 probe = subprocess.Popen(["sleep", "30"])
 try:  # a sandbox may refuse any change of priority: then there is nothing to lower, and no error
     os.setpriority(os.PRIO_PROCESS, probe.pid, 1)
@@ -103,7 +103,8 @@ def _in_pid_namespace(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_where_proc_numbers_threads_otherwise_every_python_thread_is_lowered() -> None:
-    probe = _in_pid_namespace("from triggerer.service import _proc_is_ours; print(_proc_is_ours())")
+    probe = _in_pid_namespace(
+        "from smart_triggerer.supervisor.service import _proc_is_ours; print(_proc_is_ours())")
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["False"]  # the numbering differs there: the case under test
 

@@ -1,5 +1,6 @@
-"""The load filters' steps (``triggerer/supervisor/load.py``): shedding by lag and by memory, holding when
-memory does not come back, easing back, on a stand-in supervisor whose clock and readings the test sets."""
+"""The load filters' steps (``smart_triggerer/supervisor/load.py``): shedding by lag and by memory, holding
+when memory does not come back, easing back, on a stand-in supervisor whose clock and readings the test
+sets."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import cast
 
 import pytest
 
-from triggerer.config import Settings
-from triggerer.supervisor.load import LoadFilters
+from smart_triggerer.config import Settings
+from smart_triggerer.supervisor.load import LoadFilters
 
 
 @dataclass
@@ -69,14 +70,14 @@ class Said:
 @pytest.fixture
 def said(monkeypatch: pytest.MonkeyPatch) -> Said:
     recorder = Said()
-    monkeypatch.setattr("triggerer.supervisor.load.log", recorder)
+    monkeypatch.setattr("smart_triggerer.supervisor.load.log", recorder)
     return recorder
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     now = [1000.0]
-    monkeypatch.setattr("triggerer.supervisor.load.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("smart_triggerer.supervisor.load.time.monotonic", lambda: now[0])
     return now
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from triggerer.runner import BatchedLogChannel, batch_log_channel, widen_log_channel
+from smart_triggerer.runner.trigger_runner import BatchedLogChannel, batch_log_channel, widen_log_channel
 
 
 class _Factory:  # the shape of Airflow's structlog LoggerFactory: its output is ``io``

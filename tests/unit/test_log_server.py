@@ -1,6 +1,6 @@
-"""The trigger log server beside an instance (``triggerer.service.log_server``), as ``airflow triggerer``
-runs it, and not even imported when skipped. Each case runs in a process of its own: what is imported is
-the question, and the server is a process that must not outlive its test."""
+"""The trigger log server beside an instance (``smart_triggerer.supervisor.service.log_server``), as ``airflow
+triggerer`` runs it, and not even imported when skipped. Each case runs in a process of its own: what is
+imported is the question, and the server is a process that must not outlive its test."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SKIPPED = """
 import sys
-from triggerer.service import log_server
+from smart_triggerer.supervisor.service import log_server
 with log_server(True):
     pass
 print("imported" if "airflow.utils.serve_logs" in sys.modules else "not imported")
@@ -27,7 +27,7 @@ print("imported" if "airflow.utils.serve_logs" in sys.modules else "not imported
 
 SERVED = """
 import socket, sys, time
-from triggerer.service import log_server
+from smart_triggerer.supervisor.service import log_server
 
 def accepts(port):
     try:

@@ -1,4 +1,5 @@
-"""Remote log uploads off the supervisor's loop (``triggerer/log_uploads.py``), with a store that hangs."""
+"""Remote log uploads off the supervisor's loop (``smart_triggerer/supervisor/log_uploads.py``), with a store
+that hangs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import structlog
 
+from smart_triggerer.supervisor.log_uploads import LogUploads, Upload
 from tests.helpers.waiting import wait_for
-from triggerer.log_uploads import LogUploads, Upload
 
 
 class Store:

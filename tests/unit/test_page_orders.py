@@ -1,5 +1,5 @@
-"""The page's kept order of groups (triggerer.page.GroupOrders): read once per set of DAGs, served stale
-while one refresh runs, dropped when unused; an injected clock and a refresh the test runs itself."""
+"""The page's kept order of groups (smart_triggerer.web.page.GroupOrders): read once per set of DAGs, served
+stale while one refresh runs, dropped when unused; an injected clock and a refresh the test runs itself."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from triggerer.page import GroupCount, GroupOrders
+from smart_triggerer.web.page import GroupCount, GroupOrders
 
 A = frozenset({"dag_a"})
 B = frozenset({"dag_b"})

@@ -1,4 +1,5 @@
-"""Properties of the shard placement (``triggerer/placement.py``), over seeded random fleets and loads."""
+"""Properties of the shard placement (``smart_triggerer/placement/shards.py``), over seeded random fleets and
+loads."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from triggerer.placement import Candidate, Placement, moved, place
+from smart_triggerer.placement.shards import Candidate, Placement, moved, place
 
 EPSILON = 0.25
 UNCAPPED = 10**9

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from triggerer.rendezvous import Member, assign, owner, shards_of
+from smart_triggerer.placement.rendezvous import Member, assign, owner, shards_of
 
 SHARDS = 3000
 

@@ -15,9 +15,9 @@ from airflow.models.trigger import Trigger
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from structlog.testing import capture_logs
 
+from smart_triggerer.runner import trigger_runner as runner_module
+from smart_triggerer.runner.trigger_runner import CREATE_YIELD_EVERY, SmartTriggerRunner
 from tests.helpers.task_instances import task_instance_dto
-from triggerer import runner as runner_module
-from triggerer.runner import CREATE_YIELD_EVERY, SmartTriggerRunner
 
 STARTED: dict[int, BaseTrigger] = {}  # trigger id -> the trigger whose run() started
 

@@ -11,7 +11,7 @@ import pytest
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from structlog.testing import capture_logs
 
-from triggerer.runner import HANDOVER_CANCEL_MSG, SmartTriggerRunner
+from smart_triggerer.runner.trigger_runner import HANDOVER_CANCEL_MSG, SmartTriggerRunner
 
 NAME = "test trigger"
 STARTING = f"trigger {NAME} starting"
@@ -99,7 +99,7 @@ def test_untraced_coroutines_share_one_no_op_span(monkeypatch: pytest.MonkeyPatc
     from airflow.jobs import triggerer_job_runner
     from opentelemetry import trace
 
-    from triggerer.runner import skip_untraced_spans
+    from smart_triggerer.runner.trigger_runner import skip_untraced_spans
 
     airflows = triggerer_job_runner._make_trigger_span
     monkeypatch.setattr(triggerer_job_runner, "_make_trigger_span", airflows)  # restored after the test
@@ -123,7 +123,7 @@ JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ0YXNrIn0.c2lnbmF0dXJl"  # a token's shape
 def test_the_quick_jwt_redaction_gives_airflows_output(value: object) -> None:
     from airflow.sdk._shared.logging.structlog import redact_jwt
 
-    from triggerer.runner import redact_jwt_quickly
+    from smart_triggerer.runner.trigger_runner import redact_jwt_quickly
 
     ours = redact_jwt_quickly(None, "info", {"event": value, "other": value})
     airflows = redact_jwt(None, "info", {"event": value, "other": value})
@@ -136,7 +136,7 @@ import json, sys
 import structlog
 from airflow.sdk._shared.logging.structlog import redact_jwt
 from airflow.sdk.log import configure_logging
-from triggerer.runner import quick_jwt_redaction, redact_jwt_quickly
+from smart_triggerer.runner.trigger_runner import quick_jwt_redaction, redact_jwt_quickly
 
 JWT = sys.argv[1]
 with open(sys.argv[2], "wb", buffering=0) as sink:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import triggerer.runner as runner_module
-from triggerer.runner import NUDGE_SIGNAL, SmartTriggerRunner, listen_for_nudges
-from triggerer.supervisor.starting import GroupStarting
+import smart_triggerer.runner.trigger_runner as runner_module
+from smart_triggerer.runner.trigger_runner import NUDGE_SIGNAL, SmartTriggerRunner, listen_for_nudges
+from smart_triggerer.supervisor.starting import GroupStarting
 
 
 def test_a_nudge_ends_the_runners_idle_tick(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from bench.triggers import PollTrigger
 from dataset_bridge.status_table import TableStatusTrigger
-from triggerer.runner import SmartTriggerRunner, _PortalOnDemand, needs_portal
+from smart_triggerer.runner.trigger_runner import SmartTriggerRunner, _PortalOnDemand, needs_portal
 from triggers.connections import aextra_dejson
 from triggers.external_dag import ExternalDagTrigger
 from triggers.http import HttpConditionTrigger

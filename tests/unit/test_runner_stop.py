@@ -15,7 +15,7 @@ from airflow.executors.workloads.trigger import RunTrigger
 from airflow.models.trigger import Trigger
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from triggerer.runner import FINAL_SYNC_SECONDS, SmartTriggerRunner
+from smart_triggerer.runner.trigger_runner import FINAL_SYNC_SECONDS, SmartTriggerRunner
 
 RELEASE = asyncio.Event()  # ends _SlowToEnd's cleanup once the test has what it measures
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from triggerer.config import ConfigError, Settings
+from smart_triggerer.config import ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def settings_read(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 
 
 def provider_options() -> dict[str, dict[str, object]]:
-    from triggerer.provider_info import get_provider_info
+    from smart_triggerer.provider_info import get_provider_info
 
     return get_provider_info()["config"]["smart_triggerer"]["options"]
 

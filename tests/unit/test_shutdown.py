@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from triggerer import service
-from triggerer.service import SmartTriggererJobRunner
+from smart_triggerer.supervisor import service
+from smart_triggerer.supervisor.service import SmartTriggererJobRunner
 
 
 class Recorder:

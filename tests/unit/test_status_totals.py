@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from triggerer.status import totals
+from smart_triggerer.db.status import totals
 
 
 def live(queues: str | None, shards_owned: int, healthy: bool = True) -> dict[str, Any]:

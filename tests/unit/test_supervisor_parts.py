@@ -1,4 +1,5 @@
-"""The supervisor in parts (``triggerer/supervisor/``): each part owns its job, the conductor has them all."""
+"""The supervisor in parts (``smart_triggerer/supervisor/``): each part owns its job, the conductor has them
+all."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from triggerer.supervisor import SmartTriggerRunnerSupervisor
-from triggerer.supervisor.state import SupervisorState
+from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+from smart_triggerer.supervisor.state import SupervisorState
 
 PACKAGE = Path(inspect.getfile(SupervisorState)).parent
 
@@ -21,7 +22,7 @@ def test_every_call_between_parts_is_implemented_by_a_part() -> None:
     for name in declared:
         owner = next(cls for cls in SmartTriggerRunnerSupervisor.__mro__ if name in vars(cls))
         assert owner is not SupervisorState, f"{name} is declared on the state but no part implements it"
-        assert owner.__module__.startswith("triggerer.supervisor."), owner
+        assert owner.__module__.startswith("smart_triggerer.supervisor."), owner
 
 
 def test_no_part_is_over_500_lines_and_each_says_what_it_owns() -> None:
@@ -39,7 +40,7 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
     import socket
     import threading
 
-    from triggerer.supervisor.starting import GroupStarting
+    from smart_triggerer.supervisor.starting import GroupStarting
 
     runner_end, supervisor_end = socket.socketpair()
     received = bytearray()
@@ -81,8 +82,8 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
     import selectors
     import socket
 
-    from triggerer.supervisor.starting import LOG_READS_BEFORE_FINISHING, GroupStarting
-    from triggerer.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
+    from smart_triggerer.supervisor.starting import LOG_READS_BEFORE_FINISHING, GroupStarting
+    from smart_triggerer.supervisor.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
 
     runner_end, supervisor_end = socket.socketpair()
     received = bytearray()
@@ -131,7 +132,7 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
 def test_run_once_wraps_the_log_reader_before_anything_else() -> None:
     """A load or a start services the runner's sockets itself (feed.py, starting.py): on the very first
     pass too, Airflow's blocking log reader must be wrapped before (``_guard_log_reads``)."""
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     class Stop(Exception):
         pass
@@ -156,9 +157,9 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     be read, or a big hand-out's first log lines are still held; released once none does."""
     import gc
 
-    from triggerer.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
-    from triggerer.groups import Groups
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.placement.groups import Groups
+    from smart_triggerer.runner.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.collector = Groups(), OlderHeld()
@@ -194,7 +195,7 @@ def test_first_log_lines_stay_held_while_a_sweep_or_a_phased_takeover_has_more_t
     """``_pace_log_files`` (on a clock of the test's): between two loops of a cold start every group read
     so far may be running; a hold begun by a big hand-out goes on while the sweep's pass hashes on or shards
     of this instance wait to be read."""
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
@@ -225,7 +226,7 @@ def test_a_sweep_that_does_not_end_holds_first_log_lines_no_longer_than_the_cap(
     """A sweep's pass that cannot end (the database away mid-pass, a batch failing again) extends a hold
     only up to ``HOLD_LOG_LINES_MAX_SECONDS``; once it ended there, the sweep alone does not begin it
     again, and the held files are made."""
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
@@ -243,7 +244,7 @@ def test_groups_that_never_report_running_hold_first_log_lines_no_longer_than_th
     """A big hand-out whose groups never report running (started, not built: the database away) holds up
     to ``HOLD_LOG_LINES_MAX_SECONDS``; the same hand-out begins no new hold after it, a new arrival
     does."""
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
@@ -263,9 +264,9 @@ def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
     """A supervisor with what ``_pace_log_files`` reads, a start-up sweep's pass under way."""
     import math
 
-    from triggerer.groups import Groups
-    from triggerer.log_uploads import LogUploads
-    from triggerer.trigger_logs import LogFilePool
+    from smart_triggerer.placement.groups import Groups
+    from smart_triggerer.supervisor.log_uploads import LogUploads
+    from smart_triggerer.supervisor.trigger_logs import LogFilePool
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.groups, supervisor.running_triggers = Groups(), set()
@@ -291,7 +292,7 @@ def all_running(supervisor: SmartTriggerRunnerSupervisor) -> None:
 
 def seconds_held(supervisor: SmartTriggerRunnerSupervisor, clock: FakeClock) -> float:
     """A second at a time until the hold ends (twice the cap at most, then it must have ended)."""
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     began = clock.now
     while supervisor.log_pool.holding and clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
@@ -314,8 +315,7 @@ class FakeClock:
     machine)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float = 0.0) -> None:
-        from triggerer import trigger_logs
-        from triggerer.supervisor import starting
+        from smart_triggerer.supervisor import starting, trigger_logs
 
         self.now, self.tick = 1000.0, tick
         for module in (starting, trigger_logs):
@@ -329,7 +329,7 @@ class FakeClock:
 def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> SmartTriggerRunnerSupervisor:
     """A supervisor on its way out (as ``_shutdown`` leaves it) with ``held`` files whose first line is
     held (a recent takeover's) and ``ended`` ended coroutines' files, each holding a line too."""
-    from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
+    from smart_triggerer.supervisor.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
     supervisor = pacing_supervisor()
     supervisor.log_pool.holding = True
@@ -404,7 +404,7 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from structlog.testing import capture_logs
 
-    from triggerer.supervisor import starting
+    from smart_triggerer.supervisor import starting
 
     monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
     FakeClock(monkeypatch, tick=0.1)  # three looks or so a file: a few files fit in 2 s
@@ -426,8 +426,8 @@ def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(tmp_path: Path
     (warned about then) counts too."""
     from structlog.testing import capture_logs
 
-    from triggerer.supervisor import starting
-    from triggerer.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
+    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
     monkeypatch.setattr(starting, "EXIT_REFUSED_AT_MOST", 5)
     FakeClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it

@@ -1,4 +1,5 @@
-"""Trigger log files through a bounded pool of open descriptors (``triggerer/trigger_logs.py``)."""
+"""Trigger log files through a bounded pool of open descriptors
+(``smart_triggerer/supervisor/trigger_logs.py``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pytest
 import structlog
 from airflow.jobs.triggerer_job_runner import TriggerLoggingFactory
 
-from triggerer import trigger_logs
-from triggerer.trigger_logs import (
+from smart_triggerer.supervisor import trigger_logs
+from smart_triggerer.supervisor.trigger_logs import (
     MAX_OPEN_LOG_FILES,
     LogFilePool,
     PooledLogFile,

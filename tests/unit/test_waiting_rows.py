@@ -1,10 +1,11 @@
-"""A waiter row as the supervisor reads it (triggerer/store.py): execution kwargs parsed once per text."""
+"""A waiter row as the supervisor reads it (smart_triggerer/db/store.py): execution kwargs parsed once per
+text."""
 
 from __future__ import annotations
 
 import json
 
-from triggerer.store import _parsed_execution, _waiting
+from smart_triggerer.db.store import _parsed_execution, _waiting
 
 ROW = (7, 123456789, 3, True, json.dumps({"poll_interval": ["min", 30]}), None, 0.0, True, None, None, None)
 

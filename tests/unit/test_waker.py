@@ -1,5 +1,5 @@
-"""A stop ends the supervisor's wait in ``select`` at once (triggerer/waker.py): the leases are released
-then, not when the runner's next message comes."""
+"""A stop ends the supervisor's wait in ``select`` at once (smart_triggerer/waker.py): the leases
+are released then, not when the runner's next message comes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from triggerer.waker import Waker
+from smart_triggerer.waker import Waker
 
 
 @pytest.fixture
@@ -62,8 +62,8 @@ def test_wakes_without_a_reader_never_block_nor_raise(waker: Waker) -> None:
 
 
 def test_a_stop_signal_wakes_the_smart_supervisor() -> None:
-    from triggerer.service import SmartTriggererJobRunner
-    from triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor.service import SmartTriggererJobRunner
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.stop = False
@@ -84,7 +84,7 @@ def test_a_stop_signal_wakes_the_smart_supervisor() -> None:
 def test_threads_of_ours_leave_stop_signals_to_the_main_thread() -> None:
     """The kernel gives a process's SIGTERM to a thread that does not block it: the main one, whose
     select it then interrupts."""
-    from triggerer.waker import STOP_SIGNALS, leave_stop_signals_to_the_main_thread
+    from smart_triggerer.waker import STOP_SIGNALS, leave_stop_signals_to_the_main_thread
 
     masks: dict[str, set[int]] = {}
 

@@ -1,11 +1,12 @@
-"""Which log file name templates the one-statement workload build may render (``triggerer/workloads.py``):
-only those that read nothing a ``TaskInstanceDTO`` lacks, since Jinja renders a missing attribute as ''."""
+"""Which log file name templates the one-statement workload build may render
+(``smart_triggerer/supervisor/workloads.py``): only those that read nothing a ``TaskInstanceDTO`` lacks, since
+Jinja renders a missing attribute as ''."""
 
 from __future__ import annotations
 
 import pytest
 
-from triggerer.workloads import _reads_only
+from smart_triggerer.supervisor.workloads import _reads_only
 
 DTO = {"dag_id", "run_id", "task_id", "map_index", "try_number"}
 AIRFLOWS_DEFAULT = ("dag_id={{ ti.dag_id }}/run_id={{ ti.run_id }}/task_id={{ ti.task_id }}/"
@@ -41,8 +42,8 @@ def test_other_templates_are_left_to_airflow(template: str) -> None:
 def test_airflows_default_template_is_named_as_jinja_names_it(fields: dict[str, object]) -> None:
     import jinja2
 
+    from smart_triggerer.supervisor.workloads import AIRFLOW_DEFAULT_LOG_TEMPLATE, default_log_filename
     from tests.helpers.task_instances import task_instance_dto
-    from triggerer.workloads import AIRFLOW_DEFAULT_LOG_TEMPLATE, default_log_filename
 
     assert AIRFLOW_DEFAULT_LOG_TEMPLATE == AIRFLOWS_DEFAULT
     ti = task_instance_dto(**fields)
@@ -54,7 +55,7 @@ def test_airflows_default_template_is_named_as_jinja_names_it(fields: dict[str, 
 def test_the_fast_name_is_taken_only_for_airflows_default_template() -> None:
     from airflow.configuration import conf
 
-    from triggerer import workloads
+    from smart_triggerer.supervisor import workloads
 
     assert conf.get_default_value("logging", "log_filename_template") == AIRFLOWS_DEFAULT  # still Airflow's
     assert workloads.renderer_for(AIRFLOWS_DEFAULT) is workloads.default_log_filename

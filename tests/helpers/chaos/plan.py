@@ -70,7 +70,7 @@ class Profile:
     @property
     def retake(self) -> float:
         """How long the next owner may take to run a wait whose holder was struck: a lease and a loop."""
-        from triggerer.config import Settings
+        from smart_triggerer.config import Settings
 
         return self.lease_seconds + Settings.loop_seconds
 

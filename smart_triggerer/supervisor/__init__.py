@@ -1,0 +1,106 @@
+"""The smart supervisor: Airflow's ``TriggerRunnerSupervisor`` with identity groups and shard leases.
+
+Each loop it (1) renews its membership and the leases of the shards rendezvous hashing gives it, (2)
+computes the identity of new trigger rows once, (3) reads the waiters that arrived or left since the last
+loop from the change feed (``sql/0005_change_feed.sql``, ``sql/0011_one_feed_function.sql``; every waiter
+only of a shard just taken), keeps them in identity groups and asks Airflow's runner subprocess for one
+coroutine per group (so a loop in which nothing changed reads no rows and costs nothing per waiter), (4)
+fans every event out to all members of the group in one transaction, holding it back for members that
+deferred too recently, and (5) fails every member when the group's trigger fails. Everything else (the
+runner, trigger logs, connections, the task-SDK comms) is Airflow's; trigger log files are written through a
+bounded pool of open descriptors (``trigger_logs.py``), as an instance may run more coroutines than it may
+open files.
+
+Every write for a member runs in a transaction that first share-locks the member's shard lease and
+checks it by the database clock (``Store.fence``): a process paused past its lease writes nothing for
+shards another instance took over. An event is acknowledged to the runner (``persisted_event_seqs``)
+only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
+
+The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
+``load``, ``feed``, ``deadlines``, ``starting``, ``events``, ``housekeeping``; ``state`` holds their shared
+fields. The class here is the conductor: ``run_once`` calls them in order."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from airflow.jobs.triggerer_job_runner import messages
+
+from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
+from smart_triggerer.supervisor.deadlines import MemberDeadlines
+from smart_triggerer.supervisor.events import EventFanout
+from smart_triggerer.supervisor.feed import FeedLoading
+from smart_triggerer.supervisor.housekeeping import Housekeeping
+from smart_triggerer.supervisor.leases import Leases
+from smart_triggerer.supervisor.load import LoadFilters
+from smart_triggerer.supervisor.stall import RunnerWatch
+from smart_triggerer.supervisor.starting import WRITE_HELD_EVERY_SECONDS, GroupStarting
+from smart_triggerer.supervisor.state import SupervisorState
+
+log = structlog.get_logger(logger_name=__name__)
+
+
+class SmartTriggerRunnerSupervisor(RunnerWatch, Leases, LoadFilters, FeedLoading, MemberDeadlines,
+                                   GroupStarting, EventFanout, Housekeeping, SupervisorState):
+    """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
+
+    @classmethod
+    def run_in_process(cls) -> None:
+        SmartTriggerRunner().run()
+
+    def run_once(self) -> None:
+        """Load once per ``loop_seconds`` (at once when a peer joined, stopped or handed shards over); in
+        between, handle runner messages (events) as they come."""
+        # first: a load or a start services the runner's sockets too (feed.py, starting.py), and a
+        # blocking log reader must never be live there (see starting.py)
+        self._guard_log_reads()
+        self._guard_leases()
+        self.listen_for_peers()
+        self.waker.attach(self.selector)
+        since_load = time.monotonic() - self.last_load
+        if since_load >= self.settings.loop_seconds:
+            self.loops += 1
+            self.last_load = time.monotonic()
+            self._db_step("load", self.load_triggers)
+            self._db_step("cleanup", self._housekeeping)
+        elif self._start_backlog():
+            # a takeover or a start: keep starting coroutines between loads, a time budget at a time
+            self._db_step("start", self._start_groups)
+        if not self._start_backlog():
+            self.dag_cache.clear()  # the start is over
+        self._hold_collector()  # held from a big start's first batch; released once it is over
+        self._pace_log_files()
+        # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
+        # once while groups still wait for a coroutine (events are handled between batches)
+        wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
+        if self._log_files_pending():
+            wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
+        self._service_subprocess(0.0 if self._start_backlog() else wait)
+        self._watch_runner()  # after its messages were read: a wedged runner's instance steps out
+        # lease checks run before writes: shards that may have lapsed while we waited stop first
+        self._guard_leases()
+        self._db_step("events", self.handle_events)
+        self._db_step("failures", self.handle_failed_triggers)
+        self._db_step("held events", self.release_held)
+        self._finish_leaving()
+        self._db_step("heartbeat", self.heartbeat)
+        self._track_pending()
+        self.emit_metrics()
+        self.publish_snapshot()
+
+    def wake(self) -> None:
+        """From a signal handler: the loop's wait for the runner ends now (see waker.py)."""
+        self.waker.wake()
+
+    def _track_pending(self) -> None:
+        """Since when events have waited to be stored (/health fails once that exceeds a lease)."""
+        self.pending_since = (self.pending_since or time.monotonic()) if self.events else None
+
+    def send_msg(self, msg: Any, request_id: int, error: Any = None, **dump_opts: Any) -> Any:
+        """Send cancels signed: negative ids are cancelled without on_kill (see runner.py)."""
+        if isinstance(msg, messages.TriggerStateSync) and msg.to_cancel:
+            signed = {i if i in self.user_cancels else -i for i in msg.to_cancel}
+            msg = msg.model_copy(update={"to_cancel": signed})
+        return super().send_msg(msg, request_id, error, **dump_opts)

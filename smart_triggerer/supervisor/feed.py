@@ -1,0 +1,260 @@
+"""Loading from the change feed: identities of new trigger rows computed once, then the waiters
+that arrived or left since the last loop (every waiter only of a shard just taken), kept in groups."""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import structlog
+from airflow.utils.session import create_session
+
+from smart_triggerer.db.store import Store, WaitingTrigger
+from smart_triggerer.supervisor import fanout
+from smart_triggerer.supervisor.identities import compute_identities, group_key
+from smart_triggerer.supervisor.state import Held, MemberInfo, SupervisorState
+
+log = structlog.get_logger(logger_name=__name__)
+
+# a takeover of more groups than twice this reads about this many first and hands them to the runner
+# before it reads the rest (a thousand groups: a few of the runner's batches, a tenth of a second to read)
+FIRST_READ_GROUPS = 1000
+# a takeover's phases go on for at most this share of the lease after the renewal that took the shards
+# (the renewal itself is overdue at 0.6): the rest is read by the next loop, right after it renews
+PHASES_WITHIN_LEASE = 0.3
+
+
+class FeedLoading(SupervisorState):
+    def load_triggers(self) -> None:
+        """What changed since the last loop, read from the change feed: nothing changed, nothing read.
+        Timeouts, unreadable rows and starting groups are steps of their own: one failing (a lock, a row
+        that cannot be built) never keeps the others, nor the next loop's read, from running."""
+        try:
+            self.read_changes()
+        finally:
+            self._db_step("timeouts", self._timeout_members)
+            self._db_step("unreadable", self._fail_unreadable)
+            self._db_step("start", self._start_groups)
+            # publish this loop's counters when they changed, so `status` agrees with /metrics
+            if self._counters() != self.published_counters:
+                self._db_step("heartbeat", self._heartbeat_counters)
+
+    def read_changes(self) -> None:
+        """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
+        self._renew_leases()
+        if not self._nothing_changed():
+            self._hash_new_triggers()
+            self._load_waiters()
+
+    def _nothing_changed(self) -> bool:
+        """One statement: True (and both feed positions moved on) when no waiter arrived or left since
+        the last read and no shard was taken: the common loop of a waiting deployment."""
+        if self.load_xmin is None or self.hash_xmin is None or self.to_read:
+            return False
+        with create_session() as session:
+            xmin, changed = Store(session).feed_probe(self.load_xmin, self.hash_xmin)
+        if self._went_back(xmin) or changed:
+            return False
+        self.load_xmin = self.hash_xmin = xmin
+        return True
+
+    def _went_back(self, xmin: str) -> bool:
+        """A snapshot older than a position already read means the database went back in time (a
+        failover to a replica that had not received the last transactions, crash recovery): transaction
+        ids may be handed out again below what was read. Read everything again."""
+        read = [int(x) for x in (self.load_xmin, self.hash_xmin) if x is not None]
+        if not read or int(xmin) >= max(read):
+            return False
+        log.warning("the database's transaction ids went back; reading every waiter again",
+                    position=max(read), now=int(xmin))
+        self.load_xmin = self.hash_xmin = None
+        return True
+
+    def _hash_new_triggers(self) -> None:
+        """Store the identity of every trigger row the change feed reports as new (of every row without
+        one, in a sweep); the feed position moves on only once nothing before it is left unhashed (a row
+        another instance is hashing, a row beyond this loop's limit)."""
+        after = self.hash_xmin  # None: a sweep over every trigger row
+        # a sweep's pass under way (its last batch was full) goes on from there: where the feed stands is
+        # read between passes only (a count over every trigger row, each loop of a start otherwise)
+        if (after is not None or not self.sweep_after) and self._nothing_to_hash(after):
+            return
+        hashed = self._hash_batches(after)
+        if after is None:
+            log.info("hashing trigger rows the change feed does not cover", rows=hashed)
+
+    def _nothing_to_hash(self, after: str | None) -> bool:
+        """Where the feed stands: True when no row is left to hash (the hashing position moves on) or the
+        database went back in time (everything is read again)."""
+        if after is None:
+            self._ensure_feed()
+        with create_session() as session:
+            store = Store(session)
+            if after is None:
+                position = store.sweep_position(self.queue_list)
+            else:
+                position = store.feed_position(after, self.queue_list)
+        if self._went_back(position.xmin):
+            return True
+        if position.unhashed == 0:
+            self.hash_xmin = position.xmin
+            return True
+        return False
+
+    def _hash_batches(self, after: str | None) -> int:
+        """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
+        while this loop's time budget lasts; returns how many. A sweep (``after`` None) reads on from where
+        its last batch ended, not from the first row again: at 50,000 rows a batch took 150-190 ms of the
+        database's CPU read from the first row, 4 ms from there."""
+        batch = self.settings.max_new_per_loop * 4
+        deadline = time.monotonic() + self._busy_budget()
+        hashed = 0
+        while True:
+            with create_session() as session:
+                store = Store(session)
+                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after,
+                                               after_id=self.sweep_after if after is None else 0)
+                if rows:
+                    store.insert_identities(compute_identities(rows, self.settings))
+            hashed += len(rows)
+            if after is None:
+                # a full batch: the pass goes on after its last row (in id order); a short one ends it, and
+                # the next pass starts from the first row again (a row a peer held, locked, is hashed by
+                # the peer, or by that pass if the peer could not)
+                self.sweep_after = rows[-1][0] if len(rows) == batch else 0
+            if len(rows) < batch or time.monotonic() >= deadline or self.stop:
+                return hashed
+
+    def _ensure_feed(self) -> None:
+        """Before reading everything again: the last instance to stop removes the feed's triggers, and
+        this one may have been taken for stopped while it was paused."""
+        with create_session() as session:
+            if Store(session).ensure_feed_locked():
+                log.warning("installed the change feed's triggers again (an instance stopped while this one "
+                            "was paused, or a table of Airflow's was recreated)")
+
+    def _load_waiters(self) -> None:
+        """Arrivals and departures since the last read, from the change feed; every waiter of shards just
+        taken (or of all owned shards when the feed position was lost) in full.
+
+        A takeover (or a start) of many groups reads its shards in phases, about ``FIRST_READ_GROUPS``
+        groups first (by the loads their last owner published), then twice as many each time, and hands
+        each phase's batches to the runner before reading the next: the runner starts coroutines while the
+        supervisor reads, and never waits for one big read (25,000 waiters took a second to read and claim,
+        with the runner idle). Shards of one read start soonest due first. The shards of later phases stay
+        in ``to_read`` until their read commits; past ``PHASES_WITHIN_LEASE`` of the lease since the
+        renewal, the next loop renews at once and reads them."""
+        reread = self.load_xmin is None
+        unread = set(self.owned) if reread else self.to_read & self.owned
+        if reread and (self.member_info or self.held):
+            # the feed's position was lost: every waiter at once, so that those gone meanwhile are forgotten
+            self._read_waiters(unread, unread)
+            return
+        first, *later = self._read_phases(unread)
+        self.to_read |= set().union(*later)  # a start's shards too: read in full by a later loop if need be
+        if not self._read_waiters(first, unread):
+            return
+        for phase in later:
+            if self.stop or self._exit_code is not None:
+                return  # stopping, or the runner is gone: the rest stays to be read
+            if time.monotonic() - self.last_renewal > PHASES_WITHIN_LEASE * self.settings.lease_seconds:
+                # a slow machine, a short lease: renew first (the next loop, at once), then read the rest
+                self._renew_now()
+                return
+            self._drop_lapsed()  # shards whose lease a read's fence found lapsed start nothing
+            self._db_step("start", self._start_groups)
+            self._service_subprocess(0.0)  # the start's last batch goes to the runner before the next read
+            shards = phase & self.owned  # a shard dropped meanwhile is read when claimed again
+            if self.stop or (shards and not self._read_waiters(shards, set(), feed=False)):
+                return
+
+    def _read_phases(self, unread: set[int]) -> list[set[int]]:
+        """The shards to read, in phases (in shard order): about ``FIRST_READ_GROUPS`` groups, then twice
+        as many each phase; one phase when they are few, or when a shard's load is unknown (never
+        published)."""
+        loads = {shard: self.shard_groups.get(shard) for shard in unread}
+        if None in loads.values() or sum(g or 0 for g in loads.values()) <= 2 * FIRST_READ_GROUPS:
+            return [unread]
+        phases: list[set[int]] = []
+        phase: set[int] = set()
+        groups, budget = 0, FIRST_READ_GROUPS
+        for shard in sorted(unread):
+            if groups >= budget:
+                phases.append(phase)
+                phase, groups, budget = set(), 0, budget * 2
+            phase.add(shard)
+            groups += loads[shard] or 0
+        return [*phases, phase]
+
+    def _read_waiters(self, full: set[int], unread: set[int], *, feed: bool = True) -> bool:
+        """Read every waiter of the ``full`` shards and (``feed``) the arrivals and departures in owned
+        shards read before (not those in ``unread``: they are read in full later), claim the new ones and
+        join them; False when the database went back in time (everything is read again)."""
+        hold = self.settings.resume_hold_seconds
+        gone: set[int] = set()
+        started = time.monotonic()
+        with create_session() as session:
+            store = Store(session)
+            xmin = store.snapshot_xmin()
+            rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
+            if feed and self.load_xmin is not None:
+                rows += store.waiting_triggers(self.owned - full - unread, self.queue_list,
+                                               after_xid=self.load_xmin, hold_seconds=hold)
+                gone = store.deleted_triggers(self.load_xmin)
+            new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
+            if new:
+                fenced = self._fence(session)
+                store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
+        if self._went_back(xmin):
+            return False
+        self.to_read -= full  # read in full, committed
+        if feed:
+            # a later read in full of other shards keeps the position: the next feed read covers their
+            # arrivals since this snapshot too
+            reconcile = self.load_xmin is None
+            self.load_xmin = xmin
+            if reconcile:
+                self._reconcile({r.trigger_id for r in rows})
+        for trigger_id in gone:
+            self.held.pop(trigger_id, None)
+            if trigger_id in self.member_info:
+                self._forget_member(trigger_id, user_action=True)
+        for row in rows:
+            self._join(row)
+        if full:  # a takeover's or a start's read: how long the runner waited for it
+            log.info("read whole shards", shards=len(full), waits=len(rows),
+                     seconds=round(time.monotonic() - started, 2))
+        return True
+
+    def _join(self, row: WaitingTrigger) -> None:
+        if row.trigger_id in self.member_info or row.trigger_id in self.held:
+            return
+        if row.shard not in self.owned or row.shard in self.leaving:
+            return  # a shard being given up: its next owner reads it in full
+        if row.error is not None:
+            self.unreadable[row.trigger_id] = (row.shard, row.error)
+            return
+        self.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
+        now = time.monotonic()
+        if row.held_event is not None:
+            # its event came while it was held by an owner before: resumed from it, never started again
+            self.held[row.trigger_id] = Held(fanout.event_from_text(row.held_event), now + row.held_in)
+            return
+        if row.hold_left > 0:
+            self.young_until[row.trigger_id] = now + row.hold_left
+        if row.timeout_in is not None:
+            heapq.heappush(self.deadlines, (self._db_now() + row.timeout_in, row.trigger_id))
+        dedup = row.dedupable and self.settings.dedup
+        key = group_key(row.trigger_id, row.identity_hash, dedup)
+        group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
+        if group.stricter_than_running():
+            # The newcomer needs more (a shorter poll interval, another NOTIFY channel): run the group from
+            # its row with the merged settings; the old coroutine is cancelled without on_kill.
+            log.info("restarting a group with more demanding settings", members=len(group.members))
+            self.groups.restart(group, runner=row.trigger_id)
+
+    def _reconcile(self, waiting: set[int]) -> None:
+        for trigger_id in set(self.member_info) - waiting:
+            self._forget_member(trigger_id, user_action=True)
+        for trigger_id in set(self.held) - waiting:
+            self.held.pop(trigger_id, None)
