@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from dataset_bridge import ddl, signing
+from dataset_bridge import signing, store
 
 log = structlog.get_logger(__name__)
 
@@ -55,17 +55,6 @@ MAX_BODY = 1024 * 1024
 MAX_UNREAD_BODIES = 8
 BODY_READ_SECONDS = 30  # a body trickled in slower than this is answered 408 and its slot freed
 MAX_EVENTS = 1000
-SCHEMA_DDL = """
-CREATE SCHEMA IF NOT EXISTS dataset_bridge;
-CREATE TABLE IF NOT EXISTS dataset_bridge.inbox (
-    source text NOT NULL,
-    source_event_id bigint NOT NULL,
-    asset_event_id integer,
-    received_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (source, source_event_id)
-);
-CREATE INDEX IF NOT EXISTS inbox_received ON dataset_bridge.inbox (received_at)
-"""
 
 
 class InboxEvent(BaseModel):
@@ -179,7 +168,7 @@ def _ensure_schema(session: Any) -> None:
     database = session.connection().engine.url.render_as_string(hide_password=True)
     if database in _schema_ready:
         return
-    ddl.apply(session, SCHEMA_DDL)
+    store.migrate(session)
     _schema_ready.add(database)
 
 

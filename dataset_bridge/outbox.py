@@ -28,57 +28,13 @@ import structlog
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from dataset_bridge import ddl
+from dataset_bridge import store
 from dataset_bridge.horizon import Horizon
 from dataset_bridge.routes import Routes
 
 log = structlog.get_logger(__name__)
 
 CHANNEL = "dataset_bridge_outbox"
-SCHEMA_DDL = """
-CREATE SCHEMA IF NOT EXISTS dataset_bridge;
-CREATE TABLE IF NOT EXISTS dataset_bridge.outbox (
-    id bigserial PRIMARY KEY,
-    target text NOT NULL,
-    asset_event_id integer NOT NULL,
-    asset_uri text NOT NULL,
-    asset_name text NOT NULL,
-    extra jsonb NOT NULL DEFAULT '{}',
-    event_timestamp timestamptz NOT NULL,
-    status text NOT NULL DEFAULT 'pending',
-    attempts integer NOT NULL DEFAULT 0,
-    next_attempt_at timestamptz NOT NULL DEFAULT now(),
-    last_error text,
-    created_at timestamptz NOT NULL DEFAULT now(),
-    delivered_at timestamptz,
-    UNIQUE (target, asset_event_id)
-);
-CREATE INDEX IF NOT EXISTS outbox_pending ON dataset_bridge.outbox (target, id) WHERE status = 'pending';
-CREATE TABLE IF NOT EXISTS dataset_bridge.relay_target (
-    target text PRIMARY KEY,
-    since timestamptz NOT NULL DEFAULT now()
-);
-ALTER TABLE dataset_bridge.relay_target ADD COLUMN IF NOT EXISTS swept_until timestamptz;
-CREATE INDEX IF NOT EXISTS outbox_delivered ON dataset_bridge.outbox (delivered_at)
-    WHERE status = 'delivered';
--- NULL: the event's extra could not be copied (jsonb refuses it), so the row is dead and never sent
-ALTER TABLE dataset_bridge.outbox ALTER COLUMN extra DROP NOT NULL;
--- server errors (a 5xx that is not an outage) of this row: the relay dead-letters it at max_server_errors
-ALTER TABLE dataset_bridge.outbox ADD COLUMN IF NOT EXISTS server_errors integer NOT NULL DEFAULT 0;
--- the sweeper's cursor: every asset_event id up to it has committed (or never will) and was swept
-ALTER TABLE dataset_bridge.relay_target ADD COLUMN IF NOT EXISTS swept_id bigint;
--- A target first seen now is swept from the events after those committed now. Its registering transaction's
--- own are left out: the manager registers in a producer's transaction, whose event may need the sweep.
-CREATE OR REPLACE FUNCTION dataset_bridge.asset_events_before() RETURNS bigint
-LANGUAGE plpgsql STABLE AS $$
-BEGIN
-    RETURN (SELECT coalesce(max(id), 0) FROM asset_event
-            WHERE xmin <> coalesce(xid(pg_current_xact_id_if_assigned()), CAST('0' AS xid)));
-END
-$$;
-ALTER TABLE dataset_bridge.relay_target
-    ALTER COLUMN swept_id SET DEFAULT dataset_bridge.asset_events_before();
-""" + ddl.JSONB_ERROR
 
 INSERT_ROW = """
 INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, extra, event_timestamp)
@@ -122,7 +78,7 @@ UPDATE dataset_bridge.relay_target SET swept_id = greatest(swept_id, :final) WHE
 
 
 def ensure_schema(session: Session) -> None:
-    ddl.apply(session, SCHEMA_DDL)
+    store.migrate(session)
 
 
 @cache

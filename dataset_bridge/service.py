@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from sqlalchemy import text
 
-from dataset_bridge import ddl, reconcile, retention, task_success
+from dataset_bridge import reconcile, retention, task_success
 from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
 from dataset_bridge.retention import Retention
 from dataset_bridge.task_success import TaskMapping
@@ -162,8 +162,6 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         exists = session.execute(text("SELECT to_regclass('dataset_bridge.emitted') IS NOT NULL")).scalar()
         if not exists:
             return {"initialized": False}
-        if not session.execute(text("SELECT to_regprocedure('dataset_bridge.jsonb_error(text)')")).scalar():
-            ddl.apply(session, ddl.JSONB_ERROR)  # tables made by an earlier version: the reconciler needs it
         result: dict[str, Any] = {"initialized": True}
         result["emitted"] = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["emitted"])).all()}
         result["horizons"] = {str(k): v.isoformat() for k, v in session.execute(text(STATUS_SQL["horizons"]))}

@@ -28,6 +28,7 @@ import asyncio
 import datetime as dt
 from collections import defaultdict
 from collections.abc import AsyncIterator, Hashable, Sequence
+from importlib import resources
 from typing import Any
 
 import asyncpg
@@ -44,16 +45,8 @@ from triggers.table_load import FAILED, START, SUCCESS, quote_identifier
 log = structlog.get_logger(__name__)
 
 CLASSPATH = "dataset_bridge.status_table.TableStatusTrigger"
-WATERMARK_DDL = """
-CREATE SCHEMA IF NOT EXISTS dataset_bridge;
-CREATE TABLE IF NOT EXISTS dataset_bridge.status_watermark (
-    status_table text NOT NULL,
-    table_name text NOT NULL,
-    last_id bigint NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (status_table, table_name)
-)
-"""
+# created when missing in the database watched (it is not the bridge's: no migrations there)
+WATERMARK_DDL = resources.files("dataset_bridge").joinpath("sql/status_watermark.sql").read_text()
 KNOWN_STATUSES = {SUCCESS, START, FAILED}
 BATCH = 1000
 

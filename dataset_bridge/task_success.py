@@ -38,38 +38,10 @@ import yaml
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from dataset_bridge import ddl
+from dataset_bridge import store
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_DDL = """
-CREATE SCHEMA IF NOT EXISTS dataset_bridge;
-CREATE TABLE IF NOT EXISTS dataset_bridge.emitted (
-    asset_id integer NOT NULL,
-    idempotency_key text NOT NULL,
-    source text NOT NULL,
-    asset_event_id integer,
-    created_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (asset_id, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS emitted_key ON dataset_bridge.emitted (idempotency_key);
-CREATE INDEX IF NOT EXISTS emitted_created ON dataset_bridge.emitted (created_at);
-CREATE TABLE IF NOT EXISTS dataset_bridge.task_horizon (
-    dag_id text NOT NULL,
-    task_id text NOT NULL,
-    since timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (dag_id, task_id)
-);
-CREATE TABLE IF NOT EXISTS dataset_bridge.reconciled (
-    asset_event_id integer NOT NULL,
-    dag_id text NOT NULL,
-    queued_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (asset_event_id, dag_id)
-);
-ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS outcome text NOT NULL DEFAULT 'requeued';
-ALTER TABLE dataset_bridge.reconciled ADD COLUMN IF NOT EXISTS reason text;
-CREATE INDEX IF NOT EXISTS reconciled_queued ON dataset_bridge.reconciled (queued_at);
-""" + ddl.JSONB_ERROR  # the reconciler's
 
 # Mapped refs resolve to the active asset with that URI, else with that name (as the inbox does).
 # Successful tries come from task_instance (the current try) and task_instance_history (tries that were
@@ -168,7 +140,7 @@ class TaskMapping:
 
 
 def ensure_schema(session: Session) -> None:
-    ddl.apply(session, SCHEMA_DDL)
+    store.migrate(session)
 
 
 def register_horizons(session: Session, mapping: TaskMapping) -> None:

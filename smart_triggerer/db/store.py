@@ -8,17 +8,17 @@ our writes can share a transaction with Airflow's).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from importlib import resources
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from smart_triggerer.config import ConfigError
+from smart_triggerer.db import migrations as migration_files
+from smart_triggerer.db.migrations import Migration
 from smart_triggerer.db.notices import CHANNEL, notice_payload
 from smart_triggerer.errors import ExitCode, UserError
 from smart_triggerer.placement.shards import Candidate
@@ -28,7 +28,6 @@ SCHEMA = "smart_triggerer"
 # the placement this release computes (instance.placement, 0012_placement.sql): 1 rendezvous by capacity,
 # 2 filters and bounded loads (placement.py)
 PLACEMENT = 2
-_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
 # a migration file with this line cannot be run on by instances that do not know it: when it is applied,
@@ -57,26 +56,15 @@ class ShardCountMismatch(UserError, RuntimeError):
 
 @cache
 def queries() -> dict[str, str]:
-    """Parse ``queries.sql``: each query follows a ``-- name: NAME`` line."""
-    source = resources.files("smart_triggerer.db").joinpath("sql/queries.sql").read_text()
-    found: dict[str, str] = {}
-    for block in re.split(r"^-- name: ", source, flags=re.MULTILINE)[1:]:
-        name, _, body = block.partition("\n")
-        lines = [line for line in body.splitlines() if not line.startswith("--")]
-        found[name.strip()] = "\n".join(lines).strip().rstrip(";")
-    return found
+    """``sql/queries.sql``: each query follows a ``-- name: NAME`` line."""
+    return migration_files.named_queries("smart_triggerer.db")
 
 
 @cache
-def migrations() -> tuple[tuple[int, str, str], ...]:
+def migrations() -> tuple[Migration, ...]:
     """(version, name, sql) of every migration shipped, in order (read once: a running instance compares
     the schema with them every few seconds)."""
-    found = []
-    for entry in resources.files("smart_triggerer.db").joinpath("sql").iterdir():
-        match = _MIGRATION_FILE.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), match.group(2), entry.read_text()))
-    return tuple(sorted(found))
+    return migration_files.shipped("smart_triggerer.db")
 
 
 # the change feed's triggers (queries.sql, install_*): created, deleted trigger rows; new asset watchers
@@ -161,18 +149,8 @@ class Store:
         """Apply pending migrations and pin the shard count, safely when instances start at once."""
         self._run("startup_lock_timeout")
         self._run("lock_schema")
-        self.session.execute(text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
-        self.session.execute(text(
-            f"CREATE TABLE IF NOT EXISTS {SCHEMA}.migration (version integer PRIMARY KEY, "
-            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        ))
-        applied = {row[0] for row in self._run("applied_migrations")}
         done = []
-        for version, name, sql in migrations():
-            if version in applied:
-                continue
-            self.session.connection().exec_driver_sql(sql)
-            self._run("record_migration", version=version, name=name)
+        for version, _name, sql in migration_files.apply(self.session, SCHEMA, migrations()):
             if BREAKS_OLDER in sql.splitlines():
                 self._run("raise_setting", key="oldest_reader", value=str(version))
             done.append(version)

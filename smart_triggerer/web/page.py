@@ -32,10 +32,10 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse
-from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from dataset_bridge import store as bridge_store
 from smart_triggerer.config import Settings
 from smart_triggerer.db import status
 
@@ -58,7 +58,6 @@ ORDER_KEEP_SECONDS = 300.0
 ORDERS_KEPT = 16
 # a sample is an instance's latest for this long (a minute apart, with room for a slow loop)
 SAMPLE_FRESH_SECONDS = 150
-BRIDGE_TABLES = ("dataset_bridge.outbox", "dataset_bridge.status_watermark", "dataset_bridge.reconciled")
 
 
 async def _user(request: Request) -> Any:
@@ -181,7 +180,7 @@ def overview(may_read_assets: bool, teams: frozenset[str] | None = None) -> dict
         samples = [s for s in store.page_chart()
                    if teams is None or (s["known"] and status.in_teams(s["space"], teams))]
         chart, polls_saved = _chart(samples)
-        bridge = _bridge(session) if may_read_assets else None
+        bridge = bridge_store.panel(session) if may_read_assets else None
     found = status.totals(instances, shards)
     waiters, groups = found["waiters"], found["groups"]
     return {
@@ -234,41 +233,6 @@ def _instance(row: dict[str, Any]) -> dict[str, Any]:
     """As ``status --json`` shows it, with what the page adds."""
     return {**status.instance(row), "stopped": row["stopped_at"] is not None,
             "lease_expires_at": _iso(row["lease_expires_at"]), "started_at": _iso(row["started_at"])}
-
-
-BRIDGE_PARTS = {
-    "dataset_bridge.outbox": """
-        'targets', (SELECT coalesce(json_agg(t ORDER BY t.target), '[]') FROM (
-            SELECT target, count(*) FILTER (WHERE status = 'pending') AS backlog,
-                   count(*) FILTER (WHERE status = 'dead') AS dead,
-                   count(*) FILTER (WHERE status = 'delivered') AS delivered,
-                   min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending
-            FROM dataset_bridge.outbox GROUP BY target) t),
-        'dead_letters', (SELECT coalesce(json_agg(d), '[]') FROM (
-            SELECT target, asset_name, attempts, last_error, created_at FROM dataset_bridge.outbox
-            WHERE status = 'dead' ORDER BY id DESC LIMIT 20) d)""",
-    "dataset_bridge.status_watermark": """
-        'watermarks', (SELECT coalesce(json_agg(w ORDER BY w.status_table, w.table_name), '[]') FROM (
-            SELECT status_table, table_name, last_id, updated_at FROM dataset_bridge.status_watermark) w)""",
-    "dataset_bridge.reconciled": """
-        'requeued', (SELECT json_build_object(
-            'total', count(*),
-            'last_hour', count(*) FILTER (WHERE queued_at > now() - interval '1 hour'))
-            FROM dataset_bridge.reconciled WHERE outcome = 'requeued')""",
-}
-
-
-def _bridge(session: Any) -> dict[str, Any] | None:
-    """The bridge panel in one query over the bridge's tables that exist (none: no bridge here)."""
-    present = session.execute(
-        text("SELECT t FROM unnest(CAST(:tables AS text[])) t WHERE to_regclass(t) IS NOT NULL"),
-        {"tables": list(BRIDGE_TABLES)},
-    ).scalars().all()
-    if not present:
-        return None
-    parts = ",".join(BRIDGE_PARTS[t] for t in BRIDGE_TABLES if t in present)
-    found = session.execute(text(f"SELECT json_build_object({parts})")).scalar()  # parts are constants
-    return {"targets": [], "dead_letters": [], "watermarks": [], "requeued": None, **found}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 import uvicorn
 
-from dataset_bridge import ddl, inbox, outbox, signing
+from dataset_bridge import inbox, signing, store
 from dataset_bridge.relay import Relay, RelaySettings
 from dataset_bridge.routes import Routes
 from devkit.pgserver import free_port
@@ -137,8 +137,8 @@ async def test_the_relay_retries_a_clock_off_without_dead_lettering_and_says_why
     pool = await asyncpg.create_pool(pg_db, min_size=1, max_size=2)
     try:
         async with pool.acquire() as conn:
-            for statement in ddl.statements(outbox.SCHEMA_DDL):
-                await conn.execute(statement)
+            for _version, _name, sql in store.migrations():  # the bridge's schema, as a migration makes it
+                await conn.execute(sql)
         await pool.execute(
             "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, "
             "event_timestamp, attempts) VALUES ('b', 1, 'x', 'x', $1, 5)", dt.datetime.now(dt.UTC))

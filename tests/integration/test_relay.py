@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from sqlalchemy import text as sql_text
 
-from dataset_bridge import ddl, outbox, signing
+from dataset_bridge import outbox, signing, store
 from dataset_bridge.relay import Relay, RelaySettings
 from dataset_bridge.routes import Routes
 from devkit.pgserver import free_port
@@ -84,8 +84,8 @@ def _routes(url: str, max_attempts: int = 10, max_server_errors: int = 10) -> Ro
 async def _outbox(dsn: str) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
     async with pool.acquire() as conn:
-        for statement in ddl.statements(outbox.SCHEMA_DDL):
-            await conn.execute(statement)
+        for _version, _name, sql in store.migrations():  # the bridge's schema, as a migration makes it
+            await conn.execute(sql)
     return pool
 
 

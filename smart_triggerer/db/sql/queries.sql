@@ -6,10 +6,6 @@ SELECT pg_advisory_xact_lock(7405412771);
 -- Versions already applied.
 SELECT version FROM smart_triggerer.migration;
 
--- name: record_migration
--- Marks one migration as applied.
-INSERT INTO smart_triggerer.migration (version, name) VALUES (:version, :name);
-
 -- name: get_setting
 -- One deployment-wide setting.
 SELECT value FROM smart_triggerer.setting WHERE key = :key;
