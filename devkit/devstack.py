@@ -241,10 +241,11 @@ class AirflowStack:
     def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
                               health_port: int = 0, env: dict[str, str] | None = None,
                               queues: str | None = None, health_host: str | None = None,
-                              team_name: str | None = None) -> Component:
+                              team_name: str | None = None, command: Path | None = None) -> Component:
         """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port. ``queues`` turns on
-        ``[triggerer] queues_enabled`` and ``team_name`` ``[core] multi_team`` for it, as a user must."""
-        argv = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
+        ``[triggerer] queues_enabled`` and ``team_name`` ``[core] multi_team`` for it, as a user must.
+        ``command``: another release's ``smart-triggerer`` (default: this environment's)."""
+        argv = [str(command or Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
                 "--health-port", str(health_port)]
         if health_host is not None:
             argv += ["--health-host", health_host]

@@ -17,33 +17,34 @@ shards another instance took over. An event is acknowledged to the runner (``per
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
-``load``, ``feed``, ``deadlines``, ``starting``, ``events``, ``housekeeping``; ``state`` holds their shared
-fields. The class here is the conductor: ``run_once`` calls them in order."""
+``load``, ``feed``, ``deadlines``, ``starting``, ``events``, ``housekeeping``. ``load``, ``deadlines`` and
+``stall`` are objects that own their state and are handed the context the parts share (``shared.py``:
+settings, groups and members, owned shards, the database clock); the others are still mixins over
+``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
+the parts in order, and it answers what a part asks of the instance (the runner watch's ``Instance``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from airflow.jobs.triggerer_job_runner import messages
 
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
-from smart_triggerer.supervisor.deadlines import MemberDeadlines
 from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.feed import FeedLoading
 from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.leases import Leases
-from smart_triggerer.supervisor.load import LoadFilters
-from smart_triggerer.supervisor.stall import RunnerWatch
 from smart_triggerer.supervisor.starting import WRITE_HELD_EVERY_SECONDS, GroupStarting
 from smart_triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(RunnerWatch, Leases, LoadFilters, FeedLoading, MemberDeadlines,
-                                   GroupStarting, EventFanout, Housekeeping, SupervisorState):
+class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFanout, Housekeeping,
+                                   SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -78,7 +79,7 @@ class SmartTriggerRunnerSupervisor(RunnerWatch, Leases, LoadFilters, FeedLoading
         if self._log_files_pending():
             wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
         self._service_subprocess(0.0 if self._start_backlog() else wait)
-        self._watch_runner()  # after its messages were read: a wedged runner's instance steps out
+        self.watch.look()  # after its messages were read: a wedged runner's instance steps out
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self._guard_leases()
         self._db_step("events", self.handle_events)
@@ -89,6 +90,31 @@ class SmartTriggerRunnerSupervisor(RunnerWatch, Leases, LoadFilters, FeedLoading
         self._track_pending()
         self.emit_metrics()
         self.publish_snapshot()
+
+    # --- what the runner watch asks of the instance (stall.py, Instance) ---
+
+    def runner_last_message(self) -> float:
+        return float(self._last_runner_comms)
+
+    def runner_exited(self) -> bool:
+        return self._exit_code is not None
+
+    def runner_pid(self) -> int:
+        return int(self.pid)
+
+    def alive_runners(self) -> set[int]:
+        return self._alive_runners()
+
+    def hand_every_shard_over(self) -> None:
+        self._drop_shards(set(self.owned) | set(self.leaving))
+        self.owned, self.to_read = set(), set()
+
+    def take_shards_again(self) -> None:
+        self._lost_the_feed()
+        self._renew_now()
+
+    def db_step(self, name: str, step: Callable[[], None]) -> bool:
+        return self._db_step(name, step)
 
     def wake(self) -> None:
         """From a signal handler: the loop's wait for the runner ends now (see waker.py)."""

@@ -3,7 +3,6 @@ that arrived or left since the last loop (every waiter only of a shard just take
 
 from __future__ import annotations
 
-import heapq
 import time
 
 import structlog
@@ -12,7 +11,8 @@ from airflow.utils.session import create_session
 from smart_triggerer.db.store import Store, WaitingTrigger
 from smart_triggerer.supervisor import fanout
 from smart_triggerer.supervisor.identities import compute_identities, group_key
-from smart_triggerer.supervisor.state import Held, MemberInfo, SupervisorState
+from smart_triggerer.supervisor.shared import MemberInfo
+from smart_triggerer.supervisor.state import Held, SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -32,8 +32,8 @@ class FeedLoading(SupervisorState):
         try:
             self.read_changes()
         finally:
-            self._db_step("timeouts", self._timeout_members)
-            self._db_step("unreadable", self._fail_unreadable)
+            self._db_step("timeouts", self.deadlines.timeout_members)
+            self._db_step("unreadable", self.deadlines.fail_unreadable)
             self._db_step("start", self._start_groups)
             # publish this loop's counters when they changed, so `status` agrees with /metrics
             if self._counters() != self.published_counters:
@@ -232,7 +232,7 @@ class FeedLoading(SupervisorState):
         if row.shard not in self.owned or row.shard in self.leaving:
             return  # a shard being given up: its next owner reads it in full
         if row.error is not None:
-            self.unreadable[row.trigger_id] = (row.shard, row.error)
+            self.deadlines.add_unreadable(row.trigger_id, row.shard, row.error)
             return
         self.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
         now = time.monotonic()
@@ -243,7 +243,7 @@ class FeedLoading(SupervisorState):
         if row.hold_left > 0:
             self.young_until[row.trigger_id] = now + row.hold_left
         if row.timeout_in is not None:
-            heapq.heappush(self.deadlines, (self._db_now() + row.timeout_in, row.trigger_id))
+            self.deadlines.add(row.trigger_id, row.timeout_in)
         dedup = row.dedupable and self.settings.dedup
         key = group_key(row.trigger_id, row.identity_hash, dedup)
         group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)

@@ -194,18 +194,19 @@ class Housekeeping(SupervisorState):
             "watcher_restarts_total": self.watcher_restarts_total,
             "task_state_requests_total": self.task_state_requests_total,
             "health_url": self.health_url,
-            **self._load_counters(),
+            **self.load_filters.counters(),
         }
 
     def publish_snapshot(self) -> None:
         """Copy the counters for the HTTP thread (it must never iterate what this loop mutates)."""
         counters = self._counters()
         counters.update(shards_owned=len(self.owned), job_id=self.job_id, capacity=self.capacity,
-                        lag_recent_ms=round(self.lag_recent_ms, 1), shards_taken_total=self.shards_moved_in,
+                        lag_recent_ms=round(self.load_filters.lag_recent_ms, 1),
+                        shards_taken_total=self.shards_moved_in,
                         shards_handed_over_total=self.shards_moved_out,
                         coroutines=len(self.running_triggers), events_pending=len(self.events),
                         events_dead_total=self.dead_letters.total,
-                        runner_stalled=None if self.stall is None else self.stall.cause,
+                        runner_stalled=None if self.watch.stall is None else self.watch.stall.cause,
                         last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None)
         self.published = counters
 

@@ -139,7 +139,7 @@ class Leases(SupervisorState):
 
     def _renew_leases(self) -> None:
         started = time.monotonic()
-        self._update_filters()
+        self.load_filters.update()
         with create_session() as session:
             store = Store(session)
             counters = self._counters()
@@ -178,7 +178,7 @@ class Leases(SupervisorState):
 
     def _desired_shards(self, store: Store, live: list[LiveMember]) -> set[int]:
         """The shards this instance should hold, by the placement every live instance computes alike."""
-        if self.stall is not None:
+        if self.watch.stall is not None:
             return set()  # out of the fleet while its runner does not answer (stall.py)
         if all(m.candidate.job_id != self.job_id for m in live):
             live = [*live, LiveMember(self._candidate(), PLACEMENT, self.settings.lease_seconds)]
@@ -186,18 +186,19 @@ class Leases(SupervisorState):
             # an instance of an earlier release is live (a rolling upgrade): all compute its placement,
             # so that the fleet agrees on one map; load-following placement resumes once it has left
             members = [Member(m.candidate.job_id, m.candidate.capacity) for m in live]
-            self._note_fleet(False)  # capacity is only a weight in that placement
+            self.load_filters.note_fleet(False)  # capacity is only a weight in that placement
             return shards_of(self.job_id, assign(self.settings.shards, members))
         shards = store.shard_loads(self.queues_key)
         self.shard_groups = {s.shard: s.groups for s in shards if s.groups is not None}
         placement = place(self.settings.shards, [m.candidate for m in live], self.shard_groups,
                           {s.shard: s.owner for s in shards},
                           self.settings.placement_epsilon)
-        self._note_fleet(placement.full)
+        self.load_filters.note_fleet(placement.full)
         return placement.shards_of(self.job_id)
 
     def _candidate(self) -> Candidate:
-        return Candidate(self.job_id, self.capacity, accepting=self.shedding is None, limit=self.limit_groups)
+        return Candidate(self.job_id, self.capacity, accepting=self.load_filters.accepting,
+                         limit=self.load_filters.limit_groups)
 
     def _loads_to_publish(self) -> dict[int, int]:
         """Groups per owned and loaded shard, where they changed enough since last published: placement

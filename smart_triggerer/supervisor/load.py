@@ -15,13 +15,15 @@ capacity while another has room under its own.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 
 import psutil
 import structlog
 
 from smart_triggerer.runner.trigger_runner import LAG_BOARD
-from smart_triggerer.supervisor.state import SupervisorState
+from smart_triggerer.supervisor.shared import Shared
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -33,7 +35,33 @@ EASE_STEPS_AT_LEAST = 20  # easing back from a small limit reaches the capacity 
 MEMORY_STEP_FALL = 0.95  # a memory step helped if the RSS fell at least 5% (a few MB is noise)
 
 
-class LoadFilters(SupervisorState):
+class LoadFilters:
+    """Owns the instance's load readings and its shedding state; the leases ask it, before each renewal,
+    whether the instance takes new shards (``accepting``) and how many groups it asks to come down to
+    (``limit_groups``)."""
+
+    def __init__(self, shared: Shared, starting: Callable[[], bool]) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.groups = shared.groups
+        self.capacity = shared.capacity
+        self._start_backlog = starting  # a start is under way: work that just arrived, not load to shed
+        self.lag_p99_ms = 0.0
+        self.lag_recent_ms = 0.0
+        self.rss_mb = 0
+        self.rss_read_at = -math.inf
+        self.shedding: str | None = None  # why it takes no new shards
+        self.limit_groups: int | None = None
+        self.shed_step_at = -math.inf
+        self.calm_since: float | None = None
+        self.rss_at_step = 0  # memory when the last shed step began
+        self.memory_held = False  # shedding stopped: memory did not fall
+        self.fleet_full = False
+
+    @property
+    def accepting(self) -> bool:
+        return self.shedding is None
+
     def _measure_load(self) -> None:
         reading = LAG_BOARD.read()
         if reading is not None:
@@ -43,7 +71,7 @@ class LoadFilters(SupervisorState):
             self.rss_read_at = now
             self.rss_mb = _tree_rss_mb()
 
-    def _update_filters(self) -> None:
+    def update(self) -> None:
         """Start, deepen, ease or end shedding by this instance's lag and memory (before each renewal)."""
         self._measure_load()
         now = time.monotonic()
@@ -142,26 +170,26 @@ class LoadFilters(SupervisorState):
         self.rss_at_step = self.rss_mb
         log.warning(message, reason=reason, groups=groups, limit=self.limit_groups)
 
-    def _note_fleet(self, full: bool) -> None:
+    def note_fleet(self, full: bool) -> None:
         """Say once when the fleet became full (every instance at its capacity or limits, or this one has
         waits beyond its capacity) and once when it no longer is; while full, shards stay where they run,
         none is left without an instance, and no instance runs more than its capacity: the waits beyond
         it stay deferred and start, most urgent first, as room frees or an instance joins."""
-        full = full or self._waiting_for_room() > 0
+        full = full or self.shared.waiting_for_room() > 0
         if full and not self.fleet_full:
             log.warning("the fleet is full: every instance is at its capacity or limits; waits beyond "
                         "capacity stay deferred and start, most urgent first, as room frees or an instance "
                         "joins (add an instance or raise --capacity)",
-                        waiting_for_room=self._waiting_for_room())
+                        waiting_for_room=self.shared.waiting_for_room())
         elif self.fleet_full and not full:
             log.info("the fleet has room again")
         self.fleet_full = full
 
-    def _load_counters(self) -> dict[str, object]:
+    def counters(self) -> dict[str, object]:
         return {"lag_p99_ms": round(self.lag_p99_ms, 1), "rss_mb": self.rss_mb,
                 "accepting": self.shedding is None, "limit_groups": self.limit_groups,
                 "shedding": self.shedding, "fleet_full": self.fleet_full,
-                "waiting_for_room": self._waiting_for_room()}
+                "waiting_for_room": self.shared.waiting_for_room()}
 
 
 def _tree_rss_mb() -> int:

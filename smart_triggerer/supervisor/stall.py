@@ -17,8 +17,12 @@ slow DNS lookup, a lock) costs the instance nothing more than the time it was ou
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 from airflow.utils.net import get_hostname
@@ -26,8 +30,7 @@ from airflow.utils.session import create_session
 
 from smart_triggerer.db.store import Store
 from smart_triggerer.runner.trigger_runner import LAG_BOARD
-from smart_triggerer.supervisor.leases import Leases
-from smart_triggerer.supervisor.state import Stall
+from smart_triggerer.supervisor.shared import Shared
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -38,59 +41,94 @@ ANSWERING_SECONDS = 1.0
 AWAY_SECONDS = 2.0
 
 
-class RunnerWatch(Leases):
-    def _watch_runner(self) -> None:
+@dataclass
+class Stall:
+    """This instance stepped out of the fleet: its runner stopped answering."""
+
+    since: float  # time.monotonic() of the runner's last message
+    cause: str
+    stale_runners: set[int] = field(default_factory=set)  # coroutines running when the instance stepped out
+    left: bool = False  # the membership and leases are released (retried every loop until they are)
+
+
+class Instance(Protocol):
+    """What the watch asks of the rest of the instance (the conductor answers)."""
+
+    health_url: str | None
+
+    def runner_last_message(self) -> float: ...  # time.monotonic() of the runner's last message
+    def runner_exited(self) -> bool: ...
+    def runner_pid(self) -> int: ...
+    def alive_runners(self) -> set[int]: ...  # coroutines the runner runs or has been handed
+    def hand_every_shard_over(self) -> None: ...  # forget every waiter; their coroutines cancelled
+    def take_shards_again(self) -> None: ...  # read every waiter of what it takes, and renew at once
+    def db_step(self, name: str, step: Callable[[], None]) -> bool: ...
+    def publish_snapshot(self) -> None: ...
+
+
+class RunnerWatch:
+    """Owns whether the instance is out of the fleet (``stall``) and since when the runner is silent."""
+
+    def __init__(self, shared: Shared, instance: Instance) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.instance = instance
+        self.stall: Stall | None = None  # out of the fleet: the runner is wedged
+        self.watched_at = -math.inf  # the watch's last look
+        self.silence_from = -math.inf  # the watch counts silence from here
+
+    def look(self) -> None:
         """After the runner's messages were read: step out past the threshold, back in once it answers."""
         limit = self.settings.stall_seconds
         now = time.monotonic()
         if now - self.watched_at > max(AWAY_SECONDS, 2 * self.settings.loop_seconds):
             self.silence_from = now
         self.watched_at = now
-        silent = now - max(self._last_runner_comms, self.silence_from)
+        silent = now - max(self.instance.runner_last_message(), self.silence_from)
         if self.stall is None:
-            if limit and silent > limit and self._exit_code is None:
+            if limit and silent > limit and not self.instance.runner_exited():
                 self._step_out(silent, limit)
             return
         if not self.stall.left:
-            self._db_step("step out", self._leave_fleet)
-        elif silent < ANSWERING_SECONDS and not self.stall.stale_runners & self._alive_runners():
-            self._db_step("step in", self._rejoin_fleet)
+            self.instance.db_step("step out", self._leave_fleet)
+        elif silent < ANSWERING_SECONDS and not self.stall.stale_runners & self.instance.alive_runners():
+            self.instance.db_step("step in", self._rejoin_fleet)
 
     def _step_out(self, silent: float, limit: float) -> None:
         holder = LAG_BOARD.read_holder()
         self.stall = Stall(time.monotonic() - silent,
                            f"the trigger runner has not answered for {silent:.0f} s "
                            f"(runner_stall_seconds {limit:g}){self._holder_text(holder)}",
-                           stale_runners=self._alive_runners())
+                           stale_runners=self.instance.alive_runners())
         log.error("the trigger runner's event loop is blocked; handing every shard over until it answers",
-                  silent_seconds=round(silent, 1), runner_stall_seconds=limit, shards=len(self.owned),
-                  waiters=len(self.member_info), **self._holder_details(holder))
-        self._drop_shards(set(self.owned) | set(self.leaving))
-        self.owned, self.to_read = set(), set()
-        self._db_step("step out", self._leave_fleet)
-        self.publish_snapshot()
+                  silent_seconds=round(silent, 1), runner_stall_seconds=limit, shards=len(self.shared.owned),
+                  waiters=len(self.shared.member_info), **self._holder_details(holder))
+        self.instance.hand_every_shard_over()
+        self.instance.db_step("step out", self._leave_fleet)
+        self.instance.publish_snapshot()
 
     def _leave_fleet(self) -> None:
         assert self.stall is not None
+        shared = self.shared
         with create_session() as session:
             store = Store(session)
-            store.stop_instance(self.job_id)
-            store.notify_membership(self.job_id, self.queues_key)  # peers claim now, not at their lapse
+            store.stop_instance(shared.job_id)
+            store.notify_membership(shared.job_id, shared.queues_key)  # peers claim now, not at their lapse
         self.stall.left = True
 
     def _rejoin_fleet(self) -> None:
         assert self.stall is not None
+        shared = self.shared
         with create_session() as session:
             store = Store(session)
-            store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
-                           health_url=self.health_url, shards=self.settings.shards,
+            store.register(shared.job_id, get_hostname(), shared.capacity, shared.queues_key,
+                           health_url=self.instance.health_url, shards=self.settings.shards,
                            lease_seconds=self.settings.lease_seconds)
-            store.notify_membership(self.job_id, self.queues_key)
+            store.notify_membership(shared.job_id, shared.queues_key)
         log.info("the trigger runner answers again; taking shards again",
                  out_for_seconds=round(time.monotonic() - self.stall.since, 1))
         self.stall = None
-        self._lost_the_feed()  # our membership was stopped: read every waiter of what we take, once
-        self._renew_now()
+        self.instance.take_shards_again()  # our membership was stopped: read every waiter of what we take
 
     def _holder_details(self, holder: tuple[int, str] | None) -> dict[str, object]:
         """What can be told of the trigger that holds the loop: its id, its task, how many wait on it
@@ -98,7 +136,7 @@ class RunnerWatch(Leases):
         if holder is None:
             return {"holder": "unknown", "runner_process": self._runner_state()}
         trigger_id, name = holder
-        group = self.groups.by_runner(trigger_id)
+        group = self.shared.groups.by_runner(trigger_id)
         return {"holder_trigger_id": trigger_id, "holder_task": name,
                 "holder_waiters": None if group is None else len(group.members)}
 
@@ -111,7 +149,7 @@ class RunnerWatch(Leases):
     def _runner_state(self) -> str:
         """The runner process's state from /proc (Linux): a SIGSTOPped runner spots nothing itself."""
         try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            stat = Path(f"/proc/{self.instance.runner_pid()}/stat").read_text()
         except OSError:
             return "unknown"
         state = stat.rsplit(")", 1)[-1].split()[0]

@@ -238,9 +238,7 @@ class GroupStarting(SupervisorState):
         group just taken over may be due at once; its last poll is not known): asset watchers first, then
         by poll interval or timeout, whichever comes sooner."""
         now = self._db_now()
-        timeouts: dict[int, float] = {}
-        for due, trigger_id in self.deadlines:
-            timeouts[trigger_id] = min(due, timeouts.get(trigger_id, due))
+        timeouts = self.deadlines.soonest()
 
         def due_in(group: Group) -> float:
             if not all(self._is_task(m) for m in group.members):

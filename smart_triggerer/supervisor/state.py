@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import attrs
@@ -23,12 +23,16 @@ from sqlalchemy.orm import Session
 from smart_triggerer.config import Settings
 from smart_triggerer.db.errors import cause, is_outage
 from smart_triggerer.db.notices import MembershipNotices
-from smart_triggerer.db.store import RowScope, Store, multi_team_enabled, space_key
+from smart_triggerer.db.store import RowScope, multi_team_enabled
 from smart_triggerer.placement.groups import Group, Groups
 from smart_triggerer.runner.collector import OlderHeld
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
+from smart_triggerer.supervisor.deadlines import MemberDeadlines
+from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_uploads import LogUploads
+from smart_triggerer.supervisor.shared import MemberInfo, Shared
+from smart_triggerer.supervisor.stall import RunnerWatch
 from smart_triggerer.supervisor.trigger_logs import LogFilePool, open_files_allowed
 from smart_triggerer.waker import Waker
 
@@ -40,14 +44,6 @@ FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped th
 
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
 
-@dataclass(frozen=True, slots=True)
-class MemberInfo:
-    """What the loop needs to know of a member (its row's other fields are not kept)."""
-
-    shard: int
-    has_task: bool
-    dedupable: bool
-
 @dataclass
 class Held:
     """An event kept back for a member whose deferral is too recent to resume safely."""
@@ -56,50 +52,37 @@ class Held:
     release_at: float  # time.monotonic()
 
 
-@dataclass
-class Stall:
-    """This instance stepped out of the fleet: its runner stopped answering (supervisor/stall.py)."""
-
-    since: float  # time.monotonic() of the runner's last message
-    cause: str
-    stale_runners: set[int] = field(default_factory=set)  # coroutines running when the instance stepped out
-    left: bool = False  # the membership and leases are released (retried every loop until they are)
-
-
 @attrs.define(kw_only=True)
 class SupervisorState(TriggerRunnerSupervisor):
     settings: Settings = attrs.field(factory=Settings.from_airflow)
     multi_team: bool = attrs.field(factory=multi_team_enabled)
     health_url: str | None = None
+    # what the parts share, and the parts that own their state (the rest are still this class's mixins)
+    shared: Shared = attrs.field(init=False, default=attrs.Factory(
+        lambda self: Shared(settings=self.settings, capacity=self.capacity, job=self.job, queues=self.queues,
+                            team_name=self.team_name, multi_team=self.multi_team), takes_self=True))
+    load_filters: LoadFilters = attrs.field(init=False, default=attrs.Factory(
+        lambda self: LoadFilters(self.shared, starting=self._start_backlog), takes_self=True))
+    deadlines: MemberDeadlines = attrs.field(init=False, default=attrs.Factory(
+        lambda self: MemberDeadlines(self.shared), takes_self=True))
+    watch: RunnerWatch = attrs.field(init=False, default=attrs.Factory(
+        lambda self: RunnerWatch(self.shared, self), takes_self=True))
 
-    groups: Groups = attrs.field(factory=Groups, init=False)
-    owned: set[int] = attrs.field(factory=set, init=False)
-    member_info: dict[int, MemberInfo] = attrs.field(factory=dict, init=False)
-    young_until: dict[int, float] = attrs.field(factory=dict, init=False)
     held: dict[int, Held] = attrs.field(factory=dict, init=False)  # also stored: 0013_held_events.sql
     # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
     leaving: dict[int, tuple[float, set[int]]] = attrs.field(factory=dict, init=False)
     leaving_runners: set[int] = attrs.field(factory=set, init=False)  # their coroutines, being cancelled
-    user_cancels: set[int] = attrs.field(factory=set, init=False)
     # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
     # read commits (a statement failing later in the loop that took it must not leave it unread)
     to_read: set[int] = attrs.field(factory=set, init=False)
-    # owned shards whose lease a write transaction found lapsed by the database clock: dropped after it
-    lapsed: set[int] = attrs.field(factory=set, init=False)
     last_error: str | None = attrs.field(default=None, init=False)
     failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
     # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
     load_xmin: str | None = attrs.field(default=None, init=False)
     hash_xmin: str | None = attrs.field(default=None, init=False)
     sweep_after: int = attrs.field(default=0, init=False)  # a sweep's pass: the last trigger id it read
-    # members' trigger_timeout as (database clock in epoch seconds, trigger id), soonest first
-    deadlines: list[tuple[float, int]] = attrs.field(factory=list, init=False)
-    # the database clock's last reading (epoch seconds) and time.monotonic() then: between two renewals the
-    # database's time is estimated from it, so a step of the database's clock is followed within a loop
-    db_clock: tuple[float, float] | None = attrs.field(default=None, init=False)
     # started groups whose workloads are left to build (a build is a batch at most)
     build_backlog: bool = attrs.field(default=False, init=False)
-    unreadable: dict[int, tuple[int, str]] = attrs.field(factory=dict, init=False)  # id -> (shard, cause)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
     nudged: bool = attrs.field(default=False, init=False)  # the runner was nudged and has not asked since
@@ -135,9 +118,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     # be re-claimed without restarting the coroutine): kept until the group is back or the coroutine ends
     orphans: list[TriggerEventEntry] = attrs.field(factory=list, init=False)
     db_ok: bool = attrs.field(default=True, init=False)
-    events_total: int = attrs.field(default=0, init=False)
-    resumed_total: int = attrs.field(default=0, init=False)
-    failures_total: int = attrs.field(default=0, init=False)
     # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
     watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
     watcher_restarts_total: int = attrs.field(default=0, init=False)
@@ -163,21 +143,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     log_uploads: LogUploads = attrs.field(factory=LogUploads, init=False)  # remote uploads, off the loop
     last_schema_check: float = attrs.field(default=-math.inf, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
-    # load and filters (load.py)
-    lag_p99_ms: float = attrs.field(default=0.0, init=False)
-    lag_recent_ms: float = attrs.field(default=0.0, init=False)
-    rss_mb: int = attrs.field(default=0, init=False)
-    rss_read_at: float = attrs.field(default=-math.inf, init=False)
-    shedding: str | None = attrs.field(default=None, init=False)  # why it takes no new shards
-    limit_groups: int | None = attrs.field(default=None, init=False)
-    shed_step_at: float = attrs.field(default=-math.inf, init=False)
-    calm_since: float | None = attrs.field(default=None, init=False)
-    rss_at_step: int = attrs.field(default=0, init=False)  # memory when the last shed step began
-    memory_held: bool = attrs.field(default=False, init=False)  # shedding stopped: memory did not fall
-    fleet_full: bool = attrs.field(default=False, init=False)
-    stall: Stall | None = attrs.field(default=None, init=False)  # out of the fleet: the runner is wedged
-    watched_at: float = attrs.field(default=-math.inf, init=False)  # the runner watch's last look
-    silence_from: float = attrs.field(default=-math.inf, init=False)  # the watch counts silence from here
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
     # groups per shard as their owners last published them (read with each renewal): a takeover reads
@@ -187,21 +152,83 @@ class SupervisorState(TriggerRunnerSupervisor):
     shards_moved_in: int = attrs.field(default=0, init=False)  # shards taken since start
     shards_moved_out: int = attrs.field(default=0, init=False)  # shards handed over (or dropped) since start
 
+    # --- the shared state, read and written through the context the parts share ---
+
+    @property
+    def groups(self) -> Groups:
+        return self.shared.groups
+
+    @property
+    def member_info(self) -> dict[int, MemberInfo]:
+        return self.shared.member_info
+
+    @property
+    def young_until(self) -> dict[int, float]:
+        return self.shared.young_until
+
+    @property
+    def user_cancels(self) -> set[int]:
+        return self.shared.user_cancels
+
+    @property
+    def owned(self) -> set[int]:
+        return self.shared.owned
+
+    @owned.setter
+    def owned(self, shards: set[int]) -> None:
+        self.shared.owned = shards
+
+    @property
+    def lapsed(self) -> set[int]:
+        return self.shared.lapsed
+
+    @lapsed.setter
+    def lapsed(self, shards: set[int]) -> None:
+        self.shared.lapsed = shards
+
+    @property
+    def db_clock(self) -> tuple[float, float] | None:
+        return self.shared.db_clock
+
+    @db_clock.setter
+    def db_clock(self, reading: tuple[float, float] | None) -> None:
+        self.shared.db_clock = reading
+
+    @property
+    def events_total(self) -> int:
+        return self.shared.counters.events
+
+    @events_total.setter
+    def events_total(self, total: int) -> None:
+        self.shared.counters.events = total
+
+    @property
+    def resumed_total(self) -> int:
+        return self.shared.counters.resumed
+
+    @resumed_total.setter
+    def resumed_total(self, total: int) -> None:
+        self.shared.counters.resumed = total
+
+    @property
+    def failures_total(self) -> int:
+        return self.shared.counters.failures
+
+    @failures_total.setter
+    def failures_total(self, total: int) -> None:
+        self.shared.counters.failures = total
+
     @property
     def job_id(self) -> int:
-        assert self.job is not None, "the smart triggerer always runs under a TriggererJob"
-        return int(self.job.id)
+        return self.shared.job_id
 
     @property
     def queues_key(self) -> str | None:
-        """This instance's shard space: its queue set, and its team (each team its own space, as each
-        queue set)."""
-        return space_key(self.queues, self.team_name)
+        return self.shared.queues_key
 
     @property
     def queue_list(self) -> RowScope:
-        """Which trigger rows it runs (Airflow's filters: queues, and the team with ``[core] multi_team``)."""
-        return RowScope(tuple(sorted(self.queues)) if self.queues else None, self.team_name, self.multi_team)
+        return self.shared.queue_list
 
     def _db_step(self, name: str, step: Callable[[], None]) -> bool:
         """A step that fails must not stop the service: an outage is logged once, any other error when
@@ -241,57 +268,28 @@ class SupervisorState(TriggerRunnerSupervisor):
         self.failed_step = (name, self.last_error)
 
     def _fence(self, session: Session) -> set[int]:
-        """The owned shards whose lease still holds, share-locked until this transaction ends. Owned shards
-        whose lease lapsed by the database clock are dropped once the caller is done (``_drop_lapsed``)."""
-        if not self.owned:
-            return set()
-        fenced = Store(session).fence(self.job_id, self.owned, self.queues_key)
-        self.lapsed |= self.owned - fenced
-        return fenced
+        return self.shared.fence(session)
 
     def _shard_of(self, trigger_id: int) -> int | None:
-        info = self.member_info.get(trigger_id)
-        return None if info is None else info.shard
+        return self.shared.shard_of(trigger_id)
 
     def _db_now(self) -> float:
-        """The database clock now (epoch seconds), from its last reading and the host's monotonic clock."""
-        if self.db_clock is None:
-            return time.time()
-        reading, at = self.db_clock
-        return reading + (time.monotonic() - at)
+        return self.shared.db_now()
 
     def _forget_member(self, trigger_id: int, *, user_action: bool) -> None:
-        info = self.member_info.pop(trigger_id, None)
-        self.young_until.pop(trigger_id, None)
-        group = self.groups.leave(trigger_id)
-        if group is None or not group.empty:
-            return
-        # A lone task's trigger left by user action gets on_kill, as in stock Airflow;
-        # a shared coroutine never does (its other waiters may still need it).
-        lone_task = info is not None and not info.dedupable and info.has_task
-        if group.runner_id is not None and user_action and lone_task:
-            self.user_cancels.add(group.runner_id)
-        self.groups.finish(group)
+        self.shared.forget_member(trigger_id, user_action=user_action)
 
     def _is_task(self, trigger_id: int) -> bool:
-        info = self.member_info.get(trigger_id)
-        return info is None or info.has_task
+        return self.shared.is_task(trigger_id)
 
     def _task_members(self, members: Iterable[int]) -> list[int]:
-        return [m for m in members if self._is_task(m)]
+        return self.shared.task_members(members)
 
     def _room(self) -> int:
-        """Coroutines this instance may still start: capacity is a cap, as in Airflow's triggerer, also
-        when the whole fleet is full (then the rest wait, deferred, most urgent first, for room)."""
-        return max(0, self.capacity - len(self.groups.runners))
-
-    def _waiting_for_room(self) -> int:
-        """Groups held but not run: the instance is at its capacity."""
-        return len(self.groups.unstarted) if self._room() == 0 else 0
+        return self.shared.room()
 
     def _busy_budget(self) -> float:
-        """Seconds one call may spend starting groups or hashing rows before the loop goes on."""
-        return max(0.25, self.settings.lease_seconds * 0.1)
+        return self.shared.busy_budget()
 
     # --- what the parts call of each other: each is implemented by its part, the conductor has them all ---
 
@@ -310,25 +308,10 @@ class SupervisorState(TriggerRunnerSupervisor):
     def _renew_now(self) -> None:
         raise NotImplementedError  # implemented by a part
 
-    def _update_filters(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _note_fleet(self, full: bool) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _load_counters(self) -> dict[str, object]:
-        raise NotImplementedError  # implemented by a part
-
     def listen_for_peers(self) -> None:
         raise NotImplementedError  # implemented by a part
 
     def _guard_leases(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _fail_unreadable(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _timeout_members(self) -> None:
         raise NotImplementedError  # implemented by a part
 
     def _start_groups(self) -> None:

@@ -166,8 +166,15 @@ def job_of(component: Component) -> int:
     return int(found.group(1))
 
 
+def previous_command(site: Path) -> Path:
+    """The previous release's own ``smart-triggerer`` (its entry point names its own module: this
+    environment's would run this release's code, whatever the PYTHONPATH)."""
+    return site / "bin" / "smart-triggerer"
+
+
 def old_instance(stack: AirflowStack, site: Path, name: str) -> Component:
-    component = stack.start_smart_triggerer(name, env={"PYTHONPATH": str(site)})
+    component = stack.start_smart_triggerer(name, env={"PYTHONPATH": str(site)},
+                                            command=previous_command(site))
     component.wait_for_log("smart triggerer started", timeout=120)
     return component
 
@@ -199,7 +206,7 @@ def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
     rows(dsn, AUDIT_DDL + "; SELECT 1")  # every write of a task instance leaving DEFERRED, audited
     config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
     (config.dags_folder / "upgrade.py").write_text(textwrap.dedent(DAG))
-    out = subprocess.run([Path(sys.executable).with_name("smart-triggerer"), "--version"],
+    out = subprocess.run([previous_command(previous_release), "--version"],
                          capture_output=True, text=True, check=False,
                          env={**config.env(), "PYTHONPATH": str(previous_release)})
     assert out.stdout.strip() == "smart-triggerer 0.1.0", out.stdout + out.stderr
@@ -253,7 +260,7 @@ def test_the_previous_release_refuses_an_airflow_below_its_range(
     supported, why = supports_this_airflow(previous_build)
     if supported:
         pytest.skip(f"{why}: the rolling upgrade above runs it instead")
-    out = subprocess.run([Path(sys.executable).with_name("smart-triggerer"), "run"], capture_output=True,
+    out = subprocess.run([previous_command(previous_build), "run"], capture_output=True,
                          text=True, timeout=120, check=False,
                          env={**airflow_config.env(), "PYTHONPATH": str(previous_build)})
     assert out.returncode == 7, out.stdout[-2000:] + out.stderr[-2000:]

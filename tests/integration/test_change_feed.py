@@ -219,7 +219,7 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
     supervisor = make_supervisor()
     seeded = seed(env, 2, trigger_timeout=dt.timedelta(seconds=6))
     load(supervisor)
-    supervisor._timeout_members()
+    supervisor.deadlines.timeout_members()
     # read after the check: the deadline still ahead by the database clock (6 s: a busy host's seed and
     # load took most of the 2 s this test once had)
     assert rows(dsn, "SELECT bool_and(trigger_timeout > clock_timestamp()) FROM task_instance "
@@ -228,7 +228,7 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
 
     def timed_out() -> dict[int, str]:
         load(supervisor)  # a loop: the leases renewed (a time-out is written under them, fenced)
-        supervisor._timeout_members()
+        supervisor.deadlines.timeout_members()
         return ti_states(dsn, seeded.dag_id)
 
     wait_for(timed_out, lambda s: set(s.values()) == {"scheduled"}, 30, "the tasks timed out", interval=0.2)
@@ -392,9 +392,9 @@ def test_deadlines_of_members_that_left_do_not_pile_up(env: AirflowConfig) -> No
     supervisor = make_supervisor()
     seeded = seed(env, 2, trigger_timeout=dt.timedelta(days=7))
     load(supervisor)
-    supervisor.deadlines.extend((supervisor._db_now() + 3600 + i, -i) for i in range(1, 5000))
-    supervisor._timeout_members()
-    assert sorted(t for _due, t in supervisor.deadlines) == sorted(seeded.trigger_ids)
+    supervisor.deadlines.deadlines.extend((supervisor._db_now() + 3600 + i, -i) for i in range(1, 5000))
+    supervisor.deadlines.timeout_members()
+    assert sorted(t for _due, t in supervisor.deadlines.deadlines) == sorted(seeded.trigger_ids)
 
 
 def test_a_task_cleared_while_deferred_stops_its_coroutine(env: AirflowConfig) -> None:

@@ -24,8 +24,9 @@ def test_version_and_help() -> None:
     assert version.returncode == 0 and version.stdout.strip() == f"smart-triggerer {__version__}"
     helped = run([str(BIN / "smart-triggerer"), "--help"])
     assert helped.returncode == 0
-    assert "run" in helped.stdout and "status" in helped.stdout
-    assert "SMART_TRIGGERER_DSN is read only by `demo`" in helped.stdout
+    commands = helped.stdout.split("Configuration")[0]
+    assert "run" in commands and "status" in commands and "demo" not in commands  # the demo is the clone's
+    assert "SMART_TRIGGERER_DSN is read only by the demo and the tests of a clone" in helped.stdout
     dev = run([sys.executable, str(Path(__file__).parents[2] / "dev.py"), "--help"])
     assert dev.returncode == 0
     for job in ("demo [--quick] [--json] [--keep-running]", "test [--airflow VERSION] [PYTEST ARGS...]",

@@ -59,7 +59,7 @@ def test_a_timeout_deletes_the_trigger_rows_of_the_tasks_it_failed(env: AirflowC
     supervisor = make_supervisor()
     seeded = seed(env, 3, trigger_timeout=dt.timedelta(seconds=-1))
     load(supervisor)
-    supervisor._timeout_members()
+    supervisor.deadlines.timeout_members()
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
     assert trigger_rows(dsn, seeded.trigger_ids) == 0 and not supervisor.member_info
 

@@ -131,7 +131,7 @@ def test_an_event_that_came_before_the_timeout_is_not_failed_as_a_timeout_while_
     scheduler = SchedulerJobRunner(job=Job())
 
     def left_deferred() -> bool:
-        supervisor._timeout_members()
+        supervisor.deadlines.timeout_members()
         scheduler.check_trigger_timeouts()
         supervisor.release_held()
         return set(ti_states(dsn, seeded.dag_id).values()) != {"deferred"}

@@ -196,7 +196,7 @@ def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
     assert taker.owned == {0, 1, 2, 3}
     paused.events.append(event_entry(runner, {"moment": LATER}))
     paused._db_step("events", paused.handle_events)
-    paused._db_step("load", paused._timeout_members)  # their trigger_timeout passed meanwhile
+    paused._db_step("load", paused.deadlines.timeout_members)  # their trigger_timeout passed meanwhile
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
     assert paused.resumed_total == 0 and paused.failures_total == 0 and not paused.owned
 
@@ -213,16 +213,16 @@ def test_timeouts_never_wait_on_rows_another_transaction_holds(env: AirflowConfi
     try:
         other.cursor().execute("SELECT id FROM task_instance WHERE id = %s FOR UPDATE", (held,))
         started = time.monotonic()
-        supervisor._timeout_members()
+        supervisor.deadlines.timeout_members()
         assert time.monotonic() - started < 5
         states = dict(rows(dsn, "SELECT id::text, state FROM task_instance WHERE dag_id = %s", seeded.dag_id))
         assert states.pop(held) == "deferred" and set(states.values()) == {"scheduled"}
     finally:
         other.close()
-    supervisor._timeout_members()  # the held row is looked at again a loop later, not at once
+    supervisor.deadlines.timeout_members()  # the held row is looked at again a loop later, not at once
     assert rows(dsn, "SELECT state FROM task_instance WHERE id = %s", held) == [("deferred",)]
     time.sleep(supervisor.settings.loop_seconds)
-    supervisor._timeout_members()
+    supervisor.deadlines.timeout_members()
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
     assert all(v == {"error": "Trigger timeout"} for v in next_kwargs(dsn, seeded.dag_id).values())
 

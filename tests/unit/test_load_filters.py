@@ -1,16 +1,17 @@
 """The load filters' steps (``smart_triggerer/supervisor/load.py``): shedding by lag and by memory, holding
 when memory does not come back, easing back, on a stand-in supervisor whose clock and readings the test
-sets."""
+sets: the part is built as the supervisor builds it, from a shared context."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import pytest
 
 from smart_triggerer.config import Settings
 from smart_triggerer.supervisor.load import LoadFilters
+from smart_triggerer.supervisor.shared import Shared
 
 
 @dataclass
@@ -21,37 +22,19 @@ class Groups:
         return self.count
 
 
-@dataclass
-class Instance:
-    """What the filters read and write of a supervisor; the methods are LoadFilters' own."""
-
-    settings: Settings
-    capacity: int = 1000
-    groups: Groups = field(default_factory=Groups)
-    lag_recent_ms: float = 0.0
-    lag_p99_ms: float = 0.0
-    rss_mb: int = 100
-    shedding: str | None = None
-    limit_groups: int | None = None
-    shed_step_at: float = float("-inf")
-    calm_since: float | None = None
-    rss_at_step: int = 0
-    memory_held: bool = False
-    fleet_full: bool = False
-
-    _update_filters = LoadFilters._update_filters
-    _step_due = LoadFilters._step_due
-    _shedding_helps = LoadFilters._shedding_helps
-    _ease = LoadFilters._ease
-    _over_limits = LoadFilters._over_limits
-    _calm = LoadFilters._calm
-    _shed = LoadFilters._shed
+class Readings(LoadFilters):
+    """The filters themselves, with readings the test sets instead of measuring them."""
 
     def _measure_load(self) -> None:
         """Readings are set by the test."""
 
-    def _start_backlog(self) -> bool:
-        return False
+
+def Instance(settings: Settings, *, capacity: int = 1000, groups: Groups | None = None,
+             lag_recent_ms: float = 0.0, rss_mb: int = 100) -> Readings:
+    shared = Shared(settings=settings, capacity=capacity, groups=cast("Any", groups or Groups()))
+    filters = Readings(shared, starting=lambda: False)
+    filters.lag_recent_ms, filters.rss_mb = lag_recent_ms, rss_mb
+    return filters
 
 
 class Said:
@@ -81,9 +64,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def tick(instance: Instance, clock: list[float], seconds: float = 10.0) -> None:
+def tick(instance: Readings, clock: list[float], seconds: float = 10.0) -> None:
     clock[0] += seconds
-    LoadFilters._update_filters(cast(LoadFilters, instance))
+    instance.update()
 
 
 def test_lag_sheds_a_quarter_per_step_and_eases_back_after_calm(clock: list[float]) -> None:

@@ -9,10 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from smart_triggerer.config import Settings
 from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+from smart_triggerer.supervisor.shared import Shared
 from smart_triggerer.supervisor.state import SupervisorState
 
 PACKAGE = Path(inspect.getfile(SupervisorState)).parent
+
+
+def shared() -> Shared:
+    """What the parts share, with default settings and no group yet."""
+    return Shared(settings=Settings(), capacity=1000)
 
 
 def test_every_call_between_parts_is_implemented_by_a_part() -> None:
@@ -157,12 +164,11 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     be read, or a big hand-out's first log lines are still held; released once none does."""
     import gc
 
-    from smart_triggerer.placement.groups import Groups
     from smart_triggerer.runner.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
     from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
-    supervisor.groups, supervisor.collector = Groups(), OlderHeld()
+    supervisor.shared, supervisor.collector = shared(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
     supervisor.log_pool = SimpleNamespace(holding=False)
     supervisor.capacity = 10 * FREEZE_FROM
@@ -264,12 +270,11 @@ def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
     """A supervisor with what ``_pace_log_files`` reads, a start-up sweep's pass under way."""
     import math
 
-    from smart_triggerer.placement.groups import Groups
     from smart_triggerer.supervisor.log_uploads import LogUploads
     from smart_triggerer.supervisor.trigger_logs import LogFilePool
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
-    supervisor.groups, supervisor.running_triggers = Groups(), set()
+    supervisor.shared, supervisor.running_triggers = shared(), set()
     supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
     supervisor.log_uploads = LogUploads()
     supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
