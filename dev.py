@@ -38,9 +38,9 @@ jobs:
         --json          stdout is exactly the summary as one JSON object; progress goes to stderr
         --keep-running  leave the stack up and print the UI URL and the environment for the CLIs
   test --fast
-        the fast lane, about a minute: ruff, mypy (unused `type: ignore`s are errors), the import
-        contracts (lint-imports), the unit tests; no database, no Airflow process, no system package
-        installed. CI runs it first.
+        the fast lane, about a minute: ruff (lint and format check), mypy (unused `type: ignore`s are
+        errors), the import contracts (lint-imports), the unit tests; no database, no Airflow process,
+        no system package installed. CI runs it first.
   test [--airflow VERSION] [PYTEST ARGS...]
         ruff, mypy, lint-imports, then pytest (unit, integration on a real PostgreSQL, e2e on real Airflow
         processes); fails when no test ran or a test left a temporary directory behind. Extra arguments go to
@@ -64,6 +64,8 @@ environment:
 
 STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent
+
+
 @dataclass
 class Venv:
     """Where the jobs run: .venv, or for --airflow X a virtualenv of its own inside it (ignored by git
@@ -135,12 +137,16 @@ def ensure_venv(extra: str) -> None:
         put_clone_on_path()
         return
     pinned = [f"apache-airflow=={VENV.airflow}"] if VENV.airflow else []
-    step(f"installing airflow-smart-triggerer[{extra}] {' '.join(pinned)} into {VENV.path.relative_to(ROOT)} "
-         "(first run takes a few minutes)")
+    step(
+        f"installing airflow-smart-triggerer[{extra}] {' '.join(pinned)} into {VENV.path.relative_to(ROOT)} "
+        "(first run takes a few minutes)"
+    )
     pip = [str(VENV.bin / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
     quiet = {"stdout": sys.stderr.fileno()}
-    if (run([*pip, "--upgrade", "pip"], **quiet) != 0
-            or run([*pip, "-e", f".[{extra}]", *pinned], **quiet) != 0):
+    if (
+        run([*pip, "--upgrade", "pip"], **quiet) != 0
+        or run([*pip, "-e", f".[{extra}]", *pinned], **quiet) != 0
+    ):
         sys.exit("pip install failed; see the output above")
     # setuptools leaves the project's metadata beside the sources too: with the project root on sys.path
     # (the tests' processes) Airflow would see every entry-point plugin twice ("already registered")
@@ -165,8 +171,9 @@ def ensure_system_packages() -> None:
     step the database's clock with libfaketime: Debian's packages, installed here when missing (apt-get,
     as root or through sudo), in one apt run before the test workers start."""
     try:
-        found = system.ensure_packages(["chromium", "libfaketime"],
-                                       "the UI test and the database clock steps", step)
+        found = system.ensure_packages(
+            ["chromium", "libfaketime"], "the UI test and the database clock steps", step
+        )
     except system.SetupError as error:
         sys.exit(str(error))
     os.environ["SMART_TRIGGERER_CHROMIUM"] = found["chromium"]
@@ -176,8 +183,9 @@ def only_unit_tests(pytest_args: list[str]) -> bool:
     """Whether the arguments select only unit tests (paths under tests/unit): those need no browser and
     no stepped clock, so nothing is installed on the system for them."""
     paths = [arg for arg in pytest_args if not arg.startswith("-")]
-    return bool(paths) and all(Path(p.split("::")[0]).resolve().is_relative_to(ROOT / "tests" / "unit")
-                               for p in paths)
+    return bool(paths) and all(
+        Path(p.split("::")[0]).resolve().is_relative_to(ROOT / "tests" / "unit") for p in paths
+    )
 
 
 def count_tests(junit: Path) -> tuple[int, int, int, int]:
@@ -218,18 +226,33 @@ def parallel(pytest_args: list[str]) -> list[str]:
 
 
 def static_checks() -> list[tuple[str, list[str]]]:
-    """Lint, types (unused ``type: ignore``s are errors) and the rooms' import contracts (pyproject.toml)."""
-    return [("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
-            ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
-            ("import contracts (lint-imports)", [str(VENV.bin / "lint-imports"), "--no-cache"])]
+    """Lint, the format, types (unused ``type: ignore``s are errors) and the rooms' import contracts
+    (pyproject.toml)."""
+    return [
+        ("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
+        ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
+        ("import contracts (lint-imports)", [str(VENV.bin / "lint-imports"), "--no-cache"]),
+    ]
 
 
 def fast() -> int:
     """The fast lane: what a commit must pass before the suite (lint, types, unit tests), in a minute or
     two. Unit tests need neither a database nor a browser: nothing is installed on the system."""
-    checks = [*static_checks(),
-              ("pytest tests/unit", [str(VENV.bin / "python"), "-m", "pytest", "-q", "tests/unit",
-                                     *parallel([]), f"--basetemp={VENV.path / 'pytest-tmp'}"])]
+    checks = [
+        *static_checks(),
+        (
+            "pytest tests/unit",
+            [
+                str(VENV.bin / "python"),
+                "-m",
+                "pytest",
+                "-q",
+                "tests/unit",
+                *parallel([]),
+                f"--basetemp={VENV.path / 'pytest-tmp'}",
+            ],
+        ),
+    ]
     for title, command in checks:
         step(title)
         code = run(command)
@@ -252,9 +275,16 @@ def suite(pytest_args: list[str]) -> int:
     """Lint, types, then pytest in its phases; fails when no test ran or one left a temp dir behind."""
     if not only_unit_tests(pytest_args):
         ensure_system_packages()
-    airflow = subprocess.run([str(VENV.bin / "python"), "-c", "from importlib import metadata; "
-                              "print(metadata.version('apache-airflow'))"],
-                             capture_output=True, text=True, check=False).stdout.strip()
+    airflow = subprocess.run(
+        [
+            str(VENV.bin / "python"),
+            "-c",
+            "from importlib import metadata; print(metadata.version('apache-airflow'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     step(f"testing against apache-airflow {airflow or '(not found)'}")
     for title, command in static_checks():
         step(title)
@@ -268,24 +298,37 @@ def suite(pytest_args: list[str]) -> int:
         step(title)
         junit.unlink(missing_ok=True)
         # tmp_path directories live under .venv (a failed test's stay there as evidence), not the temp dir
-        phase = run([str(VENV.bin / "python"), "-m", "pytest", f"--junitxml={junit}",
-                     f"--basetemp={VENV.path / 'pytest-tmp'}", *parallel([*selection, *pytest_args]),
-                     *selection, *pytest_args])
+        phase = run(
+            [
+                str(VENV.bin / "python"),
+                "-m",
+                "pytest",
+                f"--junitxml={junit}",
+                f"--basetemp={VENV.path / 'pytest-tmp'}",
+                *parallel([*selection, *pytest_args]),
+                *selection,
+                *pytest_args,
+            ]
+        )
         if phase == NO_TESTS_COLLECTED and selection:
             continue  # the paths asked for hold no test of this phase; the total is checked below
         if not junit.exists():
             print(f"total time {clock()}; pytest wrote no report (exit {phase}); failing", flush=True)
             return phase or 1
         counted = count_tests(junit)
-        tests, bad, skipped, executed = (a + b for a, b in zip((tests, bad, skipped, executed), counted,
-                                                               strict=True))
+        tests, bad, skipped, executed = (
+            a + b for a, b in zip((tests, bad, skipped, executed), counted, strict=True)
+        )
         code = code or phase
     left = sorted(leftovers() - before)
     if left:
         print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
         code = code or 1
-    print(f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "
-          f"{skipped} skipped, {bad} failed", flush=True)
+    print(
+        f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "
+        f"{skipped} skipped, {bad} failed",
+        flush=True,
+    )
     if executed == 0:
         print("no test was executed: failing", flush=True)
         return 1
@@ -302,10 +345,18 @@ def pytest_phases(pytest_args: list[str]) -> list[tuple[str, list[str], Path]]:
     of the caller's own runs as asked, in one phase."""
     if any(arg == "-m" or arg.startswith("-m") for arg in pytest_args):
         return [("pytest", [], VENV.path / "junit.xml")]
-    return [("pytest: tests that assert time bounds, one at a time", ["-m", "alone", "-n", "0"],
-             VENV.path / "junit-alone.xml"),
-            ("pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)", ["-m", "not alone"],
-             VENV.path / "junit.xml")]
+    return [
+        (
+            "pytest: tests that assert time bounds, one at a time",
+            ["-m", "alone", "-n", "0"],
+            VENV.path / "junit-alone.xml",
+        ),
+        (
+            "pytest: unit, integration (real PostgreSQL), e2e (real Airflow processes)",
+            ["-m", "not alone"],
+            VENV.path / "junit.xml",
+        ),
+    ]
 
 
 def demo(demo_args: list[str]) -> int:

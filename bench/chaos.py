@@ -64,8 +64,11 @@ console = Console()
 def profile_from(args: argparse.Namespace) -> Profile:
     """The full profile, or ``--quick``; explicit options override either."""
     profile = Profile.quick(args.seed) if args.quick else Profile(seed=args.seed)
-    overrides = {k: v for k, v in (("minutes", args.minutes), ("waiters", args.waiters),
-                                   ("instances", args.instances)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("minutes", args.minutes), ("waiters", args.waiters), ("instances", args.instances))
+        if v is not None
+    }
     return Profile(**{**profile.__dict__, **overrides})
 
 
@@ -96,8 +99,12 @@ def main() -> int:
     parser.add_argument("--waiters", type=int, default=None, help="seeded deferred waiters (2000)")
     parser.add_argument("--instances", type=int, default=None, help="smart triggerer instances (3)")
     parser.add_argument("--quick", action="store_true", help="the short profile: 2.25 minutes, 300 waiters")
-    parser.add_argument("--keep-logs", type=Path, default=None,
-                        help="copy the instances' logs to this directory before the temp dir is removed")
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="copy the instances' logs to this directory before the temp dir is removed",
+    )
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     args = parser.parse_args()
     if args.seed is None:

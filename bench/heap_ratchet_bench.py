@@ -88,8 +88,13 @@ class Fleet:
 def one_round(fleet: Fleet, peer: Component, number: int) -> tuple[Component, Round]:
     """Stop the peer (SIGTERM), let the survivor run every wait, start a new peer, let it take its share
     back; then read the survivor's memory."""
-    stack, survivor, waits, source, trigger_ids = (fleet.stack, fleet.survivor, fleet.waits, fleet.source,
-                                                   fleet.trigger_ids)
+    stack, survivor, waits, source, trigger_ids = (
+        fleet.stack,
+        fleet.survivor,
+        fleet.waits,
+        fleet.source,
+        fleet.trigger_ids,
+    )
     dsn = stack.config.database_dsn
     stopped_at = time.time()
     stack.retire(peer)
@@ -97,8 +102,13 @@ def one_round(fleet: Fleet, peer: Component, number: int) -> tuple[Component, Ro
     started_at = time.time()
     peer = launch_instance(stack, "smart", f"smart-peer-{number}", len(trigger_ids))
     peer.wait_for_log("took shards", timeout=120)
-    settled(lambda: rows(dsn, "SELECT waiters FROM smart_triggerer.instance WHERE job_id = %s",
-                         survivor[1])[0][0], 180, "the survivor to hand half back")
+    settled(
+        lambda: rows(dsn, "SELECT waiters FROM smart_triggerer.instance WHERE job_id = %s", survivor[1])[0][
+            0
+        ],
+        180,
+        "the survivor to hand half back",
+    )
     waits.all_polling(source, time.time(), trigger_ids)
     handback = time.time() - started_at
     pss, rss = memory_mb(survivor[0])
@@ -108,8 +118,9 @@ def one_round(fleet: Fleet, peer: Component, number: int) -> tuple[Component, Ro
 def run(args: argparse.Namespace, server_dsn: str, template: str) -> Result:
     unique = round(args.waiters * (1 - args.duplicates))
     result = Result(args.waiters, unique)
-    name, config = bench_config("heap", server_dsn, template,
-                                {"AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(args.lease_seconds)})
+    name, config = bench_config(
+        "heap", server_dsn, template, {"AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": str(args.lease_seconds)}
+    )
     source = PollSource()
     source.start()
     stack = AirflowStack(config)
@@ -121,15 +132,18 @@ def run(args: argparse.Namespace, server_dsn: str, template: str) -> Result:
         first = launch_instance(stack, "smart", "smart-survivor", args.waiters)
         survivor = (first, job_of(first))
         peer = launch_instance(stack, "smart", "smart-peer-0", args.waiters)
-        console.print(f"  cold start: every wait polling after "
-                      f"{waits.all_polling(source, started, trigger_ids):.1f}s")
+        console.print(
+            f"  cold start: every wait polling after {waits.all_polling(source, started, trigger_ids):.1f}s"
+        )
         fleet = Fleet(stack, survivor, waits, source, trigger_ids)
         for number in range(1, args.takeovers + 1):
             peer, done = one_round(fleet, peer, number)
             result.rounds.append(done)
-            console.print(f"  round {number:2}: takeover {done.takeover_s:5.1f}s, hand-back "
-                          f"{done.handback_s:5.1f}s, survivor PSS {done.pss_mb:6.0f} MiB, "
-                          f"RSS {done.rss_mb:6.0f} MiB")
+            console.print(
+                f"  round {number:2}: takeover {done.takeover_s:5.1f}s, hand-back "
+                f"{done.handback_s:5.1f}s, survivor PSS {done.pss_mb:6.0f} MiB, "
+                f"RSS {done.rss_mb:6.0f} MiB"
+            )
     finally:
         stack.stop()
         with contextlib.suppress(Exception):
@@ -143,18 +157,26 @@ def report(result: Result, speed: int | None) -> str:
     for column in ("", "after round 1", f"after round {len(result.rounds)}", "ratio", "goal"):
         table.add_column(column)
     first, last = result.rounds[0], result.rounds[-1]
-    table.add_row("survivor PSS (MiB)", f"{first.pss_mb:.0f}", f"{last.pss_mb:.0f}",
-                  f"{result.ratio('pss_mb')}x", f"<= {GOAL}x")
-    table.add_row("survivor RSS (MiB)", f"{first.rss_mb:.0f}", f"{last.rss_mb:.0f}",
-                  f"{result.ratio('rss_mb')}x", "")
+    table.add_row(
+        "survivor PSS (MiB)",
+        f"{first.pss_mb:.0f}",
+        f"{last.pss_mb:.0f}",
+        f"{result.ratio('pss_mb')}x",
+        f"<= {GOAL}x",
+    )
+    table.add_row(
+        "survivor RSS (MiB)", f"{first.rss_mb:.0f}", f"{last.rss_mb:.0f}", f"{result.ratio('rss_mb')}x", ""
+    )
     console.print(table)
     peak = max(r.pss_mb for r in result.rounds)
-    return (f"| survivor | after round 1 | after round {len(result.rounds)} | ratio | peak |\n"
-            "|---|---|---|---|---|\n"
-            f"| PSS (MiB) | {first.pss_mb:.0f} | {last.pss_mb:.0f} | {result.ratio('pss_mb')}x | "
-            f"{peak:.0f} |\n"
-            f"| RSS (MiB) | {first.rss_mb:.0f} | {last.rss_mb:.0f} | {result.ratio('rss_mb')}x | "
-            f"{max(r.rss_mb for r in result.rounds):.0f} |\n\nmachine speed: {speed} us per coroutine")
+    return (
+        f"| survivor | after round 1 | after round {len(result.rounds)} | ratio | peak |\n"
+        "|---|---|---|---|---|\n"
+        f"| PSS (MiB) | {first.pss_mb:.0f} | {last.pss_mb:.0f} | {result.ratio('pss_mb')}x | "
+        f"{peak:.0f} |\n"
+        f"| RSS (MiB) | {first.rss_mb:.0f} | {last.rss_mb:.0f} | {result.ratio('rss_mb')}x | "
+        f"{max(r.rss_mb for r in result.rounds):.0f} |\n\nmachine speed: {speed} us per coroutine"
+    )
 
 
 def main() -> int:
@@ -172,12 +194,20 @@ def main() -> int:
         result = run(args, server_dsn, template)
     report(result, speed)
     if args.json:
-        print(json.dumps({"waiters": result.waiters, "takeovers": len(result.rounds),
-                          "pss_ratio_last_to_first": result.ratio("pss_mb"),
-                          "rss_ratio_last_to_first": result.ratio("rss_mb"),
-                          "pss_mb": [round(r.pss_mb) for r in result.rounds],
-                          "takeover_s": [round(r.takeover_s, 1) for r in result.rounds],
-                          "goal": GOAL, "machine_us_per_coroutine": speed}))
+        print(
+            json.dumps(
+                {
+                    "waiters": result.waiters,
+                    "takeovers": len(result.rounds),
+                    "pss_ratio_last_to_first": result.ratio("pss_mb"),
+                    "rss_ratio_last_to_first": result.ratio("rss_mb"),
+                    "pss_mb": [round(r.pss_mb) for r in result.rounds],
+                    "takeover_s": [round(r.takeover_s, 1) for r in result.rounds],
+                    "goal": GOAL,
+                    "machine_us_per_coroutine": speed,
+                }
+            )
+        )
     return 0 if result.ratio("pss_mb") <= GOAL else 1
 
 

@@ -51,8 +51,14 @@ def seed(dsn: str, waiters: int, dags: int) -> list[str]:
     dag_ids = []
     for d in range(dags):
         started = time.monotonic()
-        seeded = seed_deferred(dsn, _HOME / "dags", count=per_dag, classpath=POLL_TRIGGER, dag_id=f"page_{d}",
-                               kwargs_for=lambda i, d=d: {"url": URL, "key": f"k{d * per_dag + i}"})
+        seeded = seed_deferred(
+            dsn,
+            _HOME / "dags",
+            count=per_dag,
+            classpath=POLL_TRIGGER,
+            dag_id=f"page_{d}",
+            kwargs_for=lambda i, d=d: {"url": URL, "key": f"k{d * per_dag + i}"},
+        )
         dag_ids.append(seeded.dag_id)
         console.print(f"  seeded {seeded.dag_id}: {per_dag} waiters in {time.monotonic() - started:.0f}s")
     return dag_ids
@@ -68,8 +74,11 @@ def store_identities(dsn: str, shape: Shape) -> None:
     from triggers.identity import IdentityPolicy
 
     policy = IdentityPolicy.with_extra([])
-    found = rows(dsn, "SELECT t.id, ti.dag_id, ti.map_index FROM trigger t "
-                      "JOIN task_instance ti ON ti.trigger_id = t.id ORDER BY t.id")
+    found = rows(
+        dsn,
+        "SELECT t.id, ti.dag_id, ti.map_index FROM trigger t "
+        "JOIN task_instance ti ON ti.trigger_id = t.id ORDER BY t.id",
+    )
     per_dag = len(found) // len({r[1] for r in found})
     by_key: dict[int, NewIdentity] = {}
     identities = []
@@ -78,11 +87,25 @@ def store_identities(dsn: str, shape: Shape) -> None:
         if key not in by_key:
             kwargs = PollTrigger(url=URL, key=f"k{key}").serialize()[1]
             identity = policy.identity(POLL_TRIGGER, kwargs, trigger_id)
-            by_key[key] = NewIdentity(0, identity.hash, identity.shard(SHARDS), identity.dedupable, {},
-                                      description=identity.description)
+            by_key[key] = NewIdentity(
+                0,
+                identity.hash,
+                identity.shard(SHARDS),
+                identity.dedupable,
+                {},
+                description=identity.description,
+            )
         shared = by_key[key]
-        identities.append(NewIdentity(trigger_id, shared.identity_hash, shared.shard, shared.dedupable,
-                                      {"poll_interval": ["min", 5.0]}, description=shared.description))
+        identities.append(
+            NewIdentity(
+                trigger_id,
+                shared.identity_hash,
+                shared.shard,
+                shared.dedupable,
+                {"poll_interval": ["min", 5.0]},
+                description=shared.description,
+            )
+        )
     with create_session() as session:
         store = Store(session)
         store.migrate(SHARDS)
@@ -120,9 +143,15 @@ def hold_autovacuum(dsn: str, *, held: bool) -> None:
 
 def analysed_meanwhile(dsn: str) -> list[str]:
     """The page's tables autovacuum analysed anyway (the unanalysed figures are then not what they say)."""
-    return [r[0] for r in rows(dsn, "SELECT relname FROM pg_stat_user_tables "
-                                    "WHERE last_autoanalyze IS NOT NULL "
-                                    "AND relname IN ('task_instance', 'trigger', 'trigger_identity')")]
+    return [
+        r[0]
+        for r in rows(
+            dsn,
+            "SELECT relname FROM pg_stat_user_tables "
+            "WHERE last_autoanalyze IS NOT NULL "
+            "AND relname IN ('task_instance', 'trigger', 'trigger_identity')",
+        )
+    ]
 
 
 def vacuum(dsn: str) -> None:
@@ -172,8 +201,10 @@ def time_shape(dag_ids: list[str], repeat: int) -> list[tuple[str, float]]:
         ("every DAG, first page, order read first", dag_ids, 0, True),
         ("one DAG, first page, order read first", dag_ids[:1], 0, True),
     ]
-    return [(name, median_ms(groups(readable, offset, cold=cold), repeat))
-            for name, readable, offset, cold in cases]
+    return [
+        (name, median_ms(groups(readable, offset, cold=cold), repeat))
+        for name, readable, offset, cold in cases
+    ]
 
 
 @contextmanager
@@ -188,8 +219,14 @@ def seeded_database(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]
         dsn = create_database(server_dsn, name)
         try:
             console.print("migrating a metadata database")
-            migrate(AirflowConfig(home=_HOME / "page", database_dsn=dsn, dags_folder=_HOME / "dags",
-                                  fernet_key=_fernet_key()))
+            migrate(
+                AirflowConfig(
+                    home=_HOME / "page",
+                    database_dsn=dsn,
+                    dags_folder=_HOME / "dags",
+                    fernet_key=_fernet_key(),
+                )
+            )
             hold_autovacuum(dsn, held=True)  # the first case times rows never analysed
             yield dsn, seed(dsn, args.waiters, args.dags)
         finally:
@@ -216,8 +253,7 @@ def main() -> int:
     args = parser.parse_args()
     shapes = [Shape("few big groups", 50), Shape("many small groups", max(1, args.waiters * 3 // 5))]
     columns = [f"{shape.name}, {when}" for shape in shapes for when in ("before ANALYZE", "after")]
-    lines = ["| groups API body (median ms) | " + " | ".join(columns) + " |",
-             "|---|" + "---|" * len(columns)]
+    lines = ["| groups API body (median ms) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     notes = []
     with seeded_database(args) as (dsn, dag_ids):
         waiters = rows(dsn, "SELECT count(*) FROM task_instance WHERE state = 'deferred'")[0][0]
@@ -229,8 +265,10 @@ def main() -> int:
                 for when in ("before ANALYZE", "after"):
                     if when == "after":
                         if analysed := analysed_meanwhile(dsn):
-                            notes.append(f"autovacuum had analysed {', '.join(analysed)} before the "
-                                         f"{shape.name} case before ANALYZE ended")
+                            notes.append(
+                                f"autovacuum had analysed {', '.join(analysed)} before the "
+                                f"{shape.name} case before ANALYZE ended"
+                            )
                         vacuum(dsn)
                     results.append(time_shape(dag_ids, args.repeat))
                     for name, took in results[-1]:
@@ -239,10 +277,12 @@ def main() -> int:
             hold_autovacuum(dsn, held=False)
     for index, (name, _took) in enumerate(results[0]):
         lines.append(f"| {name} | " + " | ".join(f"{r[index][1]:.1f}" for r in results) + " |")
-    notes.append(f"Before ANALYZE: {shapes[0].name} with no statistics on any table (seeded with autovacuum "
-                 f"held off{'' if not args.dsn else '; --dsn: as the earlier run left them'}); the later "
-                 "shapes with statistics of the previous shape's identities (the tasks and triggers are the "
-                 "same rows).")
+    notes.append(
+        f"Before ANALYZE: {shapes[0].name} with no statistics on any table (seeded with autovacuum "
+        f"held off{'' if not args.dsn else '; --dsn: as the earlier run left them'}); the later "
+        "shapes with statistics of the previous shape's identities (the tasks and triggers are the "
+        "same rows)."
+    )
     head = f"{waiters} deferred waiters over {len(dag_ids)} DAGs, {SHARDS} shards."
     markdown = "\n\n".join([head, "\n".join(lines), "\n".join(f"- {note}" for note in notes)])
     console.print(markdown)

@@ -84,8 +84,11 @@ class Figures:
 
 
 def owners(dsn: str) -> dict[int, int | None]:
-    found = rows(dsn, "SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END "
-                      "FROM smart_triggerer.shard_lease WHERE queues = ''")
+    found = rows(
+        dsn,
+        "SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END "
+        "FROM smart_triggerer.shard_lease WHERE queues = ''",
+    )
     return {int(shard): owner for shard, owner in found}
 
 
@@ -120,16 +123,39 @@ class Recorder:
         while not self.done.wait(1.0):
             at = round(time.monotonic() - self.started, 1)
             sample = {i.name: health(i) for i in list(self.fleet) if i.component.running()}
-            self.figures.timeline.append({"t": at, "phase": self.phase, "instances": {
-                name: {k: h.get(k) for k in ("groups", "capacity", "shards_owned", "lag_recent_ms",
-                                             "lag_p99_ms", "accepting", "limit_groups", "rss_mb")}
-                for name, h in sample.items()}})
+            self.figures.timeline.append(
+                {
+                    "t": at,
+                    "phase": self.phase,
+                    "instances": {
+                        name: {
+                            k: h.get(k)
+                            for k in (
+                                "groups",
+                                "capacity",
+                                "shards_owned",
+                                "lag_recent_ms",
+                                "lag_p99_ms",
+                                "accepting",
+                                "limit_groups",
+                                "rss_mb",
+                            )
+                        }
+                        for name, h in sample.items()
+                    },
+                }
+            )
             if at - printed >= 5:
                 printed = at
-                console.print(f"  t={at:6.1f}s {self.phase:7s} " + "  ".join(
-                    f"{name}: {h.get('groups', '?')}/{h.get('capacity', '?')} g, "
-                    f"{h.get('shards_owned', '?')} sh, lag {h.get('lag_recent_ms', '?')} ms"
-                    f"{'' if h.get('accepting', True) else ' SHEDDING'}" for name, h in sample.items()))
+                console.print(
+                    f"  t={at:6.1f}s {self.phase:7s} "
+                    + "  ".join(
+                        f"{name}: {h.get('groups', '?')}/{h.get('capacity', '?')} g, "
+                        f"{h.get('shards_owned', '?')} sh, lag {h.get('lag_recent_ms', '?')} ms"
+                        f"{'' if h.get('accepting', True) else ' SHEDDING'}"
+                        for name, h in sample.items()
+                    )
+                )
 
 
 def groups_running(fleet: list[Instance]) -> int:
@@ -158,14 +184,17 @@ class CpuQuota:
         self.how = ""
 
     def __enter__(self) -> CpuQuota:
-        for root, quota_file in ((Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us"),
-                                 (Path("/sys/fs/cgroup"), "cpu.max")):
+        for root, quota_file in (
+            (Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us"),
+            (Path("/sys/fs/cgroup"), "cpu.max"),
+        ):
             with contextlib.suppress(OSError):
                 group = root / f"smart-triggerer-bench-{os.getpid()}"
                 group.mkdir()
                 quota = int(self.share * self.PERIOD * 1e6)
                 (group / quota_file).write_text(
-                    str(quota) if quota_file == "cpu.cfs_quota_us" else f"{quota} {int(self.PERIOD * 1e6)}")
+                    str(quota) if quota_file == "cpu.cfs_quota_us" else f"{quota} {int(self.PERIOD * 1e6)}"
+                )
                 (group / "cgroup.procs").write_text(str(self.process.pid))
                 self.cgroup, self.how = group, f"cgroup {quota_file} {quota} us per 100 ms"
                 return self
@@ -224,12 +253,19 @@ def run(args: argparse.Namespace, server_dsn: str, template: str) -> Figures:
     name = unique_name("st_placement")
     dsn = create_database(server_dsn, name, template)
     home = _HOME / "placement"
-    settings = {"AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
-                "AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS),
-                "AIRFLOW__SMART_TRIGGERER__MAX_LOOP_LAG_MS": str(args.max_loop_lag_ms),
-                "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5"}
-    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
-                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=settings)
+    settings = {
+        "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+        "AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS),
+        "AIRFLOW__SMART_TRIGGERER__MAX_LOOP_LAG_MS": str(args.max_loop_lag_ms),
+        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5",
+    }
+    config = AirflowConfig(
+        home=home / "airflow",
+        database_dsn=dsn,
+        dags_folder=home / "dags",
+        fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+        extra=settings,
+    )
     config.home.mkdir(parents=True, exist_ok=True)
     source = PollSource()
     source.start()
@@ -252,8 +288,12 @@ def run(args: argparse.Namespace, server_dsn: str, template: str) -> Figures:
             recorder.phase = "slowed"
             slow_phase(figures, fleet[1], args)
             # easing back raises its limit a step per 10 s: moves until then are not the join's
-            wait_until(lambda: health(fleet[1]).get("limit_groups", 0) is None, 600,
-                       f"{fleet[1].name} back to its capacity", interval=1)
+            wait_until(
+                lambda: health(fleet[1]).get("limit_groups", 0) is None,
+                600,
+                f"{fleet[1].name} back to its capacity",
+                interval=1,
+            )
             settled_owners(dsn, quiet=10, timeout=300)
             recorder.phase = "join"
             figures.moved_on_join, figures.min_on_join = join(stack, dsn, fleet, small)
@@ -283,20 +323,28 @@ def slow_phase(figures: Figures, slowed: Instance, args: argparse.Namespace) -> 
     share = max(args.quota * used, 0.02)
     with CpuQuota(runner, share) as quota:
         # the floor (0.02 of a core, what a cgroup quota can enforce here) may be more than --quota asks
-        figures.quota = (f"{share:.3f} of a core ({share / max(used, 1e-9):.2f} x the {used:.3f} it used "
-                         f"waiting), {quota.how}")
+        figures.quota = (
+            f"{share:.3f} of a core ({share / max(used, 1e-9):.2f} x the {used:.3f} it used "
+            f"waiting), {quota.how}"
+        )
         console.print(f"  slowing {slowed.name}: {figures.quota}")
         began = time.monotonic()
         # how soon the lag passes the limit depends on the quota (a backlog that grows by the CPU the
         # runner lacks); what placement answers for is the time from there back under it
-        wait_until(lambda: health(slowed).get("accepting") is False, 300, f"{slowed.name} shedding",
-                   interval=0.2)
+        wait_until(
+            lambda: health(slowed).get("accepting") is False, 300, f"{slowed.name} shedding", interval=0.2
+        )
         over = time.monotonic()
         figures.over_seconds = over - began
-        console.print(f"  {slowed.name} over its lag limit and shedding "
-                      f"{figures.over_seconds:.1f}s after the quota")
-        wait_until(lambda: float(health(slowed).get("lag_recent_ms", 1e9)) < args.max_loop_lag_ms, 300,
-                   f"{slowed.name} back under its lag limit", interval=0.2)
+        console.print(
+            f"  {slowed.name} over its lag limit and shedding {figures.over_seconds:.1f}s after the quota"
+        )
+        wait_until(
+            lambda: float(health(slowed).get("lag_recent_ms", 1e9)) < args.max_loop_lag_ms,
+            300,
+            f"{slowed.name} back under its lag limit",
+            interval=0.2,
+        )
         figures.shed_seconds = time.monotonic() - over
         console.print(f"  shed_seconds {figures.shed_seconds:.1f} (back under its lag limit, from shedding)")
     wait_until(lambda: health(slowed).get("accepting") is True, 300, f"{slowed.name} taking shards again")
@@ -334,8 +382,9 @@ def flip_all(source: PollSource, dsn: str, fleet: list[Instance], waiters: int) 
     wait_until(lambda: resumed_total(dsn) >= waiters - lost, 60, "the resumes counted", interval=1)
     resumed = resumed_total(dsn)
     doubled = doubled_resumes(dsn)
-    console.print(f"  flip: {waiters - lost} of {waiters} resumed, counters say {resumed}, "
-                  f"{len(doubled)} written twice")
+    console.print(
+        f"  flip: {waiters - lost} of {waiters} resumed, counters say {resumed}, {len(doubled)} written twice"
+    )
     return lost, len(doubled)
 
 
@@ -352,7 +401,8 @@ def report(figures: Figures) -> str:
     shed = "-" if figures.shed_seconds is None else f"{figures.shed_seconds:.1f}"
     over = "-" if figures.over_seconds is None else f"{figures.over_seconds:.1f}"
     lines = [
-        "| figure | value | goal |", "|---|---|---|",
+        "| figure | value | goal |",
+        "|---|---|---|",
         f"| waiters / distinct waits | {figures.waiters} / {figures.unique} | |",
         f"| max_over_share (steady) | {figures.max_over_share:.3f} | <= 1.25 |",
         f"| over the lag limit after the quota (s) | {over} | |",
@@ -371,8 +421,12 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=30.0)
     parser.add_argument("--capacity", type=int, default=6_000, help="of the two smaller instances")
     parser.add_argument("--steady-seconds", type=float, default=30.0)
-    parser.add_argument("--quota", type=float, default=0.5,
-                        help="the slowed runner's CPU quota, as a share of what it used while waiting")
+    parser.add_argument(
+        "--quota",
+        type=float,
+        default=0.5,
+        help="the slowed runner's CPU quota, as a share of what it used while waiting",
+    )
     parser.add_argument("--max-loop-lag-ms", type=float, default=1000.0)
     parser.add_argument("--keep-logs", metavar="DIR")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
@@ -393,4 +447,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -66,12 +66,23 @@ def workloads(url: str, count: int, round_no: int) -> list[RunTrigger]:
     """``count`` task triggers of the bench's HTTP trigger, keys of their own in each round."""
     made = []
     for n in range(count):
-        ti = task_instance_dto(id=str(uuid.uuid4()), dag_id="bench_runner", run_id=f"run_{round_no}",
-                               task_id=f"wait_{n}", dag_version_id=str(uuid.uuid4()))
+        ti = task_instance_dto(
+            id=str(uuid.uuid4()),
+            dag_id="bench_runner",
+            run_id=f"run_{round_no}",
+            task_id=f"wait_{n}",
+            dag_version_id=str(uuid.uuid4()),
+        )
         # as a deferral stores them: our identity marker included
         _, kwargs = PollTrigger(url, f"r{round_no}-{n}", poll_interval=3600.0).serialize()
-        made.append(RunTrigger(id=n + 1, classpath="bench.triggers.PollTrigger",
-                               encrypted_kwargs=Trigger.encrypt_kwargs(kwargs), ti=ti))
+        made.append(
+            RunTrigger(
+                id=n + 1,
+                classpath="bench.triggers.PollTrigger",
+                encrypted_kwargs=Trigger.encrypt_kwargs(kwargs),
+                ti=ti,
+            )
+        )
     return made
 
 
@@ -87,8 +98,9 @@ sys.stdin.read()  # until the bench closes it
 
 def start_source() -> tuple[subprocess.Popen[str], str]:
     """The HTTP source in a process of its own: its work is not counted as the runner's."""
-    process = subprocess.Popen([sys.executable, "-c", SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True, cwd=ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     assert process.stdout is not None
     port = process.stdout.readline().strip()
     if not port.isdigit():
@@ -127,12 +139,16 @@ async def one_round(mode: str, url: str, batch: list[RunTrigger]) -> tuple[float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--coroutines", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode, alternating")
-    parser.add_argument("--json", action="store_true",
-                        help="print each mode's median microseconds a coroutine as JSON at the end")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print each mode's median microseconds a coroutine as JSON at the end",
+    )
     args = parser.parse_args(argv)
     import uvloop
 
@@ -146,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             spent, took = uvloop.run(one_round(mode, url, batch))
             cpu[mode].append(spent)
             wall[mode].append(took)
-            console.print(f"  round {round_no + 1} {mode}: {spent / args.coroutines * 1e6:.0f} us of runner "
-                          f"CPU a coroutine, {took:.2f} s for {args.coroutines}")
+            console.print(
+                f"  round {round_no + 1} {mode}: {spent / args.coroutines * 1e6:.0f} us of runner "
+                f"CPU a coroutine, {took:.2f} s for {args.coroutines}"
+            )
     source.communicate("")
     report(cpu, wall, args.coroutines)
     if args.json:
-        print(json.dumps({mode: round(statistics.median(cpu[mode]) / args.coroutines * 1e6)
-                          for mode in MODES}))
+        print(
+            json.dumps({mode: round(statistics.median(cpu[mode]) / args.coroutines * 1e6) for mode in MODES})
+        )
     return 0
 
 
@@ -163,8 +182,11 @@ def as_the_runner_starts() -> None:
     from airflow.sdk.log import configure_logging, reset_logging
 
     reset_logging()
-    configure_logging(json_output=True, output=open(os.devnull, "wb", buffering=0),  # noqa: SIM115
-                      sending_to_supervisor=True)
+    configure_logging(
+        json_output=True,
+        output=open(os.devnull, "wb", buffering=0),  # noqa: SIM115
+        sending_to_supervisor=True,
+    )
     prepare_runner_process()
 
 
@@ -173,11 +195,18 @@ def report(cpu: dict[str, list[float]], wall: dict[str, list[float]], count: int
     table = Table(title=f"runner CPU per new coroutine, up to its first poll ({count} a round, median)")
     for column in ("", "Airflow's create loop", "ours", "ratio"):
         table.add_column(column, justify="right")
-    table.add_row("CPU a coroutine (us)", f"{per['airflow']:.0f}", f"{per['smart']:.0f}",
-                  f"{per['smart'] / per['airflow']:.2f}")
-    table.add_row("wall time a round (s)", f"{statistics.median(wall['airflow']):.2f}",
-                  f"{statistics.median(wall['smart']):.2f}",
-                  f"{statistics.median(wall['smart']) / statistics.median(wall['airflow']):.2f}")
+    table.add_row(
+        "CPU a coroutine (us)",
+        f"{per['airflow']:.0f}",
+        f"{per['smart']:.0f}",
+        f"{per['smart'] / per['airflow']:.2f}",
+    )
+    table.add_row(
+        "wall time a round (s)",
+        f"{statistics.median(wall['airflow']):.2f}",
+        f"{statistics.median(wall['smart']):.2f}",
+        f"{statistics.median(wall['smart']) / statistics.median(wall['airflow']):.2f}",
+    )
     console.print(table)
 
 

@@ -60,7 +60,7 @@ class PollSource:
         path, _, query = target.partition("?")
         if path.startswith("/poll/"):
             trigger_id = dict(parse_qsl(query)).get("t", "0")
-            ready = self.poll(unquote(path[len("/poll/"):]), int(trigger_id) if trigger_id.isdigit() else 0)
+            ready = self.poll(unquote(path[len("/poll/") :]), int(trigger_id) if trigger_id.isdigit() else 0)
             return 200, b'{"ready": true}' if ready else b'{"ready": false}'
         if path == "/polls":
             return 200, json.dumps({"polls": self.polls}).encode()
@@ -84,8 +84,9 @@ class PollSource:
 
     def _serve(self) -> None:
         self._loop = uvloop.new_event_loop()
-        server = self._loop.run_until_complete(self._loop.create_server(
-            lambda: _SourceProtocol(self), "127.0.0.1", 0, backlog=4096))
+        server = self._loop.run_until_complete(
+            self._loop.create_server(lambda: _SourceProtocol(self), "127.0.0.1", 0, backlog=4096)
+        )
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]  # an asyncio.Server
         self._ready.set()
         self._loop.run_forever()
@@ -116,7 +117,7 @@ class _SourceProtocol(asyncio.Protocol):
             body = _content_length(fields)
             if len(self.buffer) < end + len(HEAD_END) + body:
                 return  # the rest of the body is still to come
-            self.buffer = self.buffer[end + len(HEAD_END) + body:]
+            self.buffer = self.buffer[end + len(HEAD_END) + body :]
             self._respond(line, fields)
 
     def _respond(self, line: str, fields: str) -> None:
@@ -124,13 +125,16 @@ class _SourceProtocol(asyncio.Protocol):
         method, _, rest = line.partition(" ")
         target, _, version = rest.rpartition(" ")
         status, body = self.source.answer(target) if method == "GET" else (405, b'{"error": "GET only"}')
-        close = ("\r\nconnection: close" in fields
-                 or (version == "HTTP/1.0" and "\r\nconnection: keep-alive" not in fields))
+        close = "\r\nconnection: close" in fields or (
+            version == "HTTP/1.0" and "\r\nconnection: keep-alive" not in fields
+        )
         reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
         self.transport.write(
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{'Connection: close' if close else 'Connection: keep-alive'}"
-            f"\r\n\r\n".encode() + body)
+            f"\r\n\r\n".encode()
+            + body
+        )
         if close:
             self.transport.close()
 
@@ -141,5 +145,5 @@ def _content_length(fields: str) -> int:
     at = fields.find("\r\ncontent-length:")
     if at < 0:
         return 0
-    value = fields[at + len("\r\ncontent-length:"):].partition("\r\n")[0].strip()
+    value = fields[at + len("\r\ncontent-length:") :].partition("\r\n")[0].strip()
     return int(value) if value.isdigit() else 0

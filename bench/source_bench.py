@@ -99,8 +99,10 @@ class Scans:
 @contextlib.contextmanager
 def stats_server(root: Path) -> Iterator[EmbeddedPostgres]:
     """A private server with pg_stat_statements (the source's and the metadata databases' counts)."""
-    server = EmbeddedPostgres(root / "pgdata", settings={"shared_preload_libraries": "pg_stat_statements",
-                                                         "pg_stat_statements.track": "all"})
+    server = EmbeddedPostgres(
+        root / "pgdata",
+        settings={"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all"},
+    )
     server.start(timeout=60)
     try:
         yield server
@@ -128,24 +130,34 @@ def sql(dsn: str, statement: str, *args: Any) -> list[Any]:
 
 def status_statements(source: str) -> tuple[int, float]:
     """Calls of the status query on the source so far, and their total execution time (ms)."""
-    found = sql(source, "SELECT coalesce(sum(s.calls), 0), coalesce(sum(s.total_exec_time), 0) "
-                        "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-                        "WHERE d.datname = current_database() AND s.query LIKE $1", STATUS_QUERY)
+    found = sql(
+        source,
+        "SELECT coalesce(sum(s.calls), 0), coalesce(sum(s.total_exec_time), 0) "
+        "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+        "WHERE d.datname = current_database() AND s.query LIKE $1",
+        STATUS_QUERY,
+    )
     return int(found[0][0]), float(found[0][1])
 
 
 def table_reads(dsn: str) -> dict[str, int]:
     """Rows each table of this database gave so far: sequential reads plus index fetches."""
-    found = rows(dsn, "SELECT schemaname || '.' || relname, coalesce(seq_tup_read, 0) + "
-                      "coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables")
+    found = rows(
+        dsn,
+        "SELECT schemaname || '.' || relname, coalesce(seq_tup_read, 0) + "
+        "coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables",
+    )
     return {name: int(count) for name, count in found}
 
 
 def statement_counts(dsn: str) -> dict[str, tuple[int, int]]:
     """Blocks touched and calls so far per statement text on this database."""
-    found = rows(dsn, "SELECT s.query, sum(s.shared_blks_hit + s.shared_blks_read), sum(s.calls) "
-                      "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-                      "WHERE d.datname = current_database() GROUP BY s.query")
+    found = rows(
+        dsn,
+        "SELECT s.query, sum(s.shared_blks_hit + s.shared_blks_read), sum(s.calls) "
+        "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+        "WHERE d.datname = current_database() GROUP BY s.query",
+    )
     return {query: (int(blocks), int(calls)) for query, blocks, calls in found}
 
 
@@ -154,8 +166,9 @@ def summed(counts: dict[str, tuple[int, int]]) -> tuple[int, int]:
     return sum(b for b, _c in counts.values()), sum(c for _b, c in counts.values())
 
 
-def top_statements(after: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]],
-                   top: int = 8) -> list[tuple[int, int, str]]:
+def top_statements(
+    after: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]], top: int = 8
+) -> list[tuple[int, int, str]]:
     """The statements that touched the most blocks between two readings: (blocks, calls, first words)."""
     grown = []
     for query, (blocks, calls) in after.items():
@@ -192,28 +205,46 @@ class Deployment:
         # a source of its own: an earlier mode's burst must not have loaded this one's tables
         self.source = create_database(place.server.dsn, f"{self.name}_source")
         sql(self.source, STATUS_DDL)
-        extra = {"AIRFLOW_CONN_WAREHOUSE": self.source, "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
-                 "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5",
-                 "AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS": str(not mode.endswith("batching-off")
-                                                                  and mode != "stock")}
-        self.config = AirflowConfig(home=home / mode / "airflow", database_dsn=self.dsn,
-                                    dags_folder=home / mode / "dags",
-                                    fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
+        extra = {
+            "AIRFLOW_CONN_WAREHOUSE": self.source,
+            "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+            "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5",
+            "AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS": str(
+                not mode.endswith("batching-off") and mode != "stock"
+            ),
+        }
+        self.config = AirflowConfig(
+            home=home / mode / "airflow",
+            database_dsn=self.dsn,
+            dags_folder=home / mode / "dags",
+            fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+            extra=extra,
+        )
         self.config.home.mkdir(parents=True, exist_ok=True)
         self.stack = AirflowStack(self.config)
 
     def seed(self, waiters: int, tables: int) -> None:
         console.print(f"[bold]{self.mode}[/]: seeding {waiters} waits on {tables} tables")
         interval = self.args.interval
-        seed_deferred(self.dsn, self.config.dags_folder, count=waiters, classpath=TABLE_LOAD,
-                      kwargs_for=lambda i: {"conn_id": "warehouse", "required_tables": [f"t{i % tables}"],
-                                            "poll_interval": interval},
-                      dag_id=f"bench_source_{waiters}")
+        seed_deferred(
+            self.dsn,
+            self.config.dags_folder,
+            count=waiters,
+            classpath=TABLE_LOAD,
+            kwargs_for=lambda i: {
+                "conn_id": "warehouse",
+                "required_tables": [f"t{i % tables}"],
+                "poll_interval": interval,
+            },
+            dag_id=f"bench_source_{waiters}",
+        )
 
     def start(self) -> list[Any]:
         kind = "stock" if self.mode == "stock" else "smart"
-        instances = [start_instance(self.stack, kind, f"{self.mode}-{n}", self.args.waiters)
-                     for n in range(self.args.instances)]
+        instances = [
+            start_instance(self.stack, kind, f"{self.mode}-{n}", self.args.waiters)
+            for n in range(self.args.instances)
+        ]
         jobs = [job for _component, job in instances]
         wait_until(lambda: self.assigned(jobs) >= self.waiting(), 600, "every wait assigned", interval=1)
         return [component for component, _job in instances]
@@ -246,8 +277,10 @@ def measure_mode(place: Place, mode: str, args: argparse.Namespace) -> ModeResul
         deployment.seed(args.waiters, args.tables)
         components = deployment.start()
         with TreeSampler(components) as sampler:
-            console.print(f"  every wait assigned; {2 * args.interval:g}s to settle, then "
-                          f"{args.windows} intervals of pure waiting")
+            console.print(
+                f"  every wait assigned; {2 * args.interval:g}s to settle, then "
+                f"{args.windows} intervals of pure waiting"
+            )
             time.sleep(2 * args.interval)
             calls, ms = status_statements(source)
             supervisors, runners = sampler.split()
@@ -259,9 +292,11 @@ def measure_mode(place: Place, mode: str, args: argparse.Namespace) -> ModeResul
         result.runner_cpu_s_per_interval = (runners_after - runners) / args.windows
         result.supervisor_cpu_s_per_interval = (supervisors_after - supervisors) / args.windows
         burst(deployment, result, args)
-        console.print(f"  {mode}: {result.source_queries_per_interval:.1f} source queries per interval, "
-                      f"runner CPU {result.runner_cpu_s_per_interval:.2f} s per interval, resume p99 "
-                      f"{result.resume_p99_s:.1f} s, lost {result.lost}")
+        console.print(
+            f"  {mode}: {result.source_queries_per_interval:.1f} source queries per interval, "
+            f"runner CPU {result.runner_cpu_s_per_interval:.2f} s per interval, resume p99 "
+            f"{result.resume_p99_s:.1f} s, lost {result.lost}"
+        )
     finally:
         deployment.stop()
     return result
@@ -271,11 +306,17 @@ def burst(deployment: Deployment, result: ModeResult, args: argparse.Namespace) 
     """``--burst`` tables land at once; their waiters' resume latencies by the database clock."""
     landed = [f"t{n}" for n in range(args.burst)]
     expected = sum(1 for i in range(args.waiters) if i % args.tables < args.burst)
-    at = sql(deployment.source, "INSERT INTO meta.detail_process_table_status (table_name, status) "
-                                "SELECT unnest($1::text[]), 'SUCCESS' RETURNING created_dttm", landed)[0][0]
+    at = sql(
+        deployment.source,
+        "INSERT INTO meta.detail_process_table_status (table_name, status) "
+        "SELECT unnest($1::text[]), 'SUCCESS' RETURNING created_dttm",
+        landed,
+    )[0][0]
     landed_at = at.timestamp()
-    query = ("SELECT extract(epoch FROM scheduled_dttm) FROM task_instance "
-             "WHERE state <> 'deferred' AND scheduled_dttm IS NOT NULL")
+    query = (
+        "SELECT extract(epoch FROM scheduled_dttm) FROM task_instance "
+        "WHERE state <> 'deferred' AND scheduled_dttm IS NOT NULL"
+    )
     deadline = time.monotonic() + 3 * args.interval + 120
     while time.monotonic() < deadline:
         if len(rows(deployment.dsn, query)) >= expected:
@@ -304,8 +345,10 @@ def measure_scans(place: Place, waiters: int, args: argparse.Namespace) -> Scans
         scans.by_table, scans.rows_scanned_per_30s = window.by_table, window.rows
         scans.blocks_per_30s, scans.statements_per_30s = window.blocks, window.calls
         scans.top_statements = window.top
-        console.print(f"  {waiters} waiters: {scans.rows_scanned_per_30s} rows scanned per 30 s "
-                      f"({scans.statements_per_30s} statements, {scans.blocks_per_30s} blocks)")
+        console.print(
+            f"  {waiters} waiters: {scans.rows_scanned_per_30s} rows scanned per 30 s "
+            f"({scans.statements_per_30s} statements, {scans.blocks_per_30s} blocks)"
+        )
         measure_sweep(deployment, scans, args)
     finally:
         deployment.stop()
@@ -324,8 +367,10 @@ class Window:
 
 # the lingering check's statement (queries.sql, not_waited_on), run once a sweep by every instance, as
 # pg_stat_statements shows it (constants replaced by $n, whitespace as written: compared collapsed)
-SWEEP_START = ("SELECT i.trigger_id FROM smart_triggerer.trigger_identity i JOIN trigger t ON t.id = "
-               "i.trigger_id WHERE i.shard = ANY(")
+SWEEP_START = (
+    "SELECT i.trigger_id FROM smart_triggerer.trigger_identity i JOIN trigger t ON t.id = "
+    "i.trigger_id WHERE i.shard = ANY("
+)
 SWEEP_TEST_SECONDS = 20  # sweep_seconds while a sweep is measured
 
 
@@ -340,13 +385,21 @@ def read_window(dsn: str, seconds: float) -> Window:
     time.sleep(seconds)
     flush_stats(dsn)
     after, top_after = table_reads(dsn), statement_counts(dsn)
-    by_table = {name: after[name] - before.get(name, 0) for name in after
-                if after[name] - before.get(name, 0) > 0}
+    by_table = {
+        name: after[name] - before.get(name, 0) for name in after if after[name] - before.get(name, 0) > 0
+    }
     (blocks, calls), (blocks_after, calls_after) = summed(top_before), summed(top_after)
     sweeps = sum(c for q, (_b, c) in top_after.items() if is_sweep(q)) - sum(
-        c for q, (_b, c) in top_before.items() if is_sweep(q))
-    return Window(sum(by_table.values()), by_table, blocks_after - blocks, calls_after - calls,
-                  top_statements(top_after, top_before), sweeps)
+        c for q, (_b, c) in top_before.items() if is_sweep(q)
+    )
+    return Window(
+        sum(by_table.values()),
+        by_table,
+        blocks_after - blocks,
+        calls_after - calls,
+        top_statements(top_after, top_before),
+        sweeps,
+    )
 
 
 def measure_sweep(deployment: Deployment, scans: Scans, args: argparse.Namespace) -> None:
@@ -365,10 +418,13 @@ def measure_sweep(deployment: Deployment, scans: Scans, args: argparse.Namespace
     extra = max(window.rows - 2 * scans.rows_scanned_per_30s, 0)
     scans.rows_per_sweep = round(extra / window.sweeps * instances)  # every instance sweeps once
     scans.rows_scanned_per_30s_with_sweep = round(
-        scans.rows_scanned_per_30s + scans.rows_per_sweep * 30.0 / Settings.sweep_seconds)
-    console.print(f"  {scans.waiters} waiters: one sweep of every instance reads {scans.rows_per_sweep} "
-                  f"rows; with a sweep every {Settings.sweep_seconds:.0f} s, "
-                  f"{scans.rows_scanned_per_30s_with_sweep} rows per 30 s")
+        scans.rows_scanned_per_30s + scans.rows_per_sweep * 30.0 / Settings.sweep_seconds
+    )
+    console.print(
+        f"  {scans.waiters} waiters: one sweep of every instance reads {scans.rows_per_sweep} "
+        f"rows; with a sweep every {Settings.sweep_seconds:.0f} s, "
+        f"{scans.rows_scanned_per_30s_with_sweep} rows per 30 s"
+    )
 
 
 @contextlib.contextmanager
@@ -393,8 +449,11 @@ def report(results: list[ModeResult], scans: list[Scans], args: argparse.Namespa
     by_mode = {r.mode: r for r in results}
     stock = by_mode.get("stock")
     figures: dict[str, Any] = {
-        "waiters": args.waiters, "tables": args.tables, "instances": args.instances,
-        "interval_s": args.interval, "burst": args.burst,
+        "waiters": args.waiters,
+        "tables": args.tables,
+        "instances": args.instances,
+        "interval_s": args.interval,
+        "burst": args.burst,
         "source_queries_per_interval": {r.mode: round(r.source_queries_per_interval, 1) for r in results},
         "source_db_ms_per_interval": {r.mode: round(r.source_db_ms_per_interval, 1) for r in results},
         "runner_cpu_s_per_interval": {r.mode: round(r.runner_cpu_s_per_interval, 2) for r in results},
@@ -405,24 +464,34 @@ def report(results: list[ModeResult], scans: list[Scans], args: argparse.Namespa
         "supervisor_rows_scanned_by_table": {s.waiters: s.by_table for s in scans},
         "supervisor_top_statements_by_blocks": {s.waiters: s.top_statements for s in scans},
         "supervisor_rows_per_sweep": {s.waiters: s.rows_per_sweep for s in scans},
-        "supervisor_rows_scanned_per_30s_with_sweep": {s.waiters: s.rows_scanned_per_30s_with_sweep
-                                                       for s in scans},
+        "supervisor_rows_scanned_per_30s_with_sweep": {
+            s.waiters: s.rows_scanned_per_30s_with_sweep for s in scans
+        },
     }
     if stock and stock.runner_cpu_s_per_interval > 0:
         figures["runner_cpu_ratio"] = {
-            r.mode: round(r.runner_cpu_s_per_interval / stock.runner_cpu_s_per_interval, 3) for r in results}
+            r.mode: round(r.runner_cpu_s_per_interval / stock.runner_cpu_s_per_interval, 3) for r in results
+        }
     return figures
 
 
 def table(figures: dict[str, Any]) -> Table:
-    out = Table(title=f"{figures['waiters']} waits on {figures['tables']} tables, {figures['instances']} "
-                      f"instances, {figures['interval_s']:g} s pokes")
+    out = Table(
+        title=f"{figures['waiters']} waits on {figures['tables']} tables, {figures['instances']} "
+        f"instances, {figures['interval_s']:g} s pokes"
+    )
     modes = list(figures["source_queries_per_interval"])
     out.add_column("")
     for mode in modes:
         out.add_column(mode, justify="right")
-    for key in ("source_queries_per_interval", "source_db_ms_per_interval", "runner_cpu_s_per_interval",
-                "runner_cpu_ratio", "resume_p99_s", "lost"):
+    for key in (
+        "source_queries_per_interval",
+        "source_db_ms_per_interval",
+        "runner_cpu_s_per_interval",
+        "runner_cpu_ratio",
+        "resume_p99_s",
+        "lost",
+    ):
         values = figures.get(key, {})
         out.add_row(key, *(str(values.get(mode, "-")) for mode in modes))
     return out
@@ -452,8 +521,14 @@ def main() -> int:
             dsn = create_database(server.dsn, template)
             sql(dsn, "CREATE EXTENSION pg_stat_statements")  # its view, in every clone
             console.print("migrating a template metadata database")
-            migrate(AirflowConfig(home=home / "template", database_dsn=dsn, dags_folder=home / "dags",
-                                  fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+            migrate(
+                AirflowConfig(
+                    home=home / "template",
+                    database_dsn=dsn,
+                    dags_folder=home / "dags",
+                    fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+                )
+            )
             place = Place(server, template, home)
             results = [measure_mode(place, mode, args) for mode in args.modes.split(",") if mode]
             scans = [measure_scans(place, int(n), args) for n in args.scan_waiters.split(",") if n]

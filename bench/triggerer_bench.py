@@ -59,6 +59,8 @@ def keep_logs(folder: str | None) -> None:
     if folder:
         for logs in _HOME.rglob("component-logs"):
             shutil.copytree(logs, Path(folder) / logs.relative_to(_HOME), dirs_exist_ok=True)
+
+
 os.environ.setdefault("AIRFLOW_HOME", str(_HOME / "airflow"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 if not os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
@@ -174,10 +176,12 @@ class CpuBudget:
         # time the hypervisor gave the cores to someone else: wall time no work of ours fills
         steal = getattr(now, "steal", 0.0) - getattr(self.machine, "steal", 0.0)
         cores = psutil.cpu_count() or 1
-        return (f"cores busy {busy:.1f} of {cores * wall:.1f} core-seconds ({busy / wall:.2f} of {cores} "
-                f"cores; stolen by the host {steal:.1f}s): taker's supervisor {supervisor:.1f}s, its runner "
-                f"{runner:.1f}s ({runner_system:.1f}s of it in the kernel), the leaver {leaver:.1f}s, "
-                f"PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, the rest {rest:.1f}s")
+        return (
+            f"cores busy {busy:.1f} of {cores * wall:.1f} core-seconds ({busy / wall:.2f} of {cores} "
+            f"cores; stolen by the host {steal:.1f}s): taker's supervisor {supervisor:.1f}s, its runner "
+            f"{runner:.1f}s ({runner_system:.1f}s of it in the kernel), the leaver {leaver:.1f}s, "
+            f"PostgreSQL {postgres:.1f}s, the bench {bench_cpu:.1f}s, the rest {rest:.1f}s"
+        )
 
 
 def _tree_times(component: Component) -> dict[int, tuple[float, float]]:
@@ -282,13 +286,17 @@ def quiet(sampler: TreeSampler, steady: Steady, what: str, timeout: float = 120.
         time.sleep(QUIET_SECONDS)
         now = sampler.cpu_seconds
         if now - last < cores * QUIET_SECONDS:
-            console.print(f"  {time.monotonic() - started:.0f}s until the instances were quiet before "
-                          f"{what} (under {cores:.2f} cores over {QUIET_SECONDS:g}s)")
+            console.print(
+                f"  {time.monotonic() - started:.0f}s until the instances were quiet before "
+                f"{what} (under {cores:.2f} cores over {QUIET_SECONDS:g}s)"
+            )
             return
         if time.monotonic() - started > timeout:
             busy = (now - last) / QUIET_SECONDS
-            console.print(f"  the instances were still busy {timeout:.0f}s later ({busy:.2f} cores): "
-                          f"measuring {what} anyway")
+            console.print(
+                f"  the instances were still busy {timeout:.0f}s later ({busy:.2f} cores): "
+                f"measuring {what} anyway"
+            )
             return
         last = now
 
@@ -310,17 +318,24 @@ def start_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> 
     return start_instances(stack, mode, [name], capacity)[0]
 
 
-def start_instances(stack: AirflowStack, mode: str, names: list[str],
-                    capacity: int) -> list[tuple[Component, int]]:
+def start_instances(
+    stack: AirflowStack, mode: str, names: list[str], capacity: int
+) -> list[tuple[Component, int]]:
     """Start these triggerers of ``mode`` at once (a fleet's cold start, not one after the other) and return
     each with the id of the job row it created, told apart by the hostname it reports (bench/hostname.py)."""
     components = [launch_instance(stack, mode, name, capacity) for name in names]
     dsn = stack.config.database_dsn
 
     def jobs() -> dict[str, int]:
-        return {host: job for job, host in rows(
-            dsn, "SELECT id, hostname FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
-                 "AND hostname = ANY(%s)", names)}
+        return {
+            host: job
+            for job, host in rows(
+                dsn,
+                "SELECT id, hostname FROM job WHERE job_type = 'TriggererJob' AND end_date IS NULL "
+                "AND hostname = ANY(%s)",
+                names,
+            )
+        }
 
     wait_until(lambda: len(jobs()) == len(names), 90, f"job rows of {', '.join(names)}", interval=0.2)
     found = jobs()
@@ -328,9 +343,12 @@ def start_instances(stack: AirflowStack, mode: str, names: list[str],
 
 
 def launch_instance(stack: AirflowStack, mode: str, name: str, capacity: int) -> Component:
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{STATEMENT_COUNTER}",
-           "BENCH_STATEMENTS_DIR": str(statements_dir(stack)),
-           "AIRFLOW__CORE__HOSTNAME_CALLABLE": "bench.hostname.instance_name", "BENCH_INSTANCE": name}
+    env = {
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{STATEMENT_COUNTER}",
+        "BENCH_STATEMENTS_DIR": str(statements_dir(stack)),
+        "AIRFLOW__CORE__HOSTNAME_CALLABLE": "bench.hostname.instance_name",
+        "BENCH_INSTANCE": name,
+    }
     if mode == "stock":
         argv = [stack.config.airflow_bin(), "triggerer", "--skip-serve-logs", "--capacity", str(capacity)]
         component = Component(name, argv, stack.log_dir / f"{name}.log")
@@ -346,10 +364,14 @@ def statements_dir(stack: AirflowStack) -> Path:
     return folder
 
 
-def seed(config: AirflowConfig, source: PollSource, waiters: int, unique: int, *, prefix: str,
-         interval: float) -> list[int]:
+def seed(
+    config: AirflowConfig, source: PollSource, waiters: int, unique: int, *, prefix: str, interval: float
+) -> list[int]:
     seeded = seed_deferred(
-        config.database_dsn, config.dags_folder, count=waiters, classpath=POLL_TRIGGER,
+        config.database_dsn,
+        config.dags_folder,
+        count=waiters,
+        classpath=POLL_TRIGGER,
         kwargs_for=lambda i: {"url": source.url, "key": f"{prefix}{i % unique}", "poll_interval": interval},
         dag_id=f"bench_{prefix}",
     )
@@ -367,12 +389,23 @@ def make_task_log_folders(config: AirflowConfig, dag_id: str, run_id: str, count
         (base / f"map_index={map_index}").mkdir(parents=True, exist_ok=True)
 
 
-def record_resumes(result: Result, source: PollSource, dsn: str, flipped_at: float, *, unique: int,
-                   interval: float, skip: set[int]) -> None:
+def record_resumes(
+    result: Result,
+    source: PollSource,
+    dsn: str,
+    flipped_at: float,
+    *,
+    unique: int,
+    interval: float,
+    skip: set[int],
+) -> None:
     """Each waiter's resume latency, and its split at the first "ready" answer for its key (waiter ``i``
     waits on key ``k{i % unique}``, see ``seed``)."""
-    values = rows(dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
-                       "WHERE dag_id = 'bench_k' AND state <> 'deferred'")
+    values = rows(
+        dsn,
+        "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
+        "WHERE dag_id = 'bench_k' AND state <> 'deferred'",
+    )
     for map_index, scheduled in values:
         if map_index in skip:  # resumed by a flip during a takeover
             continue
@@ -398,23 +431,44 @@ def statement_totals(folder: Path) -> tuple[int, int]:
 
 def database_totals(dsn: str) -> tuple[int, int]:
     """Transactions and rows scanned (tup_returned) of this database so far, by the server's counters."""
-    found = rows(dsn, "SELECT xact_commit + xact_rollback, tup_returned FROM pg_stat_database "
-                      "WHERE datname = current_database()")[0]
+    found = rows(
+        dsn,
+        "SELECT xact_commit + xact_rollback, tup_returned FROM pg_stat_database "
+        "WHERE datname = current_database()",
+    )[0]
     return int(found[0]), int(found[1])
 
 
-def start_profiles(component: Component, seconds: float, folder: Path,
-                   mode: str) -> list[subprocess.Popen[bytes]]:
+def start_profiles(
+    component: Component, seconds: float, folder: Path, mode: str
+) -> list[subprocess.Popen[bytes]]:
     """py-spy on one instance's supervisor and runner for ``seconds`` (collapsed stacks)."""
     folder.mkdir(parents=True, exist_ok=True)
     spy = Path(sys.executable).with_name("py-spy")
     started = []
     for role, proc in zip(("supervisor", "runner"), component.tree()[:2], strict=False):
         out = folder / f"{mode}-{role}.txt"
-        started.append(subprocess.Popen(
-            [str(spy), "record", "--pid", str(proc.pid), "--duration", str(int(seconds)), "--rate", "50",
-             "--format", "raw", "--nonblocking", "--output", str(out)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        started.append(
+            subprocess.Popen(
+                [
+                    str(spy),
+                    "record",
+                    "--pid",
+                    str(proc.pid),
+                    "--duration",
+                    str(int(seconds)),
+                    "--rate",
+                    "50",
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--output",
+                    str(out),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     return started
 
 
@@ -464,12 +518,20 @@ def summarize_profile(path: Path, top: int = 10) -> str:
         best = sorted(counts.items(), key=lambda item: -item[1])[:top]
         return [f"    {100 * n / max(total, 1):5.1f}%  {frame}" for frame, n in best]
 
-    return "\n".join([f"{path.name}: {total} samples on CPU", "  self:", *ranked(own),
-                      "  ours (inclusive):", *ranked(ours)])
+    return "\n".join(
+        [
+            f"{path.name}: {total} samples on CPU",
+            "  self:",
+            *ranked(own),
+            "  ours (inclusive):",
+            *ranked(ours),
+        ]
+    )
 
 
-def measure_steady(sampler: TreeSampler, source: PollSource, dsn: str, folder: Path,
-                   seconds: float) -> Steady:
+def measure_steady(
+    sampler: TreeSampler, source: PollSource, dsn: str, folder: Path, seconds: float
+) -> Steady:
     """Pure waiting: nothing changes in the database and no condition flips."""
     cpu0, stmt0, db0, polls0 = sampler.split(), statement_totals(folder), database_totals(dsn), source.polls
     started = time.monotonic()
@@ -477,38 +539,52 @@ def measure_steady(sampler: TreeSampler, source: PollSource, dsn: str, folder: P
     cpu1, stmt1, db1, polls1 = sampler.split(), statement_totals(folder), database_totals(dsn), source.polls
     per30 = 30.0 / (time.monotonic() - started)
     steady = Steady(
-        seconds=seconds, polls=(polls1 - polls0) * per30,
-        cpu_supervisors=(cpu1[0] - cpu0[0]) * per30, cpu_runners=(cpu1[1] - cpu0[1]) * per30,
+        seconds=seconds,
+        polls=(polls1 - polls0) * per30,
+        cpu_supervisors=(cpu1[0] - cpu0[0]) * per30,
+        cpu_runners=(cpu1[1] - cpu0[1]) * per30,
         pss_mb=sampler.pss() / 2**20,
-        statements=(stmt1[0] - stmt0[0]) * per30, rows_returned=(stmt1[1] - stmt0[1]) * per30,
+        statements=(stmt1[0] - stmt0[0]) * per30,
+        rows_returned=(stmt1[1] - stmt0[1]) * per30,
         # minus the two transactions of our own reads of the counters
-        db_transactions=(db1[0] - db0[0] - 2) * per30, db_rows_scanned=(db1[1] - db0[1]) * per30,
+        db_transactions=(db1[0] - db0[0] - 2) * per30,
+        db_rows_scanned=(db1[1] - db0[1]) * per30,
     )
-    console.print(f"  steady, per 30 s: cpu supervisors {steady.cpu_supervisors:.2f}s runners "
-                  f"{steady.cpu_runners:.2f}s; pss {steady.pss_mb:.0f}MB; {steady.statements:.0f} statements "
-                  f"returning {steady.rows_returned:.0f} rows; db: {steady.db_transactions:.0f} "
-                  f"transactions, {steady.db_rows_scanned:.0f} rows scanned")
+    console.print(
+        f"  steady, per 30 s: cpu supervisors {steady.cpu_supervisors:.2f}s runners "
+        f"{steady.cpu_runners:.2f}s; pss {steady.pss_mb:.0f}MB; {steady.statements:.0f} statements "
+        f"returning {steady.rows_returned:.0f} rows; db: {steady.db_transactions:.0f} "
+        f"transactions, {steady.db_rows_scanned:.0f} rows scanned"
+    )
     return steady
 
 
 def instance_settings(args: argparse.Namespace) -> dict[str, str]:
     """The Airflow settings of every instance of the run (stock and smart)."""
-    extra = {"AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
-             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5"}
+    extra = {
+        "AIRFLOW__SMART_TRIGGERER__RESUME_HOLD_SECONDS": "0",
+        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "5",
+    }
     if args.max_new_per_loop:
         extra["AIRFLOW__SMART_TRIGGERER__MAX_NEW_PER_LOOP"] = str(args.max_new_per_loop)
     return extra
 
 
-def bench_config(label: str, server_dsn: str, template: str,
-                 extra: dict[str, str]) -> tuple[str, AirflowConfig]:
+def bench_config(
+    label: str, server_dsn: str, template: str, extra: dict[str, str]
+) -> tuple[str, AirflowConfig]:
     """A metadata database cloned from the run's template and an Airflow home of its own for ``label``:
     (the database's name, to drop it at the end; the configuration)."""
     name = unique_name(f"st_bench_{label}")
     dsn = create_database(server_dsn, name, template)
     home = _HOME / label
-    config = AirflowConfig(home=home / "airflow", database_dsn=dsn, dags_folder=home / "dags",
-                           fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
+    config = AirflowConfig(
+        home=home / "airflow",
+        database_dsn=dsn,
+        dags_folder=home / "dags",
+        fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+        extra=extra,
+    )
     config.home.mkdir(parents=True, exist_ok=True)
     return name, config
 
@@ -535,15 +611,21 @@ def run_mode(mode: str, args: argparse.Namespace, server_dsn: str, template: str
             stop_profiles(start_spies, args.profile_start, f"{mode}-start")
             result.start_to_all_polling_s = waits.all_polling(source, started_at, trigger_ids, "cold start")
             result.steady_after = time.monotonic() - t0
-            console.print(f"  cold start: every wait polling {result.start_to_all_polling_s:.1f}s after the "
-                          f"instances started; measuring {args.steady_seconds:g}s of pure waiting")
+            console.print(
+                f"  cold start: every wait polling {result.start_to_all_polling_s:.1f}s after the "
+                f"instances started; measuring {args.steady_seconds:g}s of pure waiting"
+            )
             phases = [("start", sampler.split())]
             time.sleep(2 * args.interval)  # let start-up bursts pass
-            spies = (start_profiles(instances[0][0], args.steady_seconds, Path(args.profile), mode)
-                     if args.profile else [])
+            spies = (
+                start_profiles(instances[0][0], args.steady_seconds, Path(args.profile), mode)
+                if args.profile
+                else []
+            )
             result.steady = measure_steady(sampler, source, dsn, statements_dir(stack), args.steady_seconds)
-            result.rss_mb_per_instance = max(
-                sum(p.memory_info().rss for p in c.tree()) for c, _ in instances) / 2**20
+            result.rss_mb_per_instance = (
+                max(sum(p.memory_info().rss for p in c.tree()) for c, _ in instances) / 2**20
+            )
             finish_profiles(spies, args.profile, mode)
             result.polls_per_interval = result.steady.polls * args.interval / 30
             phases.append(("steady", sampler.split()))
@@ -587,8 +669,9 @@ class Waits:
         waiter of its key) or, stock, its own trigger id."""
         return self.key(trigger_id) if self.mode == "smart" else trigger_id
 
-    def all_polling(self, source: PollSource, since: float, trigger_ids: list[int],
-                    what: str | None = None) -> float:
+    def all_polling(
+        self, source: PollSource, since: float, trigger_ids: list[int], what: str | None = None
+    ) -> float:
         """Seconds from ``since`` (wall clock) until each of these waits had polled (waits for it); with
         ``what``, prints when each quarter of them first polled (the curve, not only its end). Reads only
         the polls new since its last look: the bench must not load the cores it measures."""
@@ -608,8 +691,10 @@ class Waits:
             if len(first) == len(wanted):
                 return self._curve([first[self.polls_as(t)] - since for t in trigger_ids], what)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(wanted) - len(first)} of {len(wanted)} waits did not poll within "
-                                   f"{self.timeout:.0f}s")
+                raise TimeoutError(
+                    f"{len(wanted) - len(first)} of {len(wanted)} waits did not poll within "
+                    f"{self.timeout:.0f}s"
+                )
             time.sleep(0.5)
 
     @staticmethod
@@ -641,9 +726,16 @@ def settled(count: Callable[[], int], timeout: float, what: str, seconds: float 
 
 def waiting_on(dsn: str, job_ids: list[int]) -> list[int]:
     """Trigger ids of the deferred bench waiters that these triggerer jobs run now."""
-    return [r[0] for r in rows(dsn, "SELECT t.id FROM trigger t JOIN task_instance ti "
-                                    "ON ti.trigger_id = t.id WHERE ti.dag_id = 'bench_k' "
-                                    "AND ti.state = 'deferred' AND t.triggerer_id = ANY(%s)", job_ids)]
+    return [
+        r[0]
+        for r in rows(
+            dsn,
+            "SELECT t.id FROM trigger t JOIN task_instance ti "
+            "ON ti.trigger_id = t.id WHERE ti.dag_id = 'bench_k' "
+            "AND ti.state = 'deferred' AND t.triggerer_id = ANY(%s)",
+            job_ids,
+        )
+    ]
 
 
 class Unowned:
@@ -681,27 +773,32 @@ ASK_BY_ID_UP_TO = 2000
 def unowned_trigger_rows(dsn: str, job_ids: list[int]) -> int:
     """Trigger rows none of these jobs owns (the bench's deployment has only its waiters' triggers)."""
     with probe_connection(dsn).cursor() as cur:
-        cur.execute("SELECT count(*) FROM trigger WHERE triggerer_id IS NULL OR triggerer_id <> ALL(%s)",
-                    (job_ids,))
+        cur.execute(
+            "SELECT count(*) FROM trigger WHERE triggerer_id IS NULL OR triggerer_id <> ALL(%s)", (job_ids,)
+        )
         return int(cur.fetchone()[0])
 
 
 def unowned_waiters(dsn: str, job_ids: list[int], among: list[int] | None) -> list[int]:
     """Trigger ids of deferred bench waiters none of these jobs owns (only those ``among``, when given)."""
     if among is None:
-        query = ("SELECT t.id FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
-                 "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
-                 "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+        query = (
+            "SELECT t.id FROM task_instance ti JOIN trigger t ON t.id = ti.trigger_id "
+            "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+            "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))"
+        )
         params: tuple[Any, ...] = (job_ids,)
     else:
         # from each id through the primary key and ti_trigger_id (OFFSET 0: never merged into a join the
         # planner, with the bench's tables unanalysed, would drive from all 50,000 task instances)
-        query = ("SELECT asked.id FROM unnest(%s::integer[]) AS asked(id) "
-                 "CROSS JOIN LATERAL (SELECT t.triggerer_id FROM trigger t WHERE t.id = asked.id OFFSET 0) t "
-                 "CROSS JOIN LATERAL (SELECT ti.dag_id, ti.state FROM task_instance ti "
-                 "WHERE ti.trigger_id = asked.id OFFSET 0) ti "
-                 "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
-                 "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))")
+        query = (
+            "SELECT asked.id FROM unnest(%s::integer[]) AS asked(id) "
+            "CROSS JOIN LATERAL (SELECT t.triggerer_id FROM trigger t WHERE t.id = asked.id OFFSET 0) t "
+            "CROSS JOIN LATERAL (SELECT ti.dag_id, ti.state FROM task_instance ti "
+            "WHERE ti.trigger_id = asked.id OFFSET 0) ti "
+            "WHERE ti.dag_id = 'bench_k' AND ti.state = 'deferred' "
+            "AND (t.triggerer_id IS NULL OR t.triggerer_id <> ALL(%s))"
+        )
         params = (among, job_ids)
     with probe_connection(dsn).cursor() as cur:
         cur.execute(query, params)
@@ -729,8 +826,12 @@ def close_probe(dsn: str) -> None:
 
 
 def deferred_waits(dsn: str) -> list[int]:
-    return [r[0] for r in rows(dsn, "SELECT trigger_id FROM task_instance WHERE dag_id = 'bench_k' "
-                                    "AND state = 'deferred'")]
+    return [
+        r[0]
+        for r in rows(
+            dsn, "SELECT trigger_id FROM task_instance WHERE dag_id = 'bench_k' AND state = 'deferred'"
+        )
+    ]
 
 
 @dataclass
@@ -761,16 +862,27 @@ def measure_burst(result: Result, bench: Bench, profiled: Component) -> None:
     """Flip every key at once: each waiter's time to leave DEFERRED (those flipped before excluded)."""
     dsn, args = bench.stack.config.database_dsn, bench.args
     flipped_at = bench.source.flip("k")
-    spies = (start_profiles(profiled, args.interval + 15, Path(args.profile_resume), f"{bench.mode}-resume")
-             if args.profile_resume else [])
+    spies = (
+        start_profiles(profiled, args.interval + 15, Path(args.profile_resume), f"{bench.mode}-resume")
+        if args.profile_resume
+        else []
+    )
     wait_until(lambda: not deferred_waits(dsn), bench.waits.timeout, "every waiter resumed", interval=0.2)
     finish_profiles(spies, args.profile_resume, f"{bench.mode}-resume")
-    record_resumes(result, bench.source, dsn, flipped_at, unique=bench.waits.unique, interval=args.interval,
-                   skip=bench.waits.flipped_indexes)
+    record_resumes(
+        result,
+        bench.source,
+        dsn,
+        flipped_at,
+        unique=bench.waits.unique,
+        interval=args.interval,
+        skip=bench.waits.flipped_indexes,
+    )
 
 
-def measure_takeovers(result: Result, bench: Bench,
-                      instances: list[tuple[Component, int]]) -> list[tuple[Component, int]]:
+def measure_takeovers(
+    result: Result, bench: Bench, instances: list[tuple[Component, int]]
+) -> list[tuple[Component, int]]:
     """SIGKILL the first instance while every wait waits (the flags of some of its waits flip a second
     later), start a replacement, then SIGTERM the second instance once the replacement polls its share."""
     stack, mode, source, waits, args = bench.stack, bench.mode, bench.source, bench.waits, bench.args
@@ -784,16 +896,22 @@ def measure_takeovers(result: Result, bench: Bench,
     waits.flipped_indexes = wanted
     wait_until(lambda: wanted <= set(resumed_at(dsn)), waits.timeout, "the waits flipped during the takeover")
     result.takeover_resume = [at - kill.flipped_at for i, at in resumed_at(dsn).items() if i in wanted]
-    console.print(f"  flipped during the takeover: {len(wanted)} waits resumed "
-                  f"p50 {result.pct(0.5, result.takeover_resume):.2f}s "
-                  f"p99 {result.pct(0.99, result.takeover_resume):.2f}s after the flip")
+    console.print(
+        f"  flipped during the takeover: {len(wanted)} waits resumed "
+        f"p50 {result.pct(0.5, result.takeover_resume):.2f}s "
+        f"p99 {result.pct(0.99, result.takeover_resume):.2f}s after the flip"
+    )
     started_at = time.time()
     extra = start_instance(stack, mode, f"{mode}-extra", args.waiters)
     bench.sampler.components.append(extra[0])
     live = [*survivors, extra]
     unowned = Unowned(dsn, [job for _, job in live])
-    wait_until(lambda: unowned.count() == 0, waits.timeout,
-               "every wait assigned after the replacement joined", interval=0.5)
+    wait_until(
+        lambda: unowned.count() == 0,
+        waits.timeout,
+        "every wait assigned after the replacement joined",
+        interval=0.5,
+    )
     settled(lambda: len(waiting_on(dsn, [extra[1]])), waits.timeout, "the replacement's share")
     waits.all_polling(source, started_at, waiting_on(dsn, [extra[1]]), "the replacement's share")
     quiet(bench.sampler, result.steady, "the SIGTERM")
@@ -803,8 +921,14 @@ def measure_takeovers(result: Result, bench: Bench,
     return [*survivors[1:], extra]
 
 
-def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple[Component, int]],
-              how: signal.Signals, *, flips: int) -> Takeover:
+def take_over(
+    bench: Bench,
+    victim: tuple[Component, int],
+    survivors: list[tuple[Component, int]],
+    how: signal.Signals,
+    *,
+    flips: int,
+) -> Takeover:
     dsn, source, waits = bench.stack.config.database_dsn, bench.source, bench.waits
     mine = waiting_on(dsn, [victim[1]])
     survivor_jobs = [job for _, job in survivors]
@@ -813,14 +937,22 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     exited: list[float] = []
     process = victim[0].process
     assert process is not None
+
     def note_exit() -> None:
         process.wait()
         exited.append(time.time())
 
     threading.Thread(target=note_exit, daemon=True).start()
-    spies = (start_profiles(survivors[0][0], waits.timeout, Path(bench.args.profile_takeover),
-                            f"{bench.mode}-{how.name.lower()}")
-             if bench.args.profile_takeover else [])
+    spies = (
+        start_profiles(
+            survivors[0][0],
+            waits.timeout,
+            Path(bench.args.profile_takeover),
+            f"{bench.mode}-{how.name.lower()}",
+        )
+        if bench.args.profile_takeover
+        else []
+    )
     budget = CpuBudget(survivors[0][0], victim[0], bench.sampler)
     signalled = time.time()
     os.killpg(victim[0].pid, how)
@@ -829,8 +961,12 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
         time.sleep(1.0)
         flipped_at = source.flip_keys(flip_keys)
     unowned = Unowned(dsn, survivor_jobs)
-    wait_until(lambda: unowned.count() == 0, waits.timeout,
-               f"every wait owned by the survivors after {how.name}", interval=0.2)
+    wait_until(
+        lambda: unowned.count() == 0,
+        waits.timeout,
+        f"every wait owned by the survivors after {how.name}",
+        interval=0.2,
+    )
     reassigned = time.time() - signalled
     # waits the flip resumed meanwhile poll no more: those still waiting must poll again
     still = [t for t in mine if waits.key(t) not in flip_keys]
@@ -839,25 +975,31 @@ def take_over(bench: Bench, victim: tuple[Component, int], survivors: list[tuple
     stop_profiles(spies, bench.args.profile_takeover, f"{bench.mode}-{how.name.lower()}")
     wait_until(lambda: bool(exited), 60, f"the {how.name} victim's exit")
     took = Takeover(len(mine), reassigned, polling, exited[0] - signalled, flipped_at, flip_keys)
-    console.print(f"  {how.name}: {took.waits} waits; every waiting trigger owned by the survivors after "
-                  f"{took.reassigned_s:.1f}s, each of the victim's waits polling again after "
-                  f"{took.all_polling_s:.1f}s; process exited after {took.exit_s:.1f}s")
+    console.print(
+        f"  {how.name}: {took.waits} waits; every waiting trigger owned by the survivors after "
+        f"{took.reassigned_s:.1f}s, each of the victim's waits polling again after "
+        f"{took.all_polling_s:.1f}s; process exited after {took.exit_s:.1f}s"
+    )
     return took
 
 
 def resumed_at(dsn: str) -> dict[int, float]:
     """map index -> when its task instance left DEFERRED (scheduled_dttm, wall clock)."""
-    return {int(i): float(at) for i, at in rows(
-        dsn, "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
-             "WHERE dag_id = 'bench_k' AND state <> 'deferred'")}
+    return {
+        int(i): float(at)
+        for i, at in rows(
+            dsn,
+            "SELECT map_index, extract(epoch FROM scheduled_dttm) FROM task_instance "
+            "WHERE dag_id = 'bench_k' AND state <> 'deferred'",
+        )
+    }
 
 
 def wait_started(source: PollSource, dsn: str, jobs: list[int], waits: Waits) -> None:
     """Until every waiter is assigned and every wait polled once (stock: each waiter's own coroutine)."""
     trigger_ids = list(waits.index)
     unowned = Unowned(dsn, jobs)
-    wait_until(lambda: unowned.count() == 0, waits.timeout,
-               "all waiters assigned", interval=0.5)
+    wait_until(lambda: unowned.count() == 0, waits.timeout, "all waiters assigned", interval=0.5)
     waits.all_polling(source, 0.0, trigger_ids)
 
 
@@ -872,11 +1014,15 @@ def print_resume(result: Result) -> None:
     def spread(values: list[float] | None = None) -> str:
         return f"p50 {result.pct(0.5, values):.2f}s p99 {result.pct(0.99, values):.2f}s"
 
-    console.print(f"  resumed all: {spread()} max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
-                  f"rss {result.peak_rss_mb:.0f}MB")
-    console.print(f"  flip to the ready poll: {spread(result.ready_poll)}; ready poll to resumed: "
-                  f"{spread(result.after_poll)}; ready poll later than last poll + interval: "
-                  f"{spread(result.poll_late)}")
+    console.print(
+        f"  resumed all: {spread()} max {max(result.resume):.2f}s; cpu {result.cpu_seconds:.1f}s "
+        f"rss {result.peak_rss_mb:.0f}MB"
+    )
+    console.print(
+        f"  flip to the ready poll: {spread(result.ready_poll)}; ready poll to resumed: "
+        f"{spread(result.after_poll)}; ready poll later than last poll + interval: "
+        f"{spread(result.poll_late)}"
+    )
 
 
 def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
@@ -889,8 +1035,10 @@ def print_phases(phases: list[tuple[str, tuple[float, float]]]) -> None:
 
 def record_page(result: Result) -> None:
     result.page_groups_ms, result.page_overview_ms = time_page({"bench_k"})
-    console.print(f"  page at {result.waiters} waiters: groups (first 50) {result.page_groups_ms:.0f} ms, "
-                  f"overview {result.page_overview_ms:.0f} ms")
+    console.print(
+        f"  page at {result.waiters} waiters: groups (first 50) {result.page_groups_ms:.0f} ms, "
+        f"overview {result.page_overview_ms:.0f} ms"
+    )
 
 
 def time_page(dag_ids: set[str]) -> tuple[float, float]:
@@ -907,8 +1055,10 @@ def time_page(dag_ids: set[str]) -> tuple[float, float]:
         return statistics.median(took)
 
     viewer = page.Viewer(frozenset(dag_ids), views_triggers=True)
-    return (median_ms(lambda: page.groups_page(viewer, 50, 0)),
-            median_ms(lambda: page.overview(may_read_assets=True)))
+    return (
+        median_ms(lambda: page.groups_page(viewer, 50, 0)),
+        median_ms(lambda: page.overview(may_read_assets=True)),
+    )
 
 
 def ratio(smart: float, stock: float) -> str:
@@ -917,15 +1067,19 @@ def ratio(smart: float, stock: float) -> str:
 
 def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     stock, smart = results.get("stock"), results.get("smart")
-    table = Table(title=f"{args.waiters} waiters, {args.duplicates:.0%} duplicates, poll interval "
-                        f"{args.interval:g}s, {args.instances} instances each")
+    table = Table(
+        title=f"{args.waiters} waiters, {args.duplicates:.0%} duplicates, poll interval "
+        f"{args.interval:g}s, {args.instances} instances each"
+    )
     table.add_column("metric")
     for mode in results:
         table.add_column(mode)
     if stock and smart:
         table.add_column("smart / stock")
-    lines = ["| metric | " + " | ".join(results) + (" | smart / stock |" if stock and smart else " |"),
-             "|---|" + "---|" * (len(results) + (1 if stock and smart else 0))]
+    lines = [
+        "| metric | " + " | ".join(results) + (" | smart / stock |" if stock and smart else " |"),
+        "|---|" + "---|" * (len(results) + (1 if stock and smart else 0)),
+    ]
 
     def add(label: str, get: Callable[[Result], float | None], fmt: str) -> None:
         values = [get(r) for r in results.values()]
@@ -953,25 +1107,46 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> str:
     add("resume p99 (s)", lambda r: r.pct(0.99), "{:.2f}")
     add("resume max (s)", lambda r: max(r.resume) if r.resume else None, "{:.2f}")
     add("resume: flip to ready poll, p99 (s)", lambda r: r.pct(0.99, r.ready_poll), "{:.2f}")
-    add("resume: ready poll late (after last poll + interval), p99 (s)", lambda r: r.pct(0.99, r.poll_late),
-        "{:.2f}")
+    add(
+        "resume: ready poll late (after last poll + interval), p99 (s)",
+        lambda r: r.pct(0.99, r.poll_late),
+        "{:.2f}",
+    )
     add("resume: ready poll to resumed, p50 (s)", lambda r: r.pct(0.5, r.after_poll), "{:.2f}")
     add("resume: ready poll to resumed, p99 (s)", lambda r: r.pct(0.99, r.after_poll), "{:.2f}")
-    add("cold start: every wait polling (s), start_to_all_polling_s", lambda r: r.start_to_all_polling_s,
-        "{:.1f}")
+    add(
+        "cold start: every wait polling (s), start_to_all_polling_s",
+        lambda r: r.start_to_all_polling_s,
+        "{:.1f}",
+    )
     add("SIGKILL: the victim's waits", lambda r: r.kill_waits, "{:.0f}")
-    add("SIGKILL: every wait owned again (s), kill_to_reassigned_s", lambda r: r.kill_to_reassigned_s,
-        "{:.1f}")
-    add("SIGKILL: every wait polling again (s), kill_to_all_polling_s", lambda r: r.kill_to_all_polling_s,
-        "{:.1f}")
-    add("SIGKILL: flipped during the takeover, resume p50 (s)", lambda r: r.pct(0.5, r.takeover_resume),
-        "{:.2f}")
-    add("SIGKILL: flipped during the takeover, resume p99 (s)", lambda r: r.pct(0.99, r.takeover_resume),
-        "{:.2f}")
+    add(
+        "SIGKILL: every wait owned again (s), kill_to_reassigned_s",
+        lambda r: r.kill_to_reassigned_s,
+        "{:.1f}",
+    )
+    add(
+        "SIGKILL: every wait polling again (s), kill_to_all_polling_s",
+        lambda r: r.kill_to_all_polling_s,
+        "{:.1f}",
+    )
+    add(
+        "SIGKILL: flipped during the takeover, resume p50 (s)",
+        lambda r: r.pct(0.5, r.takeover_resume),
+        "{:.2f}",
+    )
+    add(
+        "SIGKILL: flipped during the takeover, resume p99 (s)",
+        lambda r: r.pct(0.99, r.takeover_resume),
+        "{:.2f}",
+    )
     add("SIGTERM: the victim's waits", lambda r: r.term_waits, "{:.0f}")
     add("SIGTERM: every wait owned again (s)", lambda r: r.term_to_reassigned_s, "{:.1f}")
-    add("SIGTERM: every wait polling again (s), term_to_all_polling_s", lambda r: r.term_to_all_polling_s,
-        "{:.1f}")
+    add(
+        "SIGTERM: every wait polling again (s), term_to_all_polling_s",
+        lambda r: r.term_to_all_polling_s,
+        "{:.1f}",
+    )
     add("process exit after SIGTERM (s)", lambda r: r.term_exit, "{:.1f}")
     add("memory RSS per instance while waiting (MB)", lambda r: r.rss_mb_per_instance, "{:.0f}")
     add("time to steady state (s)", lambda r: r.steady_after, "{:.1f}")
@@ -990,8 +1165,14 @@ def migrated_template(prefix: str, keep_logs_in: str | None) -> Iterator[tuple[s
         dsn = create_database(server_dsn, template)
         try:
             console.print("migrating a template metadata database")
-            migrate(AirflowConfig(home=_HOME / "template", database_dsn=dsn, dags_folder=_HOME / "dags",
-                                  fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+            migrate(
+                AirflowConfig(
+                    home=_HOME / "template",
+                    database_dsn=dsn,
+                    dags_folder=_HOME / "dags",
+                    fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+                )
+            )
             yield server_dsn, template
         finally:
             keep_logs(keep_logs_in)
@@ -1004,25 +1185,48 @@ def main() -> int:
     parser.add_argument("--duplicates", type=float, default=0.4)
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--takeover-flips", type=int, default=100,
-                        help="keys of the SIGKILL victim's waits flipped a second into the takeover")
+    parser.add_argument(
+        "--takeover-flips",
+        type=int,
+        default=100,
+        help="keys of the SIGKILL victim's waits flipped a second into the takeover",
+    )
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="pure waiting measured")
-    parser.add_argument("--profile", metavar="DIR",
-                        help="py-spy the first instance's supervisor and runner while waiting (needs root)")
-    parser.add_argument("--profile-resume", metavar="DIR",
-                        help="py-spy one instance's supervisor and runner from the flip for interval + 15 s")
-    parser.add_argument("--profile-start", metavar="DIR",
-                        help="py-spy the first instance's supervisor and runner until every wait polls")
-    parser.add_argument("--profile-takeover", metavar="DIR",
-                        help="py-spy the SIGKILL survivor's supervisor and runner until all waits poll again")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy the first instance's supervisor and runner while waiting (needs root)",
+    )
+    parser.add_argument(
+        "--profile-resume",
+        metavar="DIR",
+        help="py-spy one instance's supervisor and runner from the flip for interval + 15 s",
+    )
+    parser.add_argument(
+        "--profile-start",
+        metavar="DIR",
+        help="py-spy the first instance's supervisor and runner until every wait polls",
+    )
+    parser.add_argument(
+        "--profile-takeover",
+        metavar="DIR",
+        help="py-spy the SIGKILL survivor's supervisor and runner until all waits poll again",
+    )
     parser.add_argument("--modes", default="stock,smart")
-    parser.add_argument("--max-new-per-loop", type=int, default=0,
-                        help="[smart_triggerer] max_new_per_loop of the smart instances (0: its default)")
+    parser.add_argument(
+        "--max-new-per-loop",
+        type=int,
+        default=0,
+        help="[smart_triggerer] max_new_per_loop of the smart instances (0: its default)",
+    )
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the instances' logs here at the end")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json", action="store_true", help="print each mode's figures as JSON at the end")
-    parser.add_argument("--no-calibration", action="store_true",
-                        help="skip measuring the machine's speed first (bench/runner_bench.py)")
+    parser.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="skip measuring the machine's speed first (bench/runner_bench.py)",
+    )
     args = parser.parse_args()
     # SIGTERM stops the run like Ctrl-C: the triggerers, the source and the databases are cleaned up
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -1041,8 +1245,13 @@ def main() -> int:
     if args.write:
         append_result("Triggerer", "bench.triggerer_bench", markdown)
     if args.json:
-        print(json.dumps({mode: figures(r) for mode, r in results.items()}
-                         | {"broke": broke, "machine_us_per_coroutine": speed}, indent=1))
+        print(
+            json.dumps(
+                {mode: figures(r) for mode, r in results.items()}
+                | {"broke": broke, "machine_us_per_coroutine": speed},
+                indent=1,
+            )
+        )
     return 0
 
 
@@ -1055,19 +1264,23 @@ def machine_speed() -> int | None:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        console.print(f"[yellow]the machine's speed was not measured (exit {done.returncode}): "
-                      f"{done.stderr.strip()[-300:]}[/]")
+        console.print(
+            f"[yellow]the machine's speed was not measured (exit {done.returncode}): "
+            f"{done.stderr.strip()[-300:]}[/]"
+        )
         return None
     speed = int(json.loads(lines[-1])["smart"])
-    console.print(f"machine speed: {speed} us of runner CPU per new coroutine (bench/runner_bench.py; "
-                  "lower is faster)")
+    console.print(
+        f"machine speed: {speed} us of runner CPU per new coroutine (bench/runner_bench.py; lower is faster)"
+    )
     return speed
 
 
 def figures(result: Result) -> dict[str, Any]:
     """The run's figures under the names the issue tracker and the docs use."""
     return {
-        "waiters": result.waiters, "unique": result.unique,
+        "waiters": result.waiters,
+        "unique": result.unique,
         "polls_per_interval": round(result.polls_per_interval),
         "start_to_all_polling_s": result.start_to_all_polling_s,
         "kill_waits": result.kill_waits,
@@ -1079,7 +1292,8 @@ def figures(result: Result) -> dict[str, Any]:
         "term_to_reassigned_s": result.term_to_reassigned_s,
         "term_to_all_polling_s": result.term_to_all_polling_s,
         "term_exit_s": result.term_exit,
-        "resume_p50_s": result.pct(0.5), "resume_p99_s": result.pct(0.99),
+        "resume_p50_s": result.pct(0.5),
+        "resume_p99_s": result.pct(0.99),
         "rss_mb_per_instance": round(result.rss_mb_per_instance),
         "waiting_cpu_s_per_30s": result.steady.cpu,
     }

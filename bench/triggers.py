@@ -25,8 +25,10 @@ class PollTrigger(DedupableTrigger, BaseTrigger):
         self.url, self.key, self.poll_interval = url, key, poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("bench.triggers.PollTrigger",
-                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
+        return (
+            "bench.triggers.PollTrigger",
+            {"url": self.url, "key": self.key, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:

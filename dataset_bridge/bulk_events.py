@@ -33,16 +33,27 @@ def _consumers(session: Session, asset: Any) -> set[Any]:
     )
     from airflow.models.dag import DagModel
 
-    by_asset = set(session.scalars(
-        select(DagModel).join(DagScheduleAssetReference, DagScheduleAssetReference.dag_id == DagModel.dag_id)
-        .where(DagScheduleAssetReference.asset_id == asset.id, DagModel.is_paused.is_(False))))
-    by_ref = set(session.scalars(
-        select(DagModel)
-        .join(DagModel.schedule_asset_name_references, isouter=True)
-        .join(DagModel.schedule_asset_uri_references, isouter=True)
-        .where(or_(DagScheduleAssetNameReference.name == asset.name,
-                   DagScheduleAssetUriReference.uri == asset.uri),
-               DagModel.is_paused.is_(False))))
+    by_asset = set(
+        session.scalars(
+            select(DagModel)
+            .join(DagScheduleAssetReference, DagScheduleAssetReference.dag_id == DagModel.dag_id)
+            .where(DagScheduleAssetReference.asset_id == asset.id, DagModel.is_paused.is_(False))
+        )
+    )
+    by_ref = set(
+        session.scalars(
+            select(DagModel)
+            .join(DagModel.schedule_asset_name_references, isouter=True)
+            .join(DagModel.schedule_asset_uri_references, isouter=True)
+            .where(
+                or_(
+                    DagScheduleAssetNameReference.name == asset.name,
+                    DagScheduleAssetUriReference.uri == asset.uri,
+                ),
+                DagModel.is_paused.is_(False),
+            )
+        )
+    )
     return by_asset | by_ref
 
 
@@ -65,20 +76,31 @@ def create_events(session: Session, asset: Any, extras: Sequence[dict[str, Any]]
         return []
     consumers = _consumers(session, asset)
     if not batchable(session, consumers):
-        created = [asset_manager.register_asset_change(asset=asset.to_serialized(), extra=extra,
-                                                       session=session) for extra in extras]
+        created = [
+            asset_manager.register_asset_change(asset=asset.to_serialized(), extra=extra, session=session)
+            for extra in extras
+        ]
         return [event.id for event in created if event is not None]
     table = AssetEvent.__table__  # Core, not the ORM: nothing to load back but the ids
-    ids = list(session.execute(
-        insert(table).returning(table.c.id, sort_by_parameter_order=True),
-        [{"asset_id": asset.id, "extra": dict(extra), "partition_key": None} for extra in extras]).scalars())
+    ids = list(
+        session.execute(
+            insert(table).returning(table.c.id, sort_by_parameter_order=True),
+            [{"asset_id": asset.id, "extra": dict(extra), "partition_key": None} for extra in extras],
+        ).scalars()
+    )
     _count_updates(len(ids))
     _notify_listeners(asset, extras)
     if consumers:
         # the rows register_asset_change inserts for each event (ON CONFLICT DO NOTHING), once
-        AssetManager._queue_dagruns(asset_id=asset.id, dags_to_queue=consumers, partition_key=None,
-                                    partition_date=None, event=None, task_instance=None,  # type: ignore[arg-type]
-                                    session=session)
+        AssetManager._queue_dagruns(
+            asset_id=asset.id,
+            dags_to_queue=consumers,
+            partition_key=None,
+            partition_date=None,
+            event=None,  # type: ignore[arg-type]
+            task_instance=None,
+            session=session,
+        )
     return ids
 
 
@@ -93,10 +115,19 @@ def _notify_listeners(asset: Any, extras: Sequence[dict[str, Any]]) -> None:
     serialized = asset.to_serialized()
     for extra in extras:
         AssetManager.notify_asset_changed(asset=serialized)
-        AssetManager.nofity_asset_event_emitted(asset_event=ListenerAssetEvent(
-            asset=serialized, extra=dict(extra), source_dag_id=None, source_task_id=None,
-            source_run_id=None, source_map_index=None, source_aliases=[], partition_key=None,
-            partition_date=None))
+        AssetManager.nofity_asset_event_emitted(
+            asset_event=ListenerAssetEvent(
+                asset=serialized,
+                extra=dict(extra),
+                source_dag_id=None,
+                source_task_id=None,
+                source_run_id=None,
+                source_map_index=None,
+                source_aliases=[],
+                partition_key=None,
+                partition_date=None,
+            )
+        )
 
 
 def _count_updates(count: int) -> None:

@@ -45,49 +45,93 @@ def build_parser() -> Parser:
         prog="dataset-bridge",
         description="Producer success -> exactly one asset event -> consumer DAG runs.",
         epilog="Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, "
-               "AIRFLOW__SECTION__KEY); the metadata database must be PostgreSQL.\nExit codes: 0 ok, 1 "
-               "unexpected error (traceback), 2 invalid argument or file, 3 database unreachable, 4 "
-               "metadata database not PostgreSQL, 6 missing database privilege, 9 Airflow's tables never "
-               "migrated.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "AIRFLOW__SECTION__KEY); the metadata database must be PostgreSQL.\nExit codes: 0 ok, 1 "
+        "unexpected error (traceback), 2 invalid argument or file, 3 database unreachable, 4 "
+        "metadata database not PostgreSQL, 6 missing database privilege, 9 Airflow's tables never "
+        "migrated.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, help_text in (("run", "run the bridge: mapped task successes and the reconciler"),
-                            ("status", "events emitted, backlog, held-back events, watermarks")):
+    for name, help_text in (
+        ("run", "run the bridge: mapped task successes and the reconciler"),
+        ("status", "events emitted, backlog, held-back events, watermarks"),
+    ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--mapping", help="YAML/JSON file: 'dag_id.task_id' -> [asset URI or name]")
-        sub.add_argument("--grace", type=_positive, default=15.0,
-                         help="seconds an unconsumed event waits before it is queued again (default 15)")
-        sub.add_argument("--lookback", type=_positive, default=86400.0,
-                         help="oldest event age, in seconds, the reconciler looks at (default 86400)")
-    commands.choices["run"].add_argument("--interval", type=_positive, default=2.0,
-                                         help="seconds between passes (default 2)")
+        sub.add_argument(
+            "--grace",
+            type=_positive,
+            default=15.0,
+            help="seconds an unconsumed event waits before it is queued again (default 15)",
+        )
+        sub.add_argument(
+            "--lookback",
+            type=_positive,
+            default=86400.0,
+            help="oldest event age, in seconds, the reconciler looks at (default 86400)",
+        )
     commands.choices["run"].add_argument(
-        "--retention-days", type=_positive, default=30.0,
+        "--interval", type=_positive, default=2.0, help="seconds between passes (default 2)"
+    )
+    commands.choices["run"].add_argument(
+        "--retention-days",
+        type=_positive,
+        default=30.0,
         help="days the ledgers (emitted events, reconciler decisions, watcher idempotency keys) are kept; "
-             "task successes older than this are not bridged any more (default 30)")
+        "task successes older than this are not bridged any more (default 30)",
+    )
     relay = commands.add_parser("relay", help="relay the outbox to other deployments' inboxes")
     relay.add_argument("--routes", required=True, help="YAML/JSON routes file (source, targets)")
-    relay.add_argument("--concurrency", type=_whole(1, 64), default=4,
-                       help="targets delivered at once, 1-64 (default 4)")
-    relay.add_argument("--batch", type=_whole(1, MAX_BATCH), default=MAX_BATCH,
-                       help="events per request, at most the inbox's 1000 (default 1000; a batch the inbox "
-                            "finds too large is split)")
-    relay.add_argument("--backoff-cap", type=_positive, default=60.0,
-                       help="longest wait between retries, seconds (default 60)")
-    relay.add_argument("--retention-days", type=_positive, default=30.0,
-                       help="days delivered outbox rows are kept (dead letters stay) (default 30)")
-    init = commands.add_parser("init", help="create the bridge's tables and register the routes' targets "
-                                            "(run once when you configure routing, before any event)")
+    relay.add_argument(
+        "--concurrency", type=_whole(1, 64), default=4, help="targets delivered at once, 1-64 (default 4)"
+    )
+    relay.add_argument(
+        "--batch",
+        type=_whole(1, MAX_BATCH),
+        default=MAX_BATCH,
+        help="events per request, at most the inbox's 1000 (default 1000; a batch the inbox "
+        "finds too large is split)",
+    )
+    relay.add_argument(
+        "--backoff-cap",
+        type=_positive,
+        default=60.0,
+        help="longest wait between retries, seconds (default 60)",
+    )
+    relay.add_argument(
+        "--retention-days",
+        type=_positive,
+        default=30.0,
+        help="days delivered outbox rows are kept (dead letters stay) (default 30)",
+    )
+    init = commands.add_parser(
+        "init",
+        help="create the bridge's tables and register the routes' targets "
+        "(run once when you configure routing, before any event)",
+    )
     init.add_argument("--routes", help="YAML/JSON routes file: its targets' events are relayed from now on")
-    replay = commands.add_parser("relay-replay", help="requeue a target's dead letters (once the cause is "
-                                                      "fixed: a secret, an allow-list, an asset in B)")
-    replay.add_argument("--target", action="append", required=True, metavar="NAME",
-                        help="target whose dead letters go back into the queue (repeatable)")
+    replay = commands.add_parser(
+        "relay-replay",
+        help="requeue a target's dead letters (once the cause is "
+        "fixed: a secret, an allow-list, an asset in B)",
+    )
+    replay.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        metavar="NAME",
+        help="target whose dead letters go back into the queue (repeatable)",
+    )
     relay_status = commands.add_parser("relay-status", help="per target: backlog, delivered, dead-lettered")
     relay_status.add_argument("--json", action="store_true", help="print one JSON object")
     status = commands.choices["status"]
-    status.add_argument("--watermarks", action="append", default=[], metavar="CONN_ID",
-                        help="also show status-table watermarks kept in this connection's database")
+    status.add_argument(
+        "--watermarks",
+        action="append",
+        default=[],
+        metavar="CONN_ID",
+        help="also show status-table watermarks kept in this connection's database",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     from smart_triggerer.cli.errors import add_common_arguments
 
@@ -99,9 +143,12 @@ def build_parser() -> Parser:
 def _settings(args: argparse.Namespace) -> BridgeSettings:
     from dataset_bridge.retention import Retention
 
-    return BridgeSettings(interval=getattr(args, "interval", 2.0), grace_seconds=args.grace,
-                          lookback_seconds=args.lookback,
-                          retention=Retention(days=getattr(args, "retention_days", 30.0)))
+    return BridgeSettings(
+        interval=getattr(args, "interval", 2.0),
+        grace_seconds=args.grace,
+        lookback_seconds=args.lookback,
+        retention=Retention(days=getattr(args, "retention_days", 30.0)),
+    )
 
 
 async def _watermarks(conn_id: str) -> list[dict[str, Any]]:
@@ -113,12 +160,22 @@ async def _watermarks(conn_id: str) -> list[dict[str, Any]]:
     try:
         if not await conn.fetchval("SELECT to_regclass('dataset_bridge.status_watermark') IS NOT NULL"):
             return []
-        rows = await conn.fetch("SELECT status_table, table_name, last_id, updated_at "
-                                "FROM dataset_bridge.status_watermark ORDER BY 1, 2")
+        rows = await conn.fetch(
+            "SELECT status_table, table_name, last_id, updated_at "
+            "FROM dataset_bridge.status_watermark ORDER BY 1, 2"
+        )
     finally:
         await conn.close()
-    return [{"conn_id": conn_id, "status_table": r["status_table"], "table_name": r["table_name"],
-             "last_id": r["last_id"], "updated_at": r["updated_at"].isoformat()} for r in rows]
+    return [
+        {
+            "conn_id": conn_id,
+            "status_table": r["status_table"],
+            "table_name": r["table_name"],
+            "last_id": r["last_id"],
+            "updated_at": r["updated_at"].isoformat(),
+        }
+        for r in rows
+    ]
 
 
 def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int:
@@ -136,8 +193,10 @@ def status_command(args: argparse.Namespace, mapping: TaskMapping | None) -> int
 def render_status(result: dict[str, Any]) -> None:
     console = Console()
     if not result.get("initialized"):
-        console.print("dataset bridge: not initialised in this database yet (run `dataset-bridge init` "
-                      "or `dataset-bridge run`)")
+        console.print(
+            "dataset bridge: not initialised in this database yet (run `dataset-bridge init` "
+            "or `dataset-bridge run`)"
+        )
     else:
         console.print(_summary_table(result))
     if result.get("emitted"):
@@ -158,8 +217,9 @@ def render_status(result: dict[str, Any]) -> None:
     if result.get("watermarks"):
         marks = Table("conn_id", "status_table", "table_name", "last_id", "updated_at", title="watermarks")
         for w in result["watermarks"]:
-            marks.add_row(*(str(w[k]) for k in ("conn_id", "status_table", "table_name", "last_id",
-                                                "updated_at")))
+            marks.add_row(
+                *(str(w[k]) for k in ("conn_id", "status_table", "table_name", "last_id", "updated_at"))
+            )
         console.print(marks)
 
 
@@ -168,14 +228,21 @@ def _summary_table(result: dict[str, Any]) -> Table:
     reconciled = result.get("reconciled") or {}
     rows = (
         ("events emitted (task successes)", str(sum((result.get("emitted") or {}).values()))),
-        ("successes waiting to be bridged",
-         "-- (pass --mapping)" if result.get("backlog") is None else str(result["backlog"])),
+        (
+            "successes waiting to be bridged",
+            "-- (pass --mapping)" if result.get("backlog") is None else str(result["backlog"]),
+        ),
         ("events held back (not yet consumed)", str(result.get("held_back", 0))),
-        ("reconciler: re-queued / cleared / unconsumable",
-         " / ".join(str(reconciled.get(k, 0)) for k in ("requeued", "cleared", "unconsumable"))),
-        ("status-table watcher events",
-         "-- (no smart triggerer here)" if result.get("watcher_events") is None
-         else str(result["watcher_events"])),
+        (
+            "reconciler: re-queued / cleared / unconsumable",
+            " / ".join(str(reconciled.get(k, 0)) for k in ("requeued", "cleared", "unconsumable")),
+        ),
+        (
+            "status-table watcher events",
+            "-- (no smart triggerer here)"
+            if result.get("watcher_events") is None
+            else str(result["watcher_events"]),
+        ),
     )
     for measure, value in rows:
         table.add_row(measure, value)
@@ -198,8 +265,9 @@ def relay_command(args: argparse.Namespace) -> int:
             return 0
         table = Table("target", "backlog", "delivered", "dead", "next attempt", "last error", title="relay")
         for t in targets:
-            table.add_row(*(str(t[k]) for k in ("target", "backlog", "delivered", "dead", "next_attempt",
-                                                "last_error")))
+            table.add_row(
+                *(str(t[k]) for k in ("target", "backlog", "delivered", "dead", "next_attempt", "last_error"))
+            )
         Console().print(table)
         return 0
     routes = Routes.load(args.routes)
@@ -207,9 +275,12 @@ def relay_command(args: argparse.Namespace) -> int:
         target.secret()
     from dataset_bridge.retention import Retention
 
-    settings = relay.RelaySettings(batch=args.batch, concurrency=args.concurrency,
-                                   backoff_cap=args.backoff_cap,
-                                   retention=Retention(days=args.retention_days))
+    settings = relay.RelaySettings(
+        batch=args.batch,
+        concurrency=args.concurrency,
+        backoff_cap=args.backoff_cap,
+        retention=Retention(days=args.retention_days),
+    )
     return asyncio.run(_run_relay(routes, settings))
 
 

@@ -87,8 +87,10 @@ def parse_secrets(raw: str) -> dict[str, str]:
         raise InboxConfigError("[dataset_bridge] inbox_secrets must be a JSON object: source -> secret")
     for source, secret in parsed.items():
         if not isinstance(secret, str) or not secret.strip():
-            raise InboxConfigError(f"[dataset_bridge] inbox_secrets: source {source!r} has an empty or "
-                                   "non-string secret; refusing to serve the inbox")
+            raise InboxConfigError(
+                f"[dataset_bridge] inbox_secrets: source {source!r} has an empty or "
+                "non-string secret; refusing to serve the inbox"
+            )
     return {str(k): str(v) for k, v in parsed.items()}
 
 
@@ -103,12 +105,17 @@ def allowed_entries(source: str, assets: list[str]) -> frozenset[str]:
     bare = [a for a in assets if a != "*" and not a.startswith(ALLOWED_KINDS)]
     if bare and (source, tuple(bare)) not in _warned_bare:  # read per request: said once per process
         _warned_bare.add((source, tuple(bare)))
-        log.warning("inbox_allowed_assets entries without uri: or name: match an asset's URI or its name; "
-                    "write uri:<URI> or name:<name>", source=source, entries=bare[:10])
+        log.warning(
+            "inbox_allowed_assets entries without uri: or name: match an asset's URI or its name; "
+            "write uri:<URI> or name:<name>",
+            source=source,
+            entries=bare[:10],
+        )
     for entry in assets:
         if entry.startswith(ALLOWED_KINDS) and not entry.split(":", 1)[1]:
-            raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets: source {source!r} has an empty "
-                                   f"entry {entry!r}")
+            raise InboxConfigError(
+                f"[dataset_bridge] inbox_allowed_assets: source {source!r} has an empty entry {entry!r}"
+            )
         entries.update((f"uri:{entry}", f"name:{entry}") if entry in bare else (entry,))
     return frozenset(entries)
 
@@ -123,13 +130,17 @@ def parse_allowed(raw: str, sources: dict[str, str]) -> dict[str, frozenset[str]
     except json.JSONDecodeError as err:
         raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets is not JSON: {err.msg}") from None
     if not isinstance(parsed, dict):
-        raise InboxConfigError("[dataset_bridge] inbox_allowed_assets must be a JSON object: "
-                               'source -> ["uri:<asset URI>", "name:<asset name>", ...]')
+        raise InboxConfigError(
+            "[dataset_bridge] inbox_allowed_assets must be a JSON object: "
+            'source -> ["uri:<asset URI>", "name:<asset name>", ...]'
+        )
     allowed: dict[str, frozenset[str]] = {}
     for source, assets in parsed.items():
         if not isinstance(assets, list) or not all(isinstance(a, str) and a for a in assets):
-            raise InboxConfigError(f"[dataset_bridge] inbox_allowed_assets: source {source!r} must map to a "
-                                   'list of "uri:<asset URI>" / "name:<asset name>" entries')
+            raise InboxConfigError(
+                f"[dataset_bridge] inbox_allowed_assets: source {source!r} must map to a "
+                'list of "uri:<asset URI>" / "name:<asset name>" entries'
+            )
         if source not in sources:
             log.warning("inbox_allowed_assets names a source with no secret", source=source)
         allowed[str(source)] = allowed_entries(str(source), assets)
@@ -177,10 +188,13 @@ def _resolve(session: Any, uri: str | None, name: str | None) -> Any:
     from sqlalchemy import select
 
     active = select(AssetModel).join(
-        AssetActive, (AssetActive.name == AssetModel.name) & (AssetActive.uri == AssetModel.uri))
-    return ((uri is not None and session.scalars(active.where(AssetModel.uri == uri)).first())
-            or (name is not None and session.scalars(active.where(AssetModel.name == name)).first())
-            or None)
+        AssetActive, (AssetActive.name == AssetModel.name) & (AssetActive.uri == AssetModel.uri)
+    )
+    return (
+        (uri is not None and session.scalars(active.where(AssetModel.uri == uri)).first())
+        or (name is not None and session.scalars(active.where(AssetModel.name == name)).first())
+        or None
+    )
 
 
 def forbidden(batch: InboxBatch, allowed: frozenset[str]) -> list[str]:
@@ -214,8 +228,10 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
         for event in batch.events:
             if (event.uri, event.name) not in assets:
                 assets[event.uri, event.name] = _resolve(
-                    session, event.uri if may_use_uri(allowed, event.uri) else None,
-                    event.name if may_use_name(allowed, event.name) else None)
+                    session,
+                    event.uri if may_use_uri(allowed, event.uri) else None,
+                    event.name if may_use_name(allowed, event.name) else None,
+                )
         denied = {e.id for e in batch.events if not may_use(allowed, e)}
         known = [e.id for e in batch.events if assets[e.uri, e.name] is not None and e.id not in denied]
         claimed = set(session.execute(text(CLAIM_MANY), {"source": batch.source, "ids": known}).scalars())
@@ -227,24 +243,36 @@ def receive(batch: InboxBatch, allowed: frozenset[str] = frozenset({"*"})) -> li
             asset = assets[events[0].uri, events[0].name]
             ids = create_events(session, asset, [_extra(batch.source, e) for e in events])
             if len(ids) == len(events):  # (the asset was resolved just now: never fewer)
-                session.execute(text(LINK_MANY), {"source": batch.source, "ids": [e.id for e in events],
-                                                  "events": ids})
+                session.execute(
+                    text(LINK_MANY), {"source": batch.source, "ids": [e.id for e in events], "events": ids}
+                )
     return results
 
 
-def _outcomes(batch: InboxBatch, assets: dict[tuple[str, str], Any], claimed: set[int],
-              denied: set[int]) -> tuple[list[dict[str, Any]], list[InboxEvent]]:
+def _outcomes(
+    batch: InboxBatch, assets: dict[tuple[str, str], Any], claimed: set[int], denied: set[int]
+) -> tuple[list[dict[str, Any]], list[InboxEvent]]:
     """One result per event (in order) and the events to create: the first of each claimed id."""
     results: list[dict[str, Any]] = []
     to_create: list[InboxEvent] = []
     for event in batch.events:
         if event.id in denied:
-            results.append({"id": event.id, "status": "forbidden",
-                            "error": f"source {batch.source!r} may not create events for {event.uri!r} "
-                                     "(see [dataset_bridge] inbox_allowed_assets)"})
+            results.append(
+                {
+                    "id": event.id,
+                    "status": "forbidden",
+                    "error": f"source {batch.source!r} may not create events for {event.uri!r} "
+                    "(see [dataset_bridge] inbox_allowed_assets)",
+                }
+            )
         elif assets[event.uri, event.name] is None:
-            results.append({"id": event.id, "status": "unknown_asset",
-                            "error": f"no active asset with uri {event.uri!r} or name {event.name!r}"})
+            results.append(
+                {
+                    "id": event.id,
+                    "status": "unknown_asset",
+                    "error": f"no active asset with uri {event.uri!r} or name {event.name!r}",
+                }
+            )
         elif event.id in claimed:
             claimed.discard(event.id)  # a second copy of the id in this batch is a duplicate
             to_create.append(event)
@@ -255,9 +283,13 @@ def _outcomes(batch: InboxBatch, assets: dict[tuple[str, str], Any], claimed: se
 
 
 def _extra(source: str, event: InboxEvent) -> dict[str, Any]:
-    return {"idempotency_key": f"{source}/{event.id}", "source_deployment": source,
-            "source_event_id": event.id, "source_timestamp": event.timestamp.isoformat(),
-            "source_extra": event.extra}
+    return {
+        "idempotency_key": f"{source}/{event.id}",
+        "source_deployment": source,
+        "source_event_id": event.id,
+        "source_timestamp": event.timestamp.isoformat(),
+        "source_extra": event.extra,
+    }
 
 
 _last_prune = float("-inf")
@@ -296,14 +328,14 @@ def _failure(source: str, err: Exception) -> JSONResponse:
     from sqlalchemy.exc import TimeoutError as PoolTimeout
 
     if isinstance(err, (OperationalError, DisconnectionError, PoolTimeout)) or (
-            isinstance(err, DBAPIError) and err.connection_invalidated):
+        isinstance(err, DBAPIError) and err.connection_invalidated
+    ):
         log.warning("inbox database unavailable; answered 503", source=source, error=type(err).__name__)
         return _error(503, "the inbox's database is unavailable; retry later")
     error_id = uuid.uuid4().hex[:12]
     cause = _where(err)
     log.error("inbox batch failed; answered 500", source=source, error=cause, error_id=error_id)
-    return _error(500, f"the inbox failed on this batch: {cause} (error id {error_id} in B's api-server "
-                       "log)")
+    return _error(500, f"the inbox failed on this batch: {cause} (error id {error_id} in B's api-server log)")
 
 
 def _where(err: BaseException) -> str:
@@ -375,8 +407,9 @@ def authenticated_batch(secrets: dict[str, str], headers: dict[str, str], body: 
     except signing.SignatureError as err:
         # the log, for B's operators, says whether the claimed source is configured; the answer does not
         claimed = headers.get(signing.SOURCE_HEADER.lower(), "")[:100]
-        log.warning("inbox request rejected", reason=str(err), source=claimed,
-                    known_source=claimed in secrets)
+        log.warning(
+            "inbox request rejected", reason=str(err), source=claimed, known_source=claimed in secrets
+        )
         raise Refused(401, f"not authenticated: {err}", err.reason) from err
     try:
         raw = json.loads(body)
@@ -413,8 +446,11 @@ async def inbox(request: Request) -> JSONResponse:
         if refused:
             # refused one by one (results): one asset missing from the allow-list must not hold back the
             # allowed events of its batch
-            log.warning("inbox events refused: assets not allowed for this source", source=batch.source,
-                        assets=refused[:10])
+            log.warning(
+                "inbox events refused: assets not allowed for this source",
+                source=batch.source,
+                assets=refused[:10],
+            )
     except Refused as err:
         return _error(err.status, err.detail, err.reason)
     try:

@@ -109,8 +109,9 @@ def _targets_registered(session: Session, routes: Routes) -> bool:
     if not _outbox_exists(session):
         return False
     names = [t.name for t in routes.targets]
-    found = session.execute(text("SELECT count(*) FROM dataset_bridge.relay_target WHERE target = ANY(:n)"),
-                            {"n": names}).scalar()
+    found = session.execute(
+        text("SELECT count(*) FROM dataset_bridge.relay_target WHERE target = ANY(:n)"), {"n": names}
+    ).scalar()
     return int(found or 0) == len(names)
 
 
@@ -156,14 +157,26 @@ def record(session: Session, routes: Routes, event: Any, uri: str, name: str) ->
     extra = json.dumps(event.extra or {}, default=str)
     refusal = jsonb_refusal(json.loads(extra))
     if refusal is not None:
-        log.warning("asset event left to the relay's sweep, which dead-letters it: its extra cannot be "
-                    "stored as jsonb", event_id=event.id, asset=name, cause=refusal)
+        log.warning(
+            "asset event left to the relay's sweep, which dead-letters it: its extra cannot be "
+            "stored as jsonb",
+            event_id=event.id,
+            asset=name,
+            cause=refusal,
+        )
         return 0
     for target in targets:
-        session.execute(text(INSERT_ROW), {
-            "target": target.name, "event_id": event.id, "uri": uri, "name": name, "extra": extra,
-            "at": event.timestamp,
-        })
+        session.execute(
+            text(INSERT_ROW),
+            {
+                "target": target.name,
+                "event_id": event.id,
+                "uri": uri,
+                "name": name,
+                "extra": extra,
+                "at": event.timestamp,
+            },
+        )
     session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
     return len(targets)
 

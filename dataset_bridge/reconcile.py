@@ -130,8 +130,10 @@ def decide(row: Any) -> tuple[str, str]:
         return CLEARED, "an operator cleared this DAG's queued events after the event: left cleared"
     if row.last_run_after is not None and row.timestamp <= row.last_run_after:
         latest = row.last_run_after.isoformat()
-        return UNCONSUMABLE, (f"the DAG's latest asset-triggered run (run_after {latest}) is not before "
-                              "the event, so no new run would consume it")
+        return UNCONSUMABLE, (
+            f"the DAG's latest asset-triggered run (run_after {latest}) is not before "
+            "the event, so no new run would consume it"
+        )
     return REQUEUED, "no run consumed it and none was queued (held back, apache/airflow#54659, or paused)"
 
 
@@ -141,28 +143,35 @@ def window_start(session: Session, *, lookback_seconds: float, from_id: int = 0)
     return int(found or 0)
 
 
-def held_back(session: Session, *, grace_seconds: float, lookback_seconds: float,
-              from_id: int = 0) -> list[Any]:
+def held_back(
+    session: Session, *, grace_seconds: float, lookback_seconds: float, from_id: int = 0
+) -> list[Any]:
     """Pairs still to decide: every candidate, with what ``decide`` needs."""
     start = window_start(session, lookback_seconds=lookback_seconds, from_id=from_id)
-    return list(session.execute(text(CANDIDATES), {"grace": grace_seconds, "lookback": lookback_seconds,
-                                                   "from_id": start}).all())
+    return list(
+        session.execute(
+            text(CANDIDATES), {"grace": grace_seconds, "lookback": lookback_seconds, "from_id": start}
+        ).all()
+    )
 
 
-def requeue(session: Session, *, grace_seconds: float = 15.0, lookback_seconds: float = 86400.0,
-            from_id: int = 0) -> int:
+def requeue(
+    session: Session, *, grace_seconds: float = 15.0, lookback_seconds: float = 86400.0, from_id: int = 0
+) -> int:
     """Queue consumer runs for held-back events of ours; returns how many (event, DAG) pairs were queued.
     Every pair looked at is recorded once with its outcome and why (``dataset-bridge status`` shows them).
     ``from_id``: an earlier ``window_start``, so that finding the window reads only what left it since."""
     queued = 0
-    for row in held_back(session, grace_seconds=grace_seconds, lookback_seconds=lookback_seconds,
-                         from_id=from_id):
+    for row in held_back(
+        session, grace_seconds=grace_seconds, lookback_seconds=lookback_seconds, from_id=from_id
+    ):
         outcome, reason = decide(row)
         if outcome == REQUEUED:
             session.execute(text(REQUEUE), {"asset_id": row.asset_id, "dag_id": row.dag_id})
             queued += 1
-        session.execute(text(RECORD), {"e": row.event_id, "d": row.dag_id, "outcome": outcome,
-                                       "reason": reason})
+        session.execute(
+            text(RECORD), {"e": row.event_id, "d": row.dag_id, "outcome": outcome, "reason": reason}
+        )
     return queued
 
 
@@ -174,5 +183,13 @@ ORDER BY queued_at DESC, asset_event_id DESC LIMIT :limit
 
 def recent(session: Session, limit: int = 20) -> list[dict[str, Any]]:
     """The latest reconciler decisions, newest first."""
-    return [{"event_id": r.asset_event_id, "dag_id": r.dag_id, "outcome": r.outcome, "reason": r.reason,
-             "at": r.queued_at.isoformat()} for r in session.execute(text(RECENT), {"limit": limit})]
+    return [
+        {
+            "event_id": r.asset_event_id,
+            "dag_id": r.dag_id,
+            "outcome": r.outcome,
+            "reason": r.reason,
+            "at": r.queued_at.isoformat(),
+        }
+        for r in session.execute(text(RECENT), {"limit": limit})
+    ]

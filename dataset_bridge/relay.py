@@ -106,14 +106,22 @@ class DeliveryError(Exception):
     429) is retried without end, backing off, so that an outage of B never dead-letters A's events.
     """
 
-    def __init__(self, message: str, *, permanent: bool = False, status: int | None = None,
-                 refusal: bool = False, clock_skew: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        permanent: bool = False,
+        status: int | None = None,
+        refusal: bool = False,
+        clock_skew: bool = False,
+    ) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.status = status
         self.clock_skew = clock_skew  # the inbox refused our timestamp: fixed by a clock, not by the event
-        self.refusal = not clock_skew and (refusal or (status is not None and 400 <= status < 500
-                                                       and status not in (408, 429)))
+        self.refusal = not clock_skew and (
+            refusal or (status is not None and 400 <= status < 500 and status not in (408, 429))
+        )
         self.server_error = status is not None and status >= 500 and status not in OUTAGE
 
 
@@ -123,11 +131,16 @@ def backoff(attempts: int, base: float, cap: float) -> float:
 
 
 def body_for(source: str, rows: Sequence[Any]) -> bytes:
-    events = [{
-        "id": row["asset_event_id"], "uri": row["asset_uri"], "name": row["asset_name"],
-        "extra": json.loads(row["extra"]) if isinstance(row["extra"], str) else row["extra"],
-        "timestamp": row["event_timestamp"].isoformat(),
-    } for row in rows]
+    events = [
+        {
+            "id": row["asset_event_id"],
+            "uri": row["asset_uri"],
+            "name": row["asset_name"],
+            "extra": json.loads(row["extra"]) if isinstance(row["extra"], str) else row["extra"],
+            "timestamp": row["event_timestamp"].isoformat(),
+        }
+        for row in rows
+    ]
     return json.dumps({"source": source, "events": events}).encode()
 
 
@@ -146,8 +159,9 @@ class Relay:
         async with self.pool.acquire() as conn:
             return await self.horizon.look(conn, "dataset_bridge.outbox")
 
-    async def deliver_target(self, session: aiohttp.ClientSession, target: Target,
-                             final: int | None = None) -> int:
+    async def deliver_target(
+        self, session: aiohttp.ClientSession, target: Target, final: int | None = None
+    ) -> int:
         """Deliver what is due for one target, batch after batch, up to the ``final`` outbox id (read now
         when not given); returns rows delivered."""
         delivered, batch = 0, self.settings.batch
@@ -158,8 +172,11 @@ class Relay:
             while rows and rows[0]["due"]:
                 # pipelined: the next batch is read while this one is on the wire (still sent after it)
                 after = rows[-1]["id"]
-                upcoming = (asyncio.ensure_future(self.pool.fetch(PENDING, target.name, batch, after, final))
-                            if len(rows) == batch else None)
+                upcoming = (
+                    asyncio.ensure_future(self.pool.fetch(PENDING, target.name, batch, after, final))
+                    if len(rows) == batch
+                    else None
+                )
                 sent = await self._send(session, target, rows)
                 delivered += sent
                 if upcoming is None:
@@ -181,8 +198,11 @@ class Relay:
                 return await self._split(session, target, rows, err)
             await self._failed(target, rows, err)
             return 0
-        refused = {int(r["id"]): str(r.get("error", r.get("status"))) for r in results
-                   if r.get("status") not in ("created", "duplicate")}
+        refused = {
+            int(r["id"]): str(r.get("error", r.get("status")))
+            for r in results
+            if r.get("status") not in ("created", "duplicate")
+        }
         by_event = {row["asset_event_id"]: row["id"] for row in rows}
         dead = [by_event[event_id] for event_id in refused if event_id in by_event]
         done = [i for i in ids if i not in dead]
@@ -195,20 +215,26 @@ class Relay:
             log.warning("events refused by the target, dead-lettered", target=target.name, events=len(dead))
         return len(done)
 
-    async def _split(self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any],
-                     err: DeliveryError) -> int:
+    async def _split(
+        self, session: aiohttp.ClientSession, target: Target, rows: Sequence[Any], err: DeliveryError
+    ) -> int:
         """The target refused the batch as too large, or failed on it: send it in halves, in order,
         stopping at a failure."""
         half = len(rows) // 2
-        log.info("batch not taken whole by the target; splitting", target=target.name, events=len(rows),
-                 status=err.status)
+        log.info(
+            "batch not taken whole by the target; splitting",
+            target=target.name,
+            events=len(rows),
+            status=err.status,
+        )
         delivered = await self._send(session, target, rows[:half])
         if delivered < half:
             return delivered  # the first half is not through (backing off or dead): keep the order
         return delivered + await self._send(session, target, rows[half:])
 
-    async def _post(self, session: aiohttp.ClientSession, target: Target,
-                    body: bytes) -> list[dict[str, Any]]:
+    async def _post(
+        self, session: aiohttp.ClientSession, target: Target, body: bytes
+    ) -> list[dict[str, Any]]:
         secret = target.secret()
         headers = {"Content-Type": "application/json", **signing.sign(self.routes.source, secret, body)}
         tls = _tls_context(target.ca_file) if target.ca_file else True
@@ -218,10 +244,11 @@ class Relay:
                 if response.status >= 400:
                     # 4xx other than 408/429 will not change by retrying the same request as is, but the
                     # target's config might (a rotated secret): retry until max_attempts anyway
-                    raise DeliveryError(f"HTTP {response.status}: {answer_error(text, secret)}",
-                                        status=response.status,
-                                        clock_skew=response.status == 401
-                                        and answer_reason(text) == signing.CLOCK_SKEW)
+                    raise DeliveryError(
+                        f"HTTP {response.status}: {answer_error(text, secret)}",
+                        status=response.status,
+                        clock_skew=response.status == 401 and answer_reason(text) == signing.CLOCK_SKEW,
+                    )
                 return _results(json.loads(text), body, response.status)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
             raise DeliveryError(f"{type(err).__name__}: {err}") from err
@@ -237,18 +264,34 @@ class Relay:
         # a transient failure never dead-letters
         limit = target.max_attempts if err.refusal else NEVER
         server_limit = target.max_server_errors if err.server_error else NEVER
-        marked = await self.pool.fetch(MARK_RETRY, ids, error, delay, limit, int(err.server_error),
-                                       server_limit)
+        marked = await self.pool.fetch(
+            MARK_RETRY, ids, error, delay, limit, int(err.server_error), server_limit
+        )
         dead = [r["id"] for r in marked if r["status"] == "dead"]
         if dead:
-            log.error("events dead-lettered", target=target.name, events=len(dead),
-                      bound="max_server_errors" if err.server_error else "max_attempts", error=error)
+            log.error(
+                "events dead-lettered",
+                target=target.name,
+                events=len(dead),
+                bound="max_server_errors" if err.server_error else "max_attempts",
+                error=error,
+            )
         if err.clock_skew:  # retried without end: said loudly, each time, until the clocks agree
-            log.error("the target refuses this host's clock; fix the clocks (NTP): delivery waits, nothing "
-                      "is dead-lettered", target=target.name, retry_in=round(delay, 1), error=error)
+            log.error(
+                "the target refuses this host's clock; fix the clocks (NTP): delivery waits, nothing "
+                "is dead-lettered",
+                target=target.name,
+                retry_in=round(delay, 1),
+                error=error,
+            )
         elif len(dead) < len(ids):
-            log.warning("delivery failed; backing off", target=target.name, attempt=rows[0]["attempts"] + 1,
-                        retry_in=round(delay, 1), error=error)
+            log.warning(
+                "delivery failed; backing off",
+                target=target.name,
+                attempt=rows[0]["attempts"] + 1,
+                retry_in=round(delay, 1),
+                error=error,
+            )
 
     async def sweep(self) -> None:
         """Outbox rows for events made without one, and now and then the prune of delivered rows. Either
@@ -277,8 +320,12 @@ class Relay:
                         # so ride it out and carry on where the last committed mark left off
                         failures += 1
                         delay = backoff(failures, self.settings.backoff_base, 10.0)
-                        log.warning("relay pass failed; retrying", error=f"{type(err).__name__}: {err}",
-                                    attempt=failures, retry_in=round(delay, 1))
+                        log.warning(
+                            "relay pass failed; retrying",
+                            error=f"{type(err).__name__}: {err}",
+                            attempt=failures,
+                            retry_in=round(delay, 1),
+                        )
                         await self._drop_listener()
                         await _wait_any(stop, asyncio.Event(), delay)
                         continue
@@ -296,7 +343,8 @@ class Relay:
         final = await self.final_id()
         outcomes = await asyncio.gather(
             *(self.deliver_target(session, target, final) for target in self.routes.targets),
-            return_exceptions=True)
+            return_exceptions=True,
+        )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -380,8 +428,10 @@ async def _listen(pool: asyncpg.Pool, callback: Any) -> _Listener:
 
 _CREDENTIALS = (
     re.compile(r"(?P<keep>[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s]+(?=@)", re.IGNORECASE),  # scheme://user:***@
-    re.compile(r"(?P<keep>\b(?:password|passwd|pwd|secret|token|api[_-]?key)\b\s*[=:]\s*)[^\s,;&)'\"]+",
-               re.IGNORECASE),
+    re.compile(
+        r"(?P<keep>\b(?:password|passwd|pwd|secret|token|api[_-]?key)\b\s*[=:]\s*)[^\s,;&)'\"]+",
+        re.IGNORECASE,
+    ),
 )
 
 
@@ -399,7 +449,7 @@ def answer_error(text: str, secret: str, limit: int = 300) -> str:
         message = message.replace(secret, "***")
     for pattern in _CREDENTIALS:
         message = pattern.sub(r"\g<keep>***", message)
-    return message if len(message) <= limit else message[:limit - 3] + "..."
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def answer_reason(text: str) -> str | None:
@@ -418,12 +468,14 @@ def _results(reply: Any, body: bytes, status: int) -> list[dict[str, Any]]:
     sent = {event["id"] for event in json.loads(body)["events"]}
     results = reply.get("results") if isinstance(reply, dict) else None
     if not isinstance(results, list) or not all(isinstance(r, dict) and "id" in r for r in results):
-        raise DeliveryError(f"HTTP {status} without per-event results: not a dataset-bridge inbox?",
-                            refusal=True)
+        raise DeliveryError(
+            f"HTTP {status} without per-event results: not a dataset-bridge inbox?", refusal=True
+        )
     answered = {r["id"] for r in results}
     if not sent <= answered:
-        raise DeliveryError(f"HTTP {status}: the reply has no result for {len(sent - answered)} event(s)",
-                            refusal=True)
+        raise DeliveryError(
+            f"HTTP {status}: the reply has no result for {len(sent - answered)} event(s)", refusal=True
+        )
     return list(results)
 
 
@@ -488,9 +540,17 @@ async def relay_status() -> list[dict[str, Any]]:
         rows = await conn.fetch(STATUS)
     finally:
         await conn.close()
-    return [{"target": r["target"], "backlog": r["backlog"], "delivered": r["delivered"], "dead": r["dead"],
-             "next_attempt": r["next_attempt"].isoformat() if r["next_attempt"] else None,
-             "last_error": r["last_error"]} for r in rows]
+    return [
+        {
+            "target": r["target"],
+            "backlog": r["backlog"],
+            "delivered": r["delivered"],
+            "dead": r["dead"],
+            "next_attempt": r["next_attempt"].isoformat() if r["next_attempt"] else None,
+            "last_error": r["last_error"],
+        }
+        for r in rows
+    ]
 
 
 # Dead letters back into the queue, from their first attempt: their ids are older than the pending rows,

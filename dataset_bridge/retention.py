@@ -54,8 +54,10 @@ class Retention:
 
 def prune_sql(table: str) -> str:
     column, condition = LEDGERS[table]
-    return (f"DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} "
-            f"WHERE {condition} AND {column} < now() - make_interval(secs => :secs) LIMIT :batch)")
+    return (
+        f"DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} "
+        f"WHERE {condition} AND {column} < now() - make_interval(secs => :secs) LIMIT :batch)"
+    )
 
 
 def prune(session_factory: Any, tables: list[str], retention: Retention) -> dict[str, int]:
@@ -68,8 +70,9 @@ def prune(session_factory: Any, tables: list[str], retention: Retention) -> dict
         total = 0
         for _ in range(retention.max_batches):
             with session_factory() as session:
-                result = session.execute(text(prune_sql(table)),
-                                         {"secs": retention.seconds, "batch": retention.batch})
+                result = session.execute(
+                    text(prune_sql(table)), {"secs": retention.seconds, "batch": retention.batch}
+                )
                 count = int(getattr(result, "rowcount", 0) or 0)
             total += count
             if count < retention.batch:

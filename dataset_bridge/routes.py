@@ -1,14 +1,14 @@
 """Where the events of which assets go: the routes file shared by the outbox (in Airflow) and the relay.
 
-    source: deployment_a                 # how targets know us (their inbox secrets are keyed by it)
-    targets:
-      deployment_b:
-        url: https://airflow-b.example/dataset-bridge/inbox
-        secret_env: DATASET_BRIDGE_SECRET_B   # the shared secret, from the environment, never the file
-        assets: [warehouse://dds/h_user, users_loaded]   # asset URIs or names
-        ca_file: /etc/ssl/b-ca.pem       # optional: verify the target's TLS certificate with this CA
-        max_attempts: 10                 # optional: refusals (4xx) before an event is dead-lettered
-        max_server_errors: 10            # optional: server errors (5xx but 502-504) before it is
+source: deployment_a                 # how targets know us (their inbox secrets are keyed by it)
+targets:
+  deployment_b:
+    url: https://airflow-b.example/dataset-bridge/inbox
+    secret_env: DATASET_BRIDGE_SECRET_B   # the shared secret, from the environment, never the file
+    assets: [warehouse://dds/h_user, users_loaded]   # asset URIs or names
+    ca_file: /etc/ssl/b-ca.pem       # optional: verify the target's TLS certificate with this CA
+    max_attempts: 10                 # optional: refusals (4xx) before an event is dead-lettered
+    max_server_errors: 10            # optional: server errors (5xx but 502-504) before it is
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Target:
     def secret(self) -> str:
         value = os.environ.get(self.secret_env, "")
         if not value:
-            raise RoutesError(f"target {self.name}: environment variable {self.secret_env} (its shared "
-                              "secret) is not set")
+            raise RoutesError(
+                f"target {self.name}: environment variable {self.secret_env} (its shared secret) is not set"
+            )
         return value
 
     def wants(self, uri: str, name: str) -> bool:
@@ -71,8 +72,9 @@ class Routes:
             raise RoutesError(f"{source_file}: expected 'source' and 'targets'")
         source = raw.get("source")
         if not isinstance(source, str) or not _NAME.match(source):
-            raise RoutesError(f"{source_file}: source must be a name (letters, digits, _ . -), "
-                              f"got {source!r}")
+            raise RoutesError(
+                f"{source_file}: source must be a name (letters, digits, _ . -), got {source!r}"
+            )
         targets = raw.get("targets")
         if not isinstance(targets, dict) or not targets:
             raise RoutesError(f"{source_file}: targets must map target names to their settings")

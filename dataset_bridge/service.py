@@ -67,8 +67,9 @@ def emit_pending(mapping: TaskMapping, keep: Retention = DEFAULT_RETENTION) -> i
         rows = task_success.pending(session, mapping, retention_seconds=keep.seconds)
         missing = set(task_success.unresolved(session, mapping))
     for ref in sorted(missing - _warned_unresolved):
-        log.warning("mapped asset not found (no DAG declares it yet); its events follow once one does",
-                    asset=ref)
+        log.warning(
+            "mapped asset not found (no DAG declares it yet); its events follow once one does", asset=ref
+        )
     _warned_unresolved.intersection_update(missing)
     _warned_unresolved.update(missing)
     created = 0
@@ -86,10 +87,15 @@ _window = {"from_id": 0}
 
 def reconcile_once(settings: BridgeSettings) -> int:
     with _session() as session:
-        start = reconcile.window_start(session, lookback_seconds=settings.lookback_seconds,
-                                       from_id=_window["from_id"])
-        requeued = reconcile.requeue(session, grace_seconds=settings.grace_seconds,
-                                     lookback_seconds=settings.lookback_seconds, from_id=start)
+        start = reconcile.window_start(
+            session, lookback_seconds=settings.lookback_seconds, from_id=_window["from_id"]
+        )
+        requeued = reconcile.requeue(
+            session,
+            grace_seconds=settings.grace_seconds,
+            lookback_seconds=settings.lookback_seconds,
+            from_id=start,
+        )
     _window["from_id"] = start
     if requeued:
         log.info("held-back asset events queued again for their consumers", pairs=requeued)
@@ -169,12 +175,24 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         result["requeued"] = outcomes.get(reconcile.REQUEUED, 0)
         result["reconciled"] = outcomes  # requeued / cleared / unconsumable, and why: recent_decisions
         result["recent_decisions"] = reconcile.recent(session)
-        result["backlog"] = (len(task_success.pending(session, mapping, limit=10000,
-                                                      retention_seconds=settings.retention.seconds))
-                             if mapping else None)
-        result["held_back"] = len(reconcile.held_back(session, grace_seconds=settings.grace_seconds,
-                                                      lookback_seconds=settings.lookback_seconds))
+        result["backlog"] = (
+            len(
+                task_success.pending(
+                    session, mapping, limit=10000, retention_seconds=settings.retention.seconds
+                )
+            )
+            if mapping
+            else None
+        )
+        result["held_back"] = len(
+            reconcile.held_back(
+                session, grace_seconds=settings.grace_seconds, lookback_seconds=settings.lookback_seconds
+            )
+        )
         has_keys = session.execute(text("SELECT to_regclass('smart_triggerer.asset_event_key') IS NOT NULL"))
-        result["watcher_events"] = (int(session.execute(text(STATUS_SQL["watcher_keys"])).scalar() or 0)
-                                    if has_keys.scalar() else None)
+        result["watcher_events"] = (
+            int(session.execute(text(STATUS_SQL["watcher_keys"])).scalar() or 0)
+            if has_keys.scalar()
+            else None
+        )
     return result

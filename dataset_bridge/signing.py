@@ -46,8 +46,11 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
 
 def sign(source: str, secret: str, body: bytes, now: float | None = None) -> dict[str, str]:
     timestamp = str(int(now if now is not None else time.time()))
-    return {SOURCE_HEADER: source, TIMESTAMP_HEADER: timestamp,
-            SIGNATURE_HEADER: signature(secret, timestamp, body)}
+    return {
+        SOURCE_HEADER: source,
+        TIMESTAMP_HEADER: timestamp,
+        SIGNATURE_HEADER: signature(secret, timestamp, body),
+    }
 
 
 def check_headers(headers: dict[str, str], now: float | None = None) -> tuple[str, str, str]:
@@ -64,8 +67,11 @@ def check_headers(headers: dict[str, str], now: float | None = None) -> tuple[st
         raise SignatureError("the timestamp is not a unix time") from err
     if abs(offset) > WINDOW_SECONDS:
         side = "behind" if offset > 0 else "ahead of"
-        raise SignatureError(f"the sender's clock is {abs(offset):.0f}s {side} the receiver's (window "
-                             f"{WINDOW_SECONDS}s): synchronise the clocks (NTP)", CLOCK_SKEW)
+        raise SignatureError(
+            f"the sender's clock is {abs(offset):.0f}s {side} the receiver's (window "
+            f"{WINDOW_SECONDS}s): synchronise the clocks (NTP)",
+            CLOCK_SKEW,
+        )
     return source, timestamp, given
 
 

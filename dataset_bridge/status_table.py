@@ -54,8 +54,9 @@ BATCH = 1000
 class StatusSource:
     """Where rows are read: the status table and its columns, validated at construction (parse time)."""
 
-    def __init__(self, status_table: str, table_column: str, status_column: str, time_column: str,
-                 id_column: str) -> None:
+    def __init__(
+        self, status_table: str, table_column: str, status_column: str, time_column: str, id_column: str
+    ) -> None:
         self.status_table = status_table
         self.table = quote_identifier(status_table, argument="status_table", qualified=True)
         self.columns = {
@@ -67,9 +68,11 @@ class StatusSource:
 
     def rows_after(self) -> str:
         c = self.columns
-        return (f"SELECT {c['id']} AS id, {c['table_name']} AS table_name, "
-                f"upper({c['status']}::text) AS status, {c['at']} AS at "
-                f"FROM {self.table} WHERE {c['id']} > $1 ORDER BY {c['id']} LIMIT {BATCH}")
+        return (
+            f"SELECT {c['id']} AS id, {c['table_name']} AS table_name, "
+            f"upper({c['status']}::text) AS status, {c['at']} AS at "
+            f"FROM {self.table} WHERE {c['id']} > $1 ORDER BY {c['id']} LIMIT {BATCH}"
+        )
 
     def newest_id(self) -> str:
         c = self.columns
@@ -93,22 +96,37 @@ class Watermarks:
         key = (self.source.status_table, table_name)
         found = await self.pool.fetchval(
             "SELECT last_id FROM dataset_bridge.status_watermark WHERE status_table = $1 AND table_name = $2",
-            *key)
+            *key,
+        )
         if found is not None:
             return int(found)
-        start = 0 if start_from == "earliest" else int(await data_pool.fetchval(self.source.newest_id(),
-                                                                                table_name))
+        start = (
+            0
+            if start_from == "earliest"
+            else int(await data_pool.fetchval(self.source.newest_id(), table_name))
+        )
         await self.pool.execute(
             "INSERT INTO dataset_bridge.status_watermark (status_table, table_name, last_id) "
-            "VALUES ($1, $2, $3) ON CONFLICT DO NOTHING", *key, start)
-        return int(await self.pool.fetchval(
-            "SELECT last_id FROM dataset_bridge.status_watermark WHERE status_table = $1 AND table_name = $2",
-            *key))
+            "VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            *key,
+            start,
+        )
+        return int(
+            await self.pool.fetchval(
+                "SELECT last_id FROM dataset_bridge.status_watermark "
+                "WHERE status_table = $1 AND table_name = $2",
+                *key,
+            )
+        )
 
     async def advance(self, table_name: str, last_id: int) -> None:
         await self.pool.execute(
             "UPDATE dataset_bridge.status_watermark SET last_id = greatest(last_id, $3), updated_at = now() "
-            "WHERE status_table = $1 AND table_name = $2", self.source.status_table, table_name, last_id)
+            "WHERE status_table = $1 AND table_name = $2",
+            self.source.status_table,
+            table_name,
+            last_id,
+        )
 
 
 class _Subscribers:
@@ -194,8 +212,12 @@ class StatusRowProducer(SharedStreamProducer):
         self.blocked[table_name] = row_id
         self.rewind.add(table_name)
         subscribers.wake[self.key].set()
-        log.warning("status row not confirmed stored; reading it again", row_id=row_id,
-                    status_table=self.trigger.source.status_table, table_name=table_name)
+        log.warning(
+            "status row not confirmed stored; reading it again",
+            row_id=row_id,
+            status_table=self.trigger.source.status_table,
+            table_name=table_name,
+        )
 
     async def _store(self, table_name: str, last_id: int) -> None:
         assert self.watermarks is not None
@@ -206,15 +228,21 @@ class StatusRowProducer(SharedStreamProducer):
                 raise
             # the next stored row writes a later position over this one; a restart meanwhile re-reads
             # rows whose asset events exist, and their idempotency keys keep them single
-            log.warning("watermark not written; the next stored row catches up", table_name=table_name,
-                        error=type(err).__name__)
+            log.warning(
+                "watermark not written; the next stored row catches up",
+                table_name=table_name,
+                error=type(err).__name__,
+            )
 
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         trigger = self.trigger
         source = await target_for(trigger.conn_id, patience=CONNECTION_PATIENCE)
         data = await shared_pool(source)
-        marks = (await target_for(trigger.watermark_conn_id, patience=CONNECTION_PATIENCE)
-                 if trigger.watermark_conn_id else source)
+        marks = (
+            await target_for(trigger.watermark_conn_id, patience=CONNECTION_PATIENCE)
+            if trigger.watermark_conn_id
+            else source
+        )
         self.watermarks = Watermarks(await shared_pool(marks), trigger.source)
         await self._ensure_schema()
         wake = subscribers.wake[self.key]
@@ -287,8 +315,13 @@ class StatusRowProducer(SharedStreamProducer):
         if table_name is None or status not in KNOWN_STATUSES:
             if row["id"] not in self.warned:
                 self.warned.add(row["id"])
-                log.warning("malformed status row skipped", status_table=self.trigger.source.status_table,
-                            row_id=row["id"], has_table_name=table_name is not None, status=status)
+                log.warning(
+                    "malformed status row skipped",
+                    status_table=self.trigger.source.status_table,
+                    row_id=row["id"],
+                    has_table_name=table_name is not None,
+                    status=status,
+                )
             return False
         position = self.positions.get(table_name)
         return status == SUCCESS and position is not None and row["id"] > position
@@ -323,8 +356,16 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
 
     calls_sync_sdk = False  # connections are asked with await: no greenback portal needed
     # what shared_stream_key() is made of: the triggerer places watchers of one stream on one shard
-    shared_stream_kwargs = ("conn_id", "status_table", "table_column", "status_column", "time_column",
-                            "id_column", "watermark_conn_id", "notify_channel")
+    shared_stream_kwargs = (
+        "conn_id",
+        "status_table",
+        "table_column",
+        "status_column",
+        "time_column",
+        "id_column",
+        "watermark_conn_id",
+        "notify_channel",
+    )
     wait_description = "new rows of {status_table} on {conn_id}"
 
     def __init__(
@@ -355,8 +396,12 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
             raise ValueError(f"notify_channel={notify_channel!r} is not a plain channel name")
         self.conn_id, self.table_name = conn_id, table_name
         self.source = StatusSource(status_table, table_column, status_column, time_column, id_column)
-        self.columns = {"table_column": table_column, "status_column": status_column,
-                        "time_column": time_column, "id_column": id_column}
+        self.columns = {
+            "table_column": table_column,
+            "status_column": status_column,
+            "time_column": time_column,
+            "id_column": id_column,
+        }
         self.start_from = start_from
         self.poll_interval = float(poll_interval)
         self.notify_channel = notify_channel
@@ -364,16 +409,26 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return CLASSPATH, {
-            "conn_id": self.conn_id, "table_name": self.table_name,
-            "status_table": self.source.status_table, **self.columns,
-            "start_from": self.start_from, "poll_interval": self.poll_interval,
-            "notify_channel": self.notify_channel, "watermark_conn_id": self.watermark_conn_id,
+            "conn_id": self.conn_id,
+            "table_name": self.table_name,
+            "status_table": self.source.status_table,
+            **self.columns,
+            "start_from": self.start_from,
+            "poll_interval": self.poll_interval,
+            "notify_channel": self.notify_channel,
+            "watermark_conn_id": self.watermark_conn_id,
         }
 
     def shared_stream_key(self) -> Hashable:
         # what is read and where positions are kept; not the table a watcher keeps
-        return (CLASSPATH, self.conn_id, self.source.status_table, *sorted(self.columns.items()),
-                self.watermark_conn_id, self.notify_channel)
+        return (
+            CLASSPATH,
+            self.conn_id,
+            self.source.status_table,
+            *sorted(self.columns.items()),
+            self.watermark_conn_id,
+            self.notify_channel,
+        )
 
     @classmethod
     def create_shared_stream_producer(cls, kwargs: dict[str, Any]) -> SharedStreamProducer:
@@ -396,7 +451,9 @@ class TableStatusTrigger(DeclaresIdentity, BaseEventTrigger):
     def payload(self, row: dict[str, Any]) -> dict[str, Any]:
         at = row["at"]
         return {
-            "row_id": row["id"], "table_name": row["table_name"], "status": row["status"],
+            "row_id": row["id"],
+            "table_name": row["table_name"],
+            "status": row["status"],
             "loaded_at": at.isoformat() if isinstance(at, dt.datetime) else str(at),
             "idempotency_key": f"{self.conn_id}/{self.source.status_table}/{row['id']}",
         }

@@ -54,7 +54,11 @@ def panel(session: Any) -> dict[str, Any] | None:
     present = session.execute(text(queries()["present_tables"]), tables).scalars().all()
     if not present:
         return None
-    parts = ",".join(f"'{part.removeprefix('panel_')}', ({queries()[part]})"
-                     for table, names in PANEL_PARTS.items() if table in present for part in names)
+    parts = ",".join(
+        f"'{part.removeprefix('panel_')}', ({queries()[part]})"
+        for table, names in PANEL_PARTS.items()
+        if table in present
+        for part in names
+    )
     found = session.execute(text(f"SELECT json_build_object({parts})")).scalar()  # parts are constants
     return {"targets": [], "dead_letters": [], "watermarks": [], "requeued": None, **found}

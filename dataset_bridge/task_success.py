@@ -130,8 +130,9 @@ class TaskMapping:
             if not isinstance(value, list) or not value or not all(a and isinstance(a, str) for a in value):
                 got = "" if isinstance(value, list) else f", got {type(value).__name__} {value!r}"
                 hint = f" (write [{value!r}])" if isinstance(value, str) else ""
-                raise MappingError(f"{source}: {name!r} must map to a non-empty list of asset URIs or names"
-                                   f"{got}{hint}")
+                raise MappingError(
+                    f"{source}: {name!r} must map to a non-empty list of asset URIs or names{got}{hint}"
+                )
             entries[(dag_id, task_id)] = tuple(value)
         return cls(entries)
 
@@ -145,8 +146,13 @@ def ensure_schema(session: Session) -> None:
 
 def register_horizons(session: Session, mapping: TaskMapping) -> None:
     for dag_id, task_id in mapping.entries:
-        session.execute(text("INSERT INTO dataset_bridge.task_horizon (dag_id, task_id) VALUES (:d, :t) "
-                             "ON CONFLICT DO NOTHING"), {"d": dag_id, "t": task_id})
+        session.execute(
+            text(
+                "INSERT INTO dataset_bridge.task_horizon (dag_id, task_id) VALUES (:d, :t) "
+                "ON CONFLICT DO NOTHING"
+            ),
+            {"d": dag_id, "t": task_id},
+        )
 
 
 def success_key(dag_id: str, task_id: str, run_id: str, map_index: int, try_number: int) -> str:
@@ -158,8 +164,9 @@ def _mapped_params(mapping: TaskMapping) -> dict[str, list[str]]:
     return {"dags": [p[0] for p in pairs], "tasks": [p[1] for p in pairs], "refs": [p[2] for p in pairs]}
 
 
-def pending(session: Session, mapping: TaskMapping, limit: int = 200,
-            retention_seconds: float = 30 * 86400.0) -> list[Any]:
+def pending(
+    session: Session, mapping: TaskMapping, limit: int = 200, retention_seconds: float = 30 * 86400.0
+) -> list[Any]:
     """(successful try, resolved asset) pairs with no event yet, oldest success first; tries that ended
     longer ago than the ledger's retention are history (their ledger rows may be pruned)."""
     params = {**_mapped_params(mapping), "limit": limit, "retention": retention_seconds}
@@ -181,22 +188,35 @@ def emit_one(session: Session, row: Any) -> int:
 
     key = success_key(row.dag_id, row.task_id, row.run_id, row.map_index, row.try_number)
     # the current task instance of this (dag, task, run, map index): a cleared try's own id is gone
-    ti = session.scalars(select(TaskInstance).where(
-        TaskInstance.dag_id == row.dag_id, TaskInstance.task_id == row.task_id,
-        TaskInstance.run_id == row.run_id, TaskInstance.map_index == row.map_index)).first()
+    ti = session.scalars(
+        select(TaskInstance).where(
+            TaskInstance.dag_id == row.dag_id,
+            TaskInstance.task_id == row.task_id,
+            TaskInstance.run_id == row.run_id,
+            TaskInstance.map_index == row.map_index,
+        )
+    ).first()
     asset = session.get(AssetModel, row.asset_id)
     if ti is None or asset is None:
         return 0  # the run was deleted meanwhile: nothing to attribute the event to
-    claimed = session.execute(text(CLAIM_KEY), {"asset_id": asset.id, "key": key,
-                                                 "source": "task_success"}).first()
+    claimed = session.execute(
+        text(CLAIM_KEY), {"asset_id": asset.id, "key": key, "source": "task_success"}
+    ).first()
     if claimed is None:
         return 0  # another bridge made it first
     event = asset_manager.register_asset_change(
-        task_instance=ti, asset=asset.to_serialized(), session=session,
-        extra={"idempotency_key": key, "bridge": "task_success", "try_number": row.try_number})
+        task_instance=ti,
+        asset=asset.to_serialized(),
+        session=session,
+        extra={"idempotency_key": key, "bridge": "task_success", "try_number": row.try_number},
+    )
     if event is None:
         return 0
-    session.execute(text("UPDATE dataset_bridge.emitted SET asset_event_id = :e "
-                         "WHERE asset_id = :a AND idempotency_key = :k"),
-                    {"e": event.id, "a": asset.id, "k": key})
+    session.execute(
+        text(
+            "UPDATE dataset_bridge.emitted SET asset_event_id = :e "
+            "WHERE asset_id = :a AND idempotency_key = :k"
+        ),
+        {"e": event.id, "a": asset.id, "k": key},
+    )
     return 1

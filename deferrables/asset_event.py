@@ -26,8 +26,14 @@ class AssetEventSensor(SqlConditionSensor):
 
     template_fields: Sequence[str] = ("since", "parameters")
 
-    def __init__(self, *, asset: Any, since: str = "{{ dag_run.run_after }}", conn_id: str = "airflow_db",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        asset: Any,
+        since: str = "{{ dag_run.run_after }}",
+        conn_id: str = "airflow_db",
+        **kwargs: Any,
+    ) -> None:
         reference = getattr(asset, "uri", None) or getattr(asset, "name", None) or asset
         if not isinstance(reference, str) or not reference:
             raise ValueError(f"asset must be an Asset or its URI or name, got {asset!r}")
@@ -53,9 +59,14 @@ class AssetEventSensor(SqlConditionSensor):
     def trigger(self) -> SqlConditionTrigger:
         # also when the task starts in the triggerer (start_from_trigger): no worker step checks the role
         return SqlConditionTrigger(
-            self.conn_id, self.sql, parameters=self.parameters, failure_sql=self.failure_sql,
-            failure_parameters=self.failure_parameters, poll_interval=self.poke_interval,
-            notify_channel=self.notify_channel, read_only_role=True,
+            self.conn_id,
+            self.sql,
+            parameters=self.parameters,
+            failure_sql=self.failure_sql,
+            failure_parameters=self.failure_parameters,
+            poll_interval=self.poke_interval,
+            notify_channel=self.notify_channel,
+            read_only_role=True,
         )
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:

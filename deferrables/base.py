@@ -32,7 +32,10 @@ class CheckThenDeferSensor(BaseSensorOperator):
         classpath, kwargs = trigger.serialize()
         self.start_from_trigger = True
         self.start_trigger_args = StartTriggerArgs(
-            trigger_cls=classpath, trigger_kwargs=kwargs, next_method="execute_complete", next_kwargs=None,
+            trigger_cls=classpath,
+            trigger_kwargs=kwargs,
+            next_method="execute_complete",
+            next_kwargs=None,
             timeout=dt.timedelta(seconds=self.timeout) if self.timeout else None,
         )
 

@@ -67,13 +67,21 @@ class ExternalDagSensor(CheckThenDeferSensor):
         if on_skipped not in ON_SKIPPED:
             raise ValueError(f"on_skipped={on_skipped!r} must be one of {ON_SKIPPED}")
         if latest_run and (run_id is not None or start_from_trigger):
-            raise ValueError("latest_run=True resolves the run when the task starts: it takes no run_id "
-                             "and no start_from_trigger")
+            raise ValueError(
+                "latest_run=True resolves the run when the task starts: it takes no run_id "
+                "and no start_from_trigger"
+            )
         if run_id is not None or latest_run:
             logical_date = None
-        ExternalTarget(external_dag_id, tuple(external_task_ids or ()), logical_date or None,
-                       run_id or ("(latest)" if latest_run else None), tuple(allowed_states),
-                       tuple(failed_states), tuple(skipped_states))  # validates
+        ExternalTarget(
+            external_dag_id,
+            tuple(external_task_ids or ()),
+            logical_date or None,
+            run_id or ("(latest)" if latest_run else None),
+            tuple(allowed_states),
+            tuple(failed_states),
+            tuple(skipped_states),
+        )  # validates
         self.external_dag_id, self.external_task_ids = external_dag_id, list(external_task_ids or [])
         self.logical_date, self.run_id = logical_date, run_id
         self.allowed_states, self.failed_states = list(allowed_states), list(failed_states)
@@ -86,17 +94,25 @@ class ExternalDagSensor(CheckThenDeferSensor):
         logical_date = None
         if not self.run_id:
             logical_date = dt.datetime.fromisoformat(str(self.logical_date)).isoformat()
-        return ExternalTarget(self.external_dag_id, tuple(sorted(self.external_task_ids)), logical_date,
-                              self.run_id, tuple(self.allowed_states), tuple(self.failed_states),
-                              tuple(self.skipped_states))
+        return ExternalTarget(
+            self.external_dag_id,
+            tuple(sorted(self.external_task_ids)),
+            logical_date,
+            self.run_id,
+            tuple(self.allowed_states),
+            tuple(self.failed_states),
+            tuple(self.skipped_states),
+        )
 
     def _check_now(self) -> dict[str, Any] | None:
         return self._target().check_sync()  # the worker's comms are synchronous
 
     def finish(self, payload: dict[str, Any]) -> None:
         if payload.get("status") == "skipped":
-            payload = {**payload, "status": {"skip": "skipped", "fail": "failed",
-                                              "success": "success"}[self.on_skipped]}
+            payload = {
+                **payload,
+                "status": {"skip": "skipped", "fail": "failed", "success": "success"}[self.on_skipped],
+            }
             if payload["status"] == "skipped":
                 from airflow.sdk.exceptions import AirflowSkipException
 
@@ -125,7 +141,12 @@ class ExternalDagSensor(CheckThenDeferSensor):
 
     def _trigger(self, logical_date: str | None) -> ExternalDagTrigger:
         return ExternalDagTrigger(
-            self.external_dag_id, external_task_ids=self.external_task_ids, logical_date=logical_date,
-            run_id=self.run_id, allowed_states=self.allowed_states, failed_states=self.failed_states,
-            skipped_states=self.skipped_states, poll_interval=self.poke_interval,
+            self.external_dag_id,
+            external_task_ids=self.external_task_ids,
+            logical_date=logical_date,
+            run_id=self.run_id,
+            allowed_states=self.allowed_states,
+            failed_states=self.failed_states,
+            skipped_states=self.skipped_states,
+            poll_interval=self.poke_interval,
         )

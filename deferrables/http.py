@@ -45,8 +45,16 @@ class HttpConditionSensor(CheckThenDeferSensor):
             raise ValueError(f"http_conn_id must be a non-empty connection id, got {http_conn_id!r}")
         if isinstance(expected_statuses, int):
             expected_statuses = (expected_statuses,)
-        HttpCondition(endpoint, method, data, dict(headers or {}), tuple(expected_statuses), json_path,
-                      expected_value, verify_ssl)  # validates, naming the argument
+        HttpCondition(
+            endpoint,
+            method,
+            data,
+            dict(headers or {}),
+            tuple(expected_statuses),
+            json_path,
+            expected_value,
+            verify_ssl,
+        )  # validates, naming the argument
         self.endpoint, self.http_conn_id, self.method = endpoint, http_conn_id, method.upper()
         self.data, self.headers = data, dict(headers or {})
         self.expected_statuses = tuple(expected_statuses)
@@ -55,8 +63,16 @@ class HttpConditionSensor(CheckThenDeferSensor):
             self._start_in_triggerer(self.trigger())
 
     def _condition(self) -> HttpCondition:
-        return HttpCondition(self.endpoint, self.method, self.data, self.headers, self.expected_statuses,
-                             self.json_path, self.expected_value, self.verify_ssl)
+        return HttpCondition(
+            self.endpoint,
+            self.method,
+            self.data,
+            self.headers,
+            self.expected_statuses,
+            self.json_path,
+            self.expected_value,
+            self.verify_ssl,
+        )
 
     async def check(self) -> dict[str, Any] | None:
         target = await http_target(self.http_conn_id)
@@ -71,7 +87,14 @@ class HttpConditionSensor(CheckThenDeferSensor):
 
     def trigger(self) -> HttpConditionTrigger:
         return HttpConditionTrigger(
-            self.http_conn_id, self.endpoint, method=self.method, data=self.data, headers=self.headers,
-            expected_statuses=self.expected_statuses, json_path=self.json_path,
-            expected_value=self.expected_value, verify_ssl=self.verify_ssl, poll_interval=self.poke_interval,
+            self.http_conn_id,
+            self.endpoint,
+            method=self.method,
+            data=self.data,
+            headers=self.headers,
+            expected_statuses=self.expected_statuses,
+            json_path=self.json_path,
+            expected_value=self.expected_value,
+            verify_ssl=self.verify_ssl,
+            poll_interval=self.poke_interval,
         )

@@ -40,8 +40,10 @@ class SqlConditionSensor(CheckThenDeferSensor):
     ) -> None:
         for name, value in (("success", success), ("failure", failure)):
             if value is not None:
-                raise ValueError(f"{name}= takes no Python callable here: the wait runs in the triggerer and "
-                                 "must serialise; put the condition in sql / failure_sql instead")
+                raise ValueError(
+                    f"{name}= takes no Python callable here: the wait runs in the triggerer and "
+                    "must serialise; put the condition in sql / failure_sql instead"
+                )
         super().__init__(**kwargs)
         if not isinstance(conn_id, str) or not conn_id:
             raise ValueError(f"conn_id must be a non-empty connection id, got {conn_id!r}")
@@ -63,8 +65,9 @@ class SqlConditionSensor(CheckThenDeferSensor):
         target = await target_for(self.conn_id)
         conn = await asyncpg.connect(**target.connect_kwargs())
         try:
-            return await sql_condition(conn, self.sql, self.parameters, self.failure_sql,
-                                       self.failure_parameters)
+            return await sql_condition(
+                conn, self.sql, self.parameters, self.failure_sql, self.failure_parameters
+            )
         except asyncpg.PostgresError as err:
             return {"status": "error", "message": f"{type(err).__name__}: {err}"}
         finally:
@@ -72,7 +75,11 @@ class SqlConditionSensor(CheckThenDeferSensor):
 
     def trigger(self) -> SqlConditionTrigger:
         return SqlConditionTrigger(
-            self.conn_id, self.sql, parameters=self.parameters, failure_sql=self.failure_sql,
-            failure_parameters=self.failure_parameters, poll_interval=self.poke_interval,
+            self.conn_id,
+            self.sql,
+            parameters=self.parameters,
+            failure_sql=self.failure_sql,
+            failure_parameters=self.failure_parameters,
+            poll_interval=self.poke_interval,
             notify_channel=self.notify_channel,
         )

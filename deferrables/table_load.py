@@ -45,13 +45,15 @@ class TableLoadSensor(CheckThenDeferSensor):
         if not isinstance(conn_id, str) or not conn_id:
             raise ValueError(f"conn_id must be a non-empty connection id, got {conn_id!r}")
         if isinstance(required_tables, str) or not required_tables:
-            raise ValueError("required_tables must be a non-empty list of table names, "
-                             f"got {required_tables!r}")
+            raise ValueError(
+                f"required_tables must be a non-empty list of table names, got {required_tables!r}"
+            )
         if not all(isinstance(t, str) and t for t in required_tables):
             raise ValueError(f"required_tables must hold non-empty strings, got {list(required_tables)!r}")
         if notify_channel is not None and not notify_channel.replace("_", "").isalnum():
-            raise ValueError(f"notify_channel={notify_channel!r} is not a plain channel name (letters, "
-                             "digits, _)")
+            raise ValueError(
+                f"notify_channel={notify_channel!r} is not a plain channel name (letters, digits, _)"
+            )
         self.conn_id = conn_id
         self.required_tables = list(required_tables)
         self.status = StatusTable(status_table, table_column, status_column, time_column)
@@ -85,8 +87,14 @@ class TableLoadSensor(CheckThenDeferSensor):
 
     def _trigger(self, since: str | None) -> TableLoadTrigger:
         return TableLoadTrigger(
-            self.conn_id, self.required_tables, status_table=self.status.status_table,
-            table_column=self.status.table_column, status_column=self.status.status_column,
-            time_column=self.status.time_column, since=since, poll_interval=self.poke_interval,
-            notify_channel=self.notify_channel, end_from_trigger=self.end_from_trigger,
+            self.conn_id,
+            self.required_tables,
+            status_table=self.status.status_table,
+            table_column=self.status.table_column,
+            status_column=self.status.status_column,
+            time_column=self.status.time_column,
+            since=since,
+            poll_interval=self.poke_interval,
+            notify_channel=self.notify_channel,
+            end_from_trigger=self.end_from_trigger,
         )

@@ -167,9 +167,7 @@ class Demo:
     def config(self, airflow_dsn: str, warehouse_dsn: str) -> AirflowConfig:
         home = self.home / "airflow"
         home.mkdir(parents=True, exist_ok=True)
-        config = AirflowConfig(
-            home=home, database_dsn=airflow_dsn, dags_folder=EXAMPLE_DAGS, parallelism=4
-        )
+        config = AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=EXAMPLE_DAGS, parallelism=4)
         config.extra.update(self.scenario.env())
         config.extra.update(
             {
@@ -233,8 +231,7 @@ class Demo:
             self.progress.groups = int(
                 _query(
                     airflow_dsn,
-                    "SELECT coalesce(sum(groups), 0) FROM smart_triggerer.instance "
-                    "WHERE stopped_at IS NULL",
+                    "SELECT coalesce(sum(groups), 0) FROM smart_triggerer.instance WHERE stopped_at IS NULL",
                 )[0][0]
             )
             self.progress.shards = {
@@ -256,8 +253,10 @@ class Demo:
         table.add_row("resumed", str(p.resumed))
         # the other example DAGs wait too: their groups count here, not in the summary's unique waits
         table.add_row("identity groups, all DAGs (one coroutine each)", str(p.groups))
-        table.add_row(f"shards per instance (of {DEMO_SHARDS})",
-                      ", ".join(f"{k}: {v}" for k, v in p.shards.items()) or "-")
+        table.add_row(
+            f"shards per instance (of {DEMO_SHARDS})",
+            ", ".join(f"{k}: {v}" for k, v in p.shards.items()) or "-",
+        )
         table.add_row("status-table polls", str(p.polls))
         table.add_row("tables loaded by the ETL", f"{p.loaded_tables}/{len(self.scenario.tables()) + 2}")
         table.add_row("elapsed", f"{time.time() - self.started:.0f}s")
@@ -315,8 +314,11 @@ class Demo:
     def watchers_ready(self, warehouse_dsn: str) -> bool:
         """The consumer's asset watchers keep a watermark per table from the moment they start."""
         try:
-            found = _query(warehouse_dsn, "SELECT count(*) FROM dataset_bridge.status_watermark "
-                                          "WHERE table_name = ANY(%s)", SIDE_TABLES)
+            found = _query(
+                warehouse_dsn,
+                "SELECT count(*) FROM dataset_bridge.status_watermark WHERE table_name = ANY(%s)",
+                SIDE_TABLES,
+            )
         except psycopg2.Error:
             return False
         return int(found[0][0]) == len(SIDE_TABLES)
@@ -338,21 +340,36 @@ class Demo:
         tasks, dsns = self.scenario.tasks, (airflow_dsn, warehouse_dsn)
         self.trigger_all(stack)
         self._phase(f"scheduling {tasks} sensor tasks straight into the triggerers")
-        self.wait_until(live, dsns, timeout=300, what="every sensor task to defer into a smart triggerer",
-                        done=lambda: self.progress.waiting == tasks and self.count_unique_waits(airflow_dsn)
-                        and self.watchers_ready(warehouse_dsn))
+        self.wait_until(
+            live,
+            dsns,
+            timeout=300,
+            what="every sensor task to defer into a smart triggerer",
+            done=lambda: (
+                self.progress.waiting == tasks
+                and self.count_unique_waits(airflow_dsn)
+                and self.watchers_ready(warehouse_dsn)
+            ),
+        )
         tables = len(self.scenario.tables()) + len(SIDE_TABLES)
         self._phase(f"the ETL loads {tables} tables over {self.scenario.etl_seconds:.0f}s")
         plan, etl_started = self.etl_plan(), time.monotonic()
         self.wait_until(
-            live, dsns,
+            live,
+            dsns,
             done=lambda: not plan and self.progress.resumed + self._failed_models(airflow_dsn) == tasks,
-            timeout=self.scenario.etl_seconds + 300, what="every sensor task to resume",
+            timeout=self.scenario.etl_seconds + 300,
+            what="every sensor task to resume",
             tick=lambda: self.etl_tick(warehouse_dsn, plan, etl_started),
         )
         self._phase("waiting for the consumer and the other example DAGs to finish")
-        self.wait_until(live, dsns, done=lambda: self._others_done(airflow_dsn), timeout=300,
-                        what="the example DAG runs to finish")
+        self.wait_until(
+            live,
+            dsns,
+            done=lambda: self._others_done(airflow_dsn),
+            timeout=300,
+            what="the example DAG runs to finish",
+        )
         self._phase("collecting the numbers")
         self._settle_polls(warehouse_dsn)
         return self.summary(airflow_dsn, warehouse_dsn)
@@ -509,9 +526,7 @@ def run_demo(*, quick: bool, as_json: bool, keep_running: bool, home: Path | Non
 
 def _run(demo: Demo, console: Console, keep_running: bool, publish: Callable[[Summary], None]) -> None:
     where = (
-        "SMART_TRIGGERER_DSN"
-        if os.environ.get("SMART_TRIGGERER_DSN")
-        else "a private embedded PostgreSQL"
+        "SMART_TRIGGERER_DSN" if os.environ.get("SMART_TRIGGERER_DSN") else "a private embedded PostgreSQL"
     )
     console.print(f"PostgreSQL: {where}; AIRFLOW_HOME: {demo.home / 'airflow'}")
     with postgres_dsn() as server, _databases(server) as (airflow_dsn, warehouse_dsn):
@@ -555,8 +570,11 @@ def _keep_running(console: Console, config: AirflowConfig, ready: Callable[[], N
 
 def write_env_file(config: AirflowConfig) -> Path:
     """``export`` lines for the demo deployment's Airflow settings (0600: they hold its keys)."""
-    lines = [f"export {key}={shlex.quote(value)}" for key, value in sorted(config.env().items())
-             if key.startswith("AIRFLOW")]
+    lines = [
+        f"export {key}={shlex.quote(value)}"
+        for key, value in sorted(config.env().items())
+        if key.startswith("AIRFLOW")
+    ]
     path = config.home.parent / "env.sh"
     path.touch(mode=0o600)
     path.chmod(0o600)
@@ -568,18 +586,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python3 dev.py demo",
         description="A whole Airflow deployment on a private PostgreSQL, the example DAGs, a warehouse "
-                    "scenario and a summary. Creates its databases on SMART_TRIGGERER_DSN (a PostgreSQL "
-                    "server URL) when set, else on a private embedded PostgreSQL it starts and removes "
-                    "itself. Uses 16 shards (the production default is 64) so that two instances show an "
-                    "even split.",
+        "scenario and a summary. Creates its databases on SMART_TRIGGERER_DSN (a PostgreSQL "
+        "server URL) when set, else on a private embedded PostgreSQL it starts and removes "
+        "itself. Uses 16 shards (the production default is 64) so that two instances show an "
+        "even split.",
         epilog="Exit codes: 0 every task resumed and nothing failed, 1 a task did not resume or failed, "
-               "2 invalid argument, 130 interrupted before the summary.")
+        "2 invalid argument, 130 interrupted before the summary.",
+    )
     parser.add_argument("--quick", action="store_true", help="a smaller scenario (for CI)")
-    parser.add_argument("--json", action="store_true",
-                        help="progress on stderr; stdout is exactly the summary as one JSON object")
-    parser.add_argument("--keep-running", action="store_true",
-                        help="leave the stack up after the summary, print the UI URL and the environment "
-                             "that points the CLIs at it (Ctrl-C stops it)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="progress on stderr; stdout is exactly the summary as one JSON object",
+    )
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="leave the stack up after the summary, print the UI URL and the environment "
+        "that points the CLIs at it (Ctrl-C stops it)",
+    )
     return parser
 
 

@@ -103,7 +103,11 @@ def migrate(config: AirflowConfig, timeout: float = 300) -> None:
     config.home.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         [config.airflow_bin(), "db", "migrate"],
-        env=config.env(), capture_output=True, text=True, timeout=timeout, check=False,
+        env=config.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if result.returncode != 0:
         raise StackError(f"airflow db migrate failed ({result.returncode}):\n{result.stderr[-4000:]}")
@@ -121,8 +125,13 @@ class Component:
     def start(self, env: dict[str, str], cwd: Path) -> None:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            self.argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv,
+            env=env,
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
 
@@ -232,21 +241,45 @@ class AirflowStack:
         self.wait_healthy(["metadatabase", "scheduler", "dag_processor"])
 
     def start_api_server(self) -> Component:
-        return self.add("api-server", [self.config.airflow_bin(), "api-server", "--host", "127.0.0.1",
-                                       "--port", str(self.config.api_port), "--apps", "all"])
+        return self.add(
+            "api-server",
+            [
+                self.config.airflow_bin(),
+                "api-server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.config.api_port),
+                "--apps",
+                "all",
+            ],
+        )
 
     def start_stock_triggerer(self, name: str = "triggerer") -> Component:
         return self.add(name, [self.config.airflow_bin(), "triggerer", "--skip-serve-logs"])
 
-    def start_smart_triggerer(self, name: str = "smart-triggerer", *, capacity: int | None = None,
-                              health_port: int = 0, env: dict[str, str] | None = None,
-                              queues: str | None = None, health_host: str | None = None,
-                              team_name: str | None = None, command: Path | None = None) -> Component:
+    def start_smart_triggerer(
+        self,
+        name: str = "smart-triggerer",
+        *,
+        capacity: int | None = None,
+        health_port: int = 0,
+        env: dict[str, str] | None = None,
+        queues: str | None = None,
+        health_host: str | None = None,
+        team_name: str | None = None,
+        command: Path | None = None,
+    ) -> Component:
         """One ``smart-triggerer run`` instance; ``health_port`` 0 picks a free port. ``queues`` turns on
         ``[triggerer] queues_enabled`` and ``team_name`` ``[core] multi_team`` for it, as a user must.
         ``command``: another release's ``smart-triggerer`` (default: this environment's)."""
-        argv = [str(command or Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
-                "--health-port", str(health_port)]
+        argv = [
+            str(command or Path(sys.executable).with_name("smart-triggerer")),
+            "run",
+            "--skip-serve-logs",
+            "--health-port",
+            str(health_port),
+        ]
         if health_host is not None:
             argv += ["--health-host", health_host]
         if capacity is not None:
@@ -260,22 +293,25 @@ class AirflowStack:
             env.setdefault("AIRFLOW__CORE__MULTI_TEAM", "True")
         return self.add(name, argv, env)
 
-    def start_bridge(self, name: str = "dataset-bridge", args: Sequence[str] = (),
-                     env: dict[str, str] | None = None) -> Component:
+    def start_bridge(
+        self, name: str = "dataset-bridge", args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> Component:
         """One ``dataset-bridge run`` process (mapped task successes and the reconciler)."""
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "run", *args]
         return self.add(name, argv, env)
 
-    def start_bridge_ready(self, name: str = "dataset-bridge", args: Sequence[str] = (),
-                           env: dict[str, str] | None = None) -> Component:
+    def start_bridge_ready(
+        self, name: str = "dataset-bridge", args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> Component:
         """``start_bridge``, then wait until it runs: a mapped task's successes count from the moment its
         bridge first registers it (its horizon), so a run triggered before that makes no event."""
         bridge = self.start_bridge(name, args, env)
         bridge.wait_for_log("dataset bridge running", timeout=120)
         return bridge
 
-    def add_relay(self, args: Sequence[str], env: dict[str, str] | None = None,
-                  name: str = "relay") -> Component:
+    def add_relay(
+        self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "relay"
+    ) -> Component:
         """One ``dataset-bridge relay`` process (this deployment's outbox -> other deployments)."""
         argv = [str(Path(sys.executable).with_name("dataset-bridge")), "relay", *args]
         return self.add(name, argv, env)
@@ -295,7 +331,11 @@ class AirflowStack:
         """``smart-triggerer status --json`` of this deployment."""
         result = subprocess.run(
             [str(Path(sys.executable).with_name("smart-triggerer")), "status", "--json"],
-            env=self.config.env(), capture_output=True, text=True, timeout=120, check=False,
+            env=self.config.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         if result.returncode != 0:
             raise StackError(f"smart-triggerer status failed: {result.stderr[-2000:]}")
@@ -371,8 +411,9 @@ class AirflowStack:
             response = client.patch(f"/dags/{dag_id}", json={"is_paused": False})
             response.raise_for_status()
 
-    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None,
-                logical_date: dt.datetime | None = None) -> str:
+    def trigger(
+        self, dag_id: str, conf: dict[str, Any] | None = None, logical_date: dt.datetime | None = None
+    ) -> str:
         when = logical_date or dt.datetime.now(dt.UTC)
         body = {"logical_date": when.isoformat(), "conf": conf or {}}
         with self.client() as client:
@@ -390,8 +431,7 @@ class AirflowStack:
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
         with self.client() as client:
-            response = client.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances",
-                                  params={"limit": 1000})
+            response = client.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
             response.raise_for_status()
             return {ti["task_id"]: ti["state"] for ti in response.json()["task_instances"]}
 

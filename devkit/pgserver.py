@@ -121,11 +121,16 @@ def reader_dsn(dsn: str) -> str:
         with conn.cursor() as cur:
             cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
             verb = "CREATE" if cur.fetchone() is None else "ALTER"
-            cur.execute(sql.SQL(verb + " ROLE {} LOGIN PASSWORD {}").format(
-                sql.Identifier(role), sql.Literal(password)))
-            for statement in ("GRANT CONNECT ON DATABASE {db} TO {role}",
-                              "GRANT USAGE ON SCHEMA public TO {role}",
-                              f"GRANT SELECT ON {', '.join(READER_TABLES)} TO {{role}}"):
+            cur.execute(
+                sql.SQL(verb + " ROLE {} LOGIN PASSWORD {}").format(
+                    sql.Identifier(role), sql.Literal(password)
+                )
+            )
+            for statement in (
+                "GRANT CONNECT ON DATABASE {db} TO {role}",
+                "GRANT USAGE ON SCHEMA public TO {role}",
+                f"GRANT SELECT ON {', '.join(READER_TABLES)} TO {{role}}",
+            ):
                 cur.execute(sql.SQL(statement).format(db=sql.Identifier(dbname), role=sql.Identifier(role)))
     finally:
         conn.close()
@@ -160,18 +165,40 @@ class EmbeddedPostgres:
         bin_dir = _commands.POSTGRES_BIN_PATH
         self._prepare_user(bin_dir)
         if not (self.data_dir / "PG_VERSION").exists():
-            self._run([str(bin_dir / "initdb"), "-D", str(self.data_dir), "--auth=trust",
-                       "--encoding=utf8", "-U", "postgres"])
+            self._run(
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "--auth=trust",
+                    "--encoding=utf8",
+                    "-U",
+                    "postgres",
+                ]
+            )
         options: list[str] = []
         for key, value in {**_FAST_SETTINGS, **self.settings}.items():
             options += ["-c", f"{key}={value}"]
         log = (self.data_dir / "server.log").open("ab")
         self.process = subprocess.Popen(
-            [str(bin_dir / "postgres"), "-D", str(self.data_dir), "-p", str(self.port),
-             # TCP only: a Unix socket's path must stay under 108 bytes, which a deep data directory
-             # (a CI checkout's pytest temp folder) passes, and nothing here connects through one
-             "-h", "127.0.0.1", "-k", "", *options],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self._run_as,
+            [
+                str(bin_dir / "postgres"),
+                "-D",
+                str(self.data_dir),
+                "-p",
+                str(self.port),
+                # TCP only: a Unix socket's path must stay under 108 bytes, which a deep data directory
+                # (a CI checkout's pytest temp folder) passes, and nothing here connects through one
+                "-h",
+                "127.0.0.1",
+                "-k",
+                "",
+                *options,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            user=self._run_as,
         )
         self._wait_ready(timeout)
 

@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import IO
 
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")
-LIBFAKETIME_GLOBS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
-                     "/usr/lib64/faketime/libfaketime.so.1")
+LIBFAKETIME_GLOBS = (
+    "/usr/lib/*/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+    "/usr/lib64/faketime/libfaketime.so.1",
+)
 # /run/lock is the system's place for lock files (world-writable, emptied at boot)
 LOCK_DIRS = (Path("/run/lock"), Path(tempfile.gettempdir()))
 LOCK_NAME = ".airflow-smart-triggerer-setup.lock"
@@ -47,8 +50,11 @@ def machine_lock() -> Iterator[None]:
         return
     handle = _lock_file()
     if handle is None:
-        print(f"warning: no lock file could be opened ({', '.join(str(d / LOCK_NAME) for d in LOCK_DIRS)}): "
-              "changing the machine without a lock", file=sys.stderr)
+        print(
+            f"warning: no lock file could be opened ({', '.join(str(d / LOCK_NAME) for d in LOCK_DIRS)}): "
+            "changing the machine without a lock",
+            file=sys.stderr,
+        )
         with _deeper():
             yield
         return
@@ -109,12 +115,16 @@ def apt_install(packages: list[str], why: str, log: Callable[[str], None]) -> No
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # dpkg's lock, held by an apt run that is not ours (ours take turns under machine_lock), is waited for
     wait = ["-o", "DPkg::Lock::Timeout=300"]
-    for command in ([*apt_env, *wait, "update"],
-                    [*apt_env, *wait, "install", "-y", "--no-install-recommends", *packages]):
+    for command in (
+        [*apt_env, *wait, "update"],
+        [*apt_env, *wait, "install", "-y", "--no-install-recommends", *packages],
+    ):
         result = subprocess.run(command, env=env, stdout=sys.stderr.fileno(), check=False)
         if result.returncode != 0:
-            raise SetupError(f"{' '.join(command)} failed ({result.returncode}), see its output above; "
-                             f"{why}: install {names} by hand")
+            raise SetupError(
+                f"{' '.join(command)} failed ({result.returncode}), see its output above; "
+                f"{why}: install {names} by hand"
+            )
 
 
 FINDERS: dict[str, Callable[[], str | None]] = {"chromium": find_chromium, "libfaketime": find_libfaketime}
@@ -125,6 +135,7 @@ def ensure_packages(packages: list[str], why: str, log: Callable[[str], None] = 
     """Each package's path (``FINDERS``), the missing ones installed first in one apt run; looked for again
     under the machine lock, as another worker may have installed them meanwhile. SetupError otherwise,
     naming the settings that point at a copy installed elsewhere."""
+
     def missing() -> list[str]:
         return [name for name in packages if not FINDERS[name]()]
 
@@ -145,5 +156,6 @@ def ensure_packages(packages: list[str], why: str, log: Callable[[str], None] = 
 
 def ensure_libfaketime(log: Callable[[str], None] = print) -> str:
     """The path of libfaketime.so.1, installing Debian's package first when it is missing."""
-    return ensure_packages(["libfaketime"], "the chaos run steps the database's clock with libfaketime",
-                           log)["libfaketime"]
+    return ensure_packages(["libfaketime"], "the chaos run steps the database's clock with libfaketime", log)[
+        "libfaketime"
+    ]

@@ -96,27 +96,35 @@ class Settings:
         if self.sweep_seconds < 10:
             raise ConfigError(f"[smart_triggerer] sweep_seconds must be >= 10, got {self.sweep_seconds}")
         if self.runner_stall_seconds is not None and self.runner_stall_seconds < 0:
-            raise ConfigError(f"[smart_triggerer] runner_stall_seconds must be >= 0 (0: off), "
-                              f"got {self.runner_stall_seconds}")
+            raise ConfigError(
+                f"[smart_triggerer] runner_stall_seconds must be >= 0 (0: off), "
+                f"got {self.runner_stall_seconds}"
+            )
         if self.event_loop not in EVENT_LOOPS:
-            raise ConfigError(f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
-                              f"got {self.event_loop!r}")
+            raise ConfigError(
+                f"[smart_triggerer] event_loop must be one of {', '.join(EVENT_LOOPS)}, "
+                f"got {self.event_loop!r}"
+            )
         self._check_placement()
         self._check_classpaths()
 
     def _check_classpaths(self) -> None:
         for classpath in self.dedup_classpaths:
             if not _CLASSPATH.fullmatch(classpath):
-                raise ConfigError(f"[smart_triggerer] dedup_classpaths: {classpath!r} is not a trigger's "
-                                  "dotted classpath (module.Class, comma separated)")
+                raise ConfigError(
+                    f"[smart_triggerer] dedup_classpaths: {classpath!r} is not a trigger's "
+                    "dotted classpath (module.Class, comma separated)"
+                )
 
     def _check_placement(self) -> None:
         if not 0 < self.placement_epsilon <= 10:
-            raise ConfigError(f"[smart_triggerer] placement_epsilon must be > 0 and <= 10, "
-                              f"got {self.placement_epsilon}")
+            raise ConfigError(
+                f"[smart_triggerer] placement_epsilon must be > 0 and <= 10, got {self.placement_epsilon}"
+            )
         if self.max_loop_lag_ms < 0:
             raise ConfigError(
-                f"[smart_triggerer] max_loop_lag_ms must be >= 0 (0: off), got {self.max_loop_lag_ms}")
+                f"[smart_triggerer] max_loop_lag_ms must be >= 0 (0: off), got {self.max_loop_lag_ms}"
+            )
         if self.max_rss_mb < 0:
             raise ConfigError(f"[smart_triggerer] max_rss_mb must be >= 0 (0: off), got {self.max_rss_mb}")
 

@@ -174,7 +174,7 @@ def get_provider_info() -> dict[str, Any]:
                     },
                     "inbox_allowed_assets": {
                         "description": "JSON object: source deployment name -> list of the assets it may "
-                        "create events for, each \"uri:<asset URI>\" or \"name:<asset name>\" (\"*\": any). "
+                        'create events for, each "uri:<asset URI>" or "name:<asset name>" ("*": any). '
                         "A source not listed may create none.",
                         "version_added": "0.2.0",
                         "type": "string",

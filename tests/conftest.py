@@ -129,8 +129,14 @@ def airflow_template(pg_server: str, tmp_path_factory: pytest.TempPathFactory) -
     dsn = create_database(pg_server, name)
     home = tmp_path_factory.mktemp("template-home")
     try:
-        migrate(AirflowConfig(home=home, database_dsn=dsn, dags_folder=home / "dags",
-                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+        migrate(
+            AirflowConfig(
+                home=home,
+                database_dsn=dsn,
+                dags_folder=home / "dags",
+                fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+            )
+        )
         yield name
     finally:
         drop_database(pg_server, name)
@@ -148,8 +154,12 @@ def airflow_config(airflow_db: str, tmp_path: Path) -> AirflowConfig:
     """A deployment on the fresh database: its own home and dags folder, the session's Fernet key."""
     home = tmp_path / "airflow"
     home.mkdir()
-    return AirflowConfig(home=home, database_dsn=airflow_db, dags_folder=tmp_path / "dags",
-                         fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
+    return AirflowConfig(
+        home=home,
+        database_dsn=airflow_db,
+        dags_folder=tmp_path / "dags",
+        fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+    )
 
 
 @pytest.fixture
@@ -190,8 +200,13 @@ def python_stacks(stack: AirflowStack) -> str:
             continue
         for process in component.tree():
             try:
-                result = subprocess.run([spy, "dump", "--pid", str(process.pid)], capture_output=True,
-                                        text=True, timeout=30, check=False)
+                result = subprocess.run(
+                    [spy, "dump", "--pid", str(process.pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                )
                 found = (result.stdout or result.stderr)[-6000:]
             except subprocess.TimeoutExpired:
                 found = "(py-spy dump timed out)"
@@ -200,15 +215,20 @@ def python_stacks(stack: AirflowStack) -> str:
 
 
 @pytest.fixture
-def second_airflow_stack(pg_server: str, airflow_template: str, tmp_path: Path,
-                         request: pytest.FixtureRequest) -> Iterator[AirflowStack]:
+def second_airflow_stack(
+    pg_server: str, airflow_template: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[AirflowStack]:
     """A second deployment (its own metadata database, home, dags folder and ports) for cross-deployment
     tests; stopped at teardown, its log tails printed when the test failed."""
     with database(pg_server, "st_airflow_b", template=airflow_template) as dsn:
         home = tmp_path / "airflow_b"
         home.mkdir()
-        config = AirflowConfig(home=home, database_dsn=dsn, dags_folder=tmp_path / "dags_b",
-                               fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
+        config = AirflowConfig(
+            home=home,
+            database_dsn=dsn,
+            dags_folder=tmp_path / "dags_b",
+            fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+        )
         config.dags_folder.mkdir()
         with _stopped_at_teardown(AirflowStack(config), request) as stack:
             yield stack

@@ -99,9 +99,14 @@ totals = BatchStats()  # every batch of this process, ended ones included
 class KeyedBatch:
     """All members on one (source, statement) in one event loop, and the task that checks them."""
 
-    def __init__(self, name: str, fetch: Fetch, key_of: Callable[[Any], str],
-                 listener: Callable[[str], ChannelListener] | None = None,
-                 chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        fetch: Fetch,
+        key_of: Callable[[Any], str],
+        listener: Callable[[str], ChannelListener] | None = None,
+        chunk: int | None = None,
+    ) -> None:
         self.name, self.fetch, self.key_of = name, fetch, key_of
         self.chunk = chunk or CHUNK_KEYS
         self.listener = listener
@@ -118,8 +123,9 @@ class KeyedBatch:
     # --- membership ---
 
     @contextlib.asynccontextmanager
-    async def join(self, keys: Iterable[str], interval: float,
-                   channels: Sequence[str] = ()) -> AsyncIterator[Member]:
+    async def join(
+        self, keys: Iterable[str], interval: float, channels: Sequence[str] = ()
+    ) -> AsyncIterator[Member]:
         member = Member(tuple(sorted(set(keys))), float(interval), tuple(channels))
         self.members.add(member)
         self._subscribe(member.channels)
@@ -200,8 +206,13 @@ class KeyedBatch:
                     # the retry owes what this tick was for: a NOTIFY's full tick stays due (a scheduled
                     # one stays due by ``last_full``), or its rows would wait for the next interval
                     self.full_due = self.full_due or full
-                    log.warning("source unreachable; backing off", batch=self.name, members=len(due),
-                                error=type(err).__name__, attempt=failures)
+                    log.warning(
+                        "source unreachable; backing off",
+                        batch=self.name,
+                        members=len(due),
+                        error=type(err).__name__,
+                        attempt=failures,
+                    )
                     retry_at = time.monotonic() + backoff_seconds(failures, cap=self.interval())
                     continue
                 failures = 0
@@ -228,16 +239,21 @@ class KeyedBatch:
             try:
                 await self.listener(channel).ensure()
             except Exception as err:
-                log.warning("cannot listen on the source; polling only", batch=self.name,
-                            error=type(err).__name__)
+                log.warning(
+                    "cannot listen on the source; polling only", batch=self.name, error=type(err).__name__
+                )
 
     def _started(self, task: asyncio.Task[None]) -> None:
         """A batch task that ended other than by its own loop or a cancel (a bug) is logged, and started
         again while members wait on it: they would otherwise wait for good."""
         if task.cancelled() or task.exception() is None:
             return
-        log.error("coalesced check stopped; starting it again", batch=self.name,
-                  error=type(task.exception()).__name__, exc_info=task.exception())
+        log.error(
+            "coalesced check stopped; starting it again",
+            batch=self.name,
+            error=type(task.exception()).__name__,
+            exc_info=task.exception(),
+        )
         if self.task is task:
             self.task = None
             asyncio.get_running_loop().call_later(1.0, self._restart)
@@ -257,7 +273,7 @@ class KeyedBatch:
         found: dict[str, list[Any]] = {}
         refused: dict[str, str] = {}
         for start in range(0, len(keys), self.chunk):
-            await self._fetch_isolating(keys[start:start + self.chunk], found, refused)
+            await self._fetch_isolating(keys[start : start + self.chunk], found, refused)
         for member in due:
             if member not in self.members:
                 continue  # left during the tick
@@ -268,8 +284,9 @@ class KeyedBatch:
             else:
                 member.deliver(Answer(rows=tuple(row for key in member.keys for row in found.get(key, ()))))
 
-    async def _fetch_isolating(self, keys: list[str], found: dict[str, list[Any]],
-                               refused: dict[str, str]) -> None:
+    async def _fetch_isolating(
+        self, keys: list[str], found: dict[str, list[Any]], refused: dict[str, str]
+    ) -> None:
         """Rows of ``keys`` into ``found``; a statement error that some keys cause is narrowed down by
         halving the keys, and each key that fails alone goes into ``refused`` with the cause."""
         try:

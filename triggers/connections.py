@@ -72,8 +72,11 @@ async def _patiently(conn_id: str, patience: float) -> Any:
             if delay <= 0:
                 raise
             if attempt == 1:  # the conn_id, never its values
-                log.warning("connection not found; looking it up again before failing the wait",
-                            conn_id=conn_id, for_seconds=round(patience))
+                log.warning(
+                    "connection not found; looking it up again before failing the wait",
+                    conn_id=conn_id,
+                    for_seconds=round(patience),
+                )
             await asyncio.sleep(delay)
 
 

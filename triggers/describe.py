@@ -27,8 +27,9 @@ MAX_LENGTH = 300
 BUILTIN_DESCRIPTIONS: dict[str, str] = {
     "airflow.providers.standard.triggers.temporal.DateTimeTrigger": "the time {moment}",
     "airflow.providers.standard.triggers.file.FileTrigger": "a file matching {filepath}",
-    "airflow.providers.standard.triggers.external_task.WorkflowTrigger":
-        "DAG {external_dag_id}, tasks {external_task_ids}",
+    "airflow.providers.standard.triggers.external_task.WorkflowTrigger": (
+        "DAG {external_dag_id}, tasks {external_task_ids}"
+    ),
     "airflow.providers.standard.triggers.external_task.DagStateTrigger": "DAG {dag_id} runs in {states}",
 }
 
@@ -38,11 +39,13 @@ BUILTIN_DESCRIPTIONS: dict[str, str] = {
 # hold a rendered secret; the others a dangling "-" for a kwarg without a value).
 REPLACED_TEMPLATES: dict[str, str] = {
     "a true answer from {conn_id}: {sql}": "a true answer from {conn_id} to query {sql!h}",
-    "{required_tables} loaded since {since} ({status_table} on {conn_id})":
-        "{required_tables} loaded[ since {since}] ({status_table} on {conn_id})",
-    "DAG {external_dag_id} run {run_id}, tasks {external_task_ids} in {allowed_states}":
+    "{required_tables} loaded since {since} ({status_table} on {conn_id})": (
+        "{required_tables} loaded[ since {since}] ({status_table} on {conn_id})"
+    ),
+    "DAG {external_dag_id} run {run_id}, tasks {external_task_ids} in {allowed_states}": (
         "DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "
-        "tasks {external_task_ids} in {allowed_states}",
+        "tasks {external_task_ids} in {allowed_states}"
+    ),
 }
 CONVERSIONS = (None, "p", "h")
 _OPTIONAL = re.compile(r"\[([^\[\]]*)\]")
@@ -156,7 +159,7 @@ def _compiled(template: str) -> Compiled:
     parts: list[tuple[frozenset[str] | None, str]] = []
     shown = 0
     for match in _OPTIONAL.finditer(template):
-        parts.append((None, template[shown:match.start()]))
+        parts.append((None, template[shown : match.start()]))
         parts.append((_template_names(match.group(1)), match.group(1)))
         shown = match.end()
     parts.append((None, template[shown:]))
@@ -164,10 +167,12 @@ def _compiled(template: str) -> Compiled:
 
 
 def _pieces(text: str) -> tuple[Piece, ...]:
-    return tuple((literal, name, conversion)
-                 for literal, name, _spec, conversion in string.Formatter().parse(text))
+    return tuple(
+        (literal, name, conversion) for literal, name, _spec, conversion in string.Formatter().parse(text)
+    )
 
 
 def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, str | Sequence | Mapping) and not isinstance(value, bytes)
-                             and len(value) == 0)
+    return value is None or (
+        isinstance(value, str | Sequence | Mapping) and not isinstance(value, bytes) and len(value) == 0
+    )

@@ -54,8 +54,10 @@ class ExternalTarget:
 
         if self.task_ids:
             return [GetTaskStates(dag_id=self.dag_id, task_ids=list(self.task_ids), **self._selector())]
-        return [GetDRCount(dag_id=self.dag_id, states=list(states), **self._selector())
-                for states in (self.failed_states, self.allowed_states)]
+        return [
+            GetDRCount(dag_id=self.dag_id, states=list(states), **self._selector())
+            for states in (self.failed_states, self.allowed_states)
+        ]
 
     def verdict(self, responses: list[Any]) -> dict[str, Any] | None:
         """The answers to ``requests()``, in order -> the event's payload, or None to wait on."""
@@ -99,10 +101,19 @@ class ExternalTarget:
 
 class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
     calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
-    identity_kwargs = ("external_dag_id", "external_task_ids", "logical_date", "run_id", "allowed_states",
-                       "failed_states", "skipped_states")
-    wait_description = ("DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "
-                        "tasks {external_task_ids} in {allowed_states}")
+    identity_kwargs = (
+        "external_dag_id",
+        "external_task_ids",
+        "logical_date",
+        "run_id",
+        "allowed_states",
+        "failed_states",
+        "skipped_states",
+    )
+    wait_description = (
+        "DAG {external_dag_id}[ run {run_id}][ of {logical_date}], "
+        "tasks {external_task_ids} in {allowed_states}"
+    )
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("external_dag_id", "external_task_ids", "logical_date", "run_id")
 
@@ -127,17 +138,30 @@ class ExternalDagTrigger(DedupableTrigger, BaseTrigger):
         self.target()  # validates now; rebuilt at run time from the (possibly rendered) fields
 
     def target(self) -> ExternalTarget:
-        return ExternalTarget(self.external_dag_id, tuple(self.external_task_ids), self.logical_date or None,
-                              self.run_id or None, tuple(self.allowed_states), tuple(self.failed_states),
-                              tuple(self.skipped_states))
+        return ExternalTarget(
+            self.external_dag_id,
+            tuple(self.external_task_ids),
+            self.logical_date or None,
+            self.run_id or None,
+            tuple(self.allowed_states),
+            tuple(self.failed_states),
+            tuple(self.skipped_states),
+        )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggers.external_dag.ExternalDagTrigger", {
-            "external_dag_id": self.external_dag_id, "external_task_ids": list(self.external_task_ids),
-            "logical_date": self.logical_date, "run_id": self.run_id,
-            "allowed_states": self.allowed_states, "failed_states": self.failed_states,
-            "skipped_states": self.skipped_states, "poll_interval": self.poll_interval,
-        })
+        return (
+            "triggers.external_dag.ExternalDagTrigger",
+            {
+                "external_dag_id": self.external_dag_id,
+                "external_task_ids": list(self.external_task_ids),
+                "logical_date": self.logical_date,
+                "run_id": self.run_id,
+                "allowed_states": self.allowed_states,
+                "failed_states": self.failed_states,
+                "skipped_states": self.skipped_states,
+                "poll_interval": self.poll_interval,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = self.target()
@@ -186,16 +210,20 @@ def task_states_batch(target: ExternalTarget) -> KeyedBatch:
             return []
         if by_run:
             pairs = [key.rsplit(_SEP, 1) for key in keys]  # a task id holds no control character
-            request = GetTaskStates(dag_id=target.dag_id, task_ids=sorted({t for _r, t in pairs}),
-                                    run_ids=sorted({r for r, _t in pairs}))
+            request = GetTaskStates(
+                dag_id=target.dag_id,
+                task_ids=sorted({t for _r, t in pairs}),
+                run_ids=sorted({r for r, _t in pairs}),
+            )
         else:
             assert logical_date is not None
             request = GetTaskStates(dag_id=target.dag_id, task_ids=sorted(keys), logical_dates=[logical_date])
         response = await SUPERVISOR_COMMS.asend(request)
         if not isinstance(response, TaskStatesResult):
             raise TypeError(f"GetTaskStates answered {type(response).__name__}")
-        return [(run, task, state) for run, tasks in response.task_states.items()
-                for task, state in tasks.items()]
+        return [
+            (run, task, state) for run, tasks in response.task_states.items() for task, state in tasks.items()
+        ]
 
     def key_of(row: tuple[str, str, str | None]) -> str:
         return f"{row[0]}{_SEP}{row[1]}" if by_run else row[1]

@@ -43,7 +43,8 @@ def shared_session() -> aiohttp.ClientSession:
         # never ride along with another DAG's request to the same host (Airflow's hook, too, keeps no
         # cookie from one poll to the next: a session per call)
         session = _sessions[key] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=CONNECTIONS), timeout=aiohttp.ClientTimeout(total=60),
+            connector=aiohttp.TCPConnector(limit=CONNECTIONS),
+            timeout=aiohttp.ClientTimeout(total=60),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         _slots[key] = asyncio.Semaphore(CONNECTIONS)
@@ -97,8 +98,9 @@ def refuse_unresolvable(url: str) -> None:
     except ValueError as err:
         raise SourceError(f"invalid URL {url!r}: {err}") from err
     if not raw_host or not _HOST.fullmatch(raw_host):
-        raise SourceError(f"invalid URL {url!r}: its host {raw_host or ''!r} can never resolve (fix the "
-                          "connection's host)")
+        raise SourceError(
+            f"invalid URL {url!r}: its host {raw_host or ''!r} can never resolve (fix the connection's host)"
+        )
 
 
 def json_value(document: Any, path: str) -> Any:
@@ -134,8 +136,9 @@ class HttpCondition:
         if self.json_path is not None and not _JSON_PATH.match(self.json_path):
             raise ValueError(f"json_path={self.json_path!r} must be dotted keys like 'data.state'")
 
-    async def check(self, target: HttpTarget,
-                    session: aiohttp.ClientSession | None = None) -> dict[str, Any] | None:
+    async def check(
+        self, target: HttpTarget, session: aiohttp.ClientSession | None = None
+    ) -> dict[str, Any] | None:
         """Through the triggerer's shared session, or through ``session`` (a worker's poke, on a loop of
         its own)."""
         url = f"{target.base_url}/{self.endpoint.lstrip('/')}"
@@ -144,8 +147,12 @@ class HttpCondition:
         try:
             # aiohttp builds the request lazily: an invalid URL is raised entering the block, not above
             async with request(
-                self.method.upper(), url, auth=target.auth, headers={**target.headers, **self.headers},
-                json=self.data if self.data is not None else None, ssl=self.verify_ssl,
+                self.method.upper(),
+                url,
+                auth=target.auth,
+                headers={**target.headers, **self.headers},
+                json=self.data if self.data is not None else None,
+                ssl=self.verify_ssl,
             ) as response:
                 return await self._judge(response, url)
         except aiohttp.InvalidURL as err:
@@ -171,8 +178,17 @@ class HttpCondition:
 
 class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
     calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
-    identity_kwargs = ("http_conn_id", "endpoint", "method", "data", "headers", "expected_statuses",
-                       "json_path", "expected_value", "verify_ssl")
+    identity_kwargs = (
+        "http_conn_id",
+        "endpoint",
+        "method",
+        "data",
+        "headers",
+        "expected_statuses",
+        "json_path",
+        "expected_value",
+        "verify_ssl",
+    )
     wait_description = "HTTP {method} {endpoint!p} on {http_conn_id} answering {expected_statuses}"
     # rendered in the triggerer when the task starts there (start_from_trigger)
     template_fields = ("endpoint", "data", "headers", "expected_value")
@@ -201,17 +217,33 @@ class HttpConditionTrigger(DedupableTrigger, BaseTrigger):
 
     def validate(self) -> HttpCondition:
         """The condition from the current fields (rendered first when the task starts in the triggerer)."""
-        return HttpCondition(self.endpoint, self.method, self.data, dict(self.headers),
-                             tuple(self.expected_statuses), self.json_path, self.expected_value,
-                             self.verify_ssl)
+        return HttpCondition(
+            self.endpoint,
+            self.method,
+            self.data,
+            dict(self.headers),
+            tuple(self.expected_statuses),
+            self.json_path,
+            self.expected_value,
+            self.verify_ssl,
+        )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggers.http.HttpConditionTrigger", {
-            "http_conn_id": self.http_conn_id, "endpoint": self.endpoint, "method": self.method,
-            "data": self.data, "headers": self.headers, "expected_statuses": self.expected_statuses,
-            "json_path": self.json_path, "expected_value": self.expected_value, "verify_ssl": self.verify_ssl,
-            "poll_interval": self.poll_interval,
-        })
+        return (
+            "triggers.http.HttpConditionTrigger",
+            {
+                "http_conn_id": self.http_conn_id,
+                "endpoint": self.endpoint,
+                "method": self.method,
+                "data": self.data,
+                "headers": self.headers,
+                "expected_statuses": self.expected_statuses,
+                "json_path": self.json_path,
+                "expected_value": self.expected_value,
+                "verify_ssl": self.verify_ssl,
+                "poll_interval": self.poll_interval,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await http_target(self.http_conn_id, patience=CONNECTION_PATIENCE)

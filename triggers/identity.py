@@ -111,8 +111,10 @@ class DeclaresIdentity:
                 raise TypeError(f"{cls.__name__}.wait_description: {err}") from err
             allowed = set(cls.identity_kwargs) | set(cls.shared_stream_kwargs)
             if shown - allowed:
-                raise TypeError(f"{cls.__name__}.wait_description shows {sorted(shown - allowed)}: only "
-                                "identity kwargs may be shown (others may hold secrets)")
+                raise TypeError(
+                    f"{cls.__name__}.wait_description shows {sorted(shown - allowed)}: only "
+                    "identity kwargs may be shown (others may hold secrets)"
+                )
         for rule in cls.execution_merge.values():
             if rule not in MERGE_RULES:
                 raise TypeError(f"{cls.__name__}.execution_merge: unknown rule {rule!r} ({MERGE_RULES})")
@@ -145,7 +147,6 @@ class DedupableTrigger(DeclaresIdentity):
     """
 
 
-
 def identity_marker(trigger_class: type, kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
     """What :data:`IDENTITY_KWARG` holds for these serialized kwargs (None: not deduplicated)."""
     keys = tuple(getattr(trigger_class, "identity_kwargs", ()) or ())
@@ -157,8 +158,12 @@ def identity_marker(trigger_class: type, kwargs: Mapping[str, Any]) -> dict[str,
     if not keys:
         return None
     merge = dict(getattr(trigger_class, "execution_merge", {}) or {})
-    return {"v": IDENTITY_VERSION, "identity": sorted(keys),
-            "merge": {k: merge[k] for k in sorted(merge) if k in kwargs and k not in keys}, **extra}
+    return {
+        "v": IDENTITY_VERSION,
+        "identity": sorted(keys),
+        "merge": {k: merge[k] for k in sorted(merge) if k in kwargs and k not in keys},
+        **extra,
+    }
 
 
 def _dropping_marker(init: Callable[..., None]) -> Callable[..., None]:
@@ -265,8 +270,9 @@ def _canonical_scalar(value: Any) -> Any:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(canonical(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
+    return json.dumps(
+        canonical(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def identity_hash(classpath: str, identity_kwargs: Mapping[str, Any]) -> int:
@@ -341,16 +347,18 @@ class IdentityPolicy:
             return found
         return dataclasses.replace(found, description=describe(template, kwargs))
 
-    def _identity(self, classpath: str, kwargs: dict[str, Any], marker: Any, trigger_id: int,
-                  templated: bool) -> Identity:
+    def _identity(
+        self, classpath: str, kwargs: dict[str, Any], marker: Any, trigger_id: int, templated: bool
+    ) -> Identity:
         if templated:
             # start_from_trigger tasks are rendered in the runner: "{{ data_interval_end }}" is the same
             # text for runs that wait for different times, so unrendered kwargs say nothing of the wait.
             return _alone(classpath, trigger_id)
         if classpath in self.allowed_classpaths:
             normalized = _NORMALIZERS.get(classpath, lambda k: k)(kwargs)
-            return Identity(identity_hash(classpath, normalized), dedupable=True,
-                            execution=_intervals(kwargs))
+            return Identity(
+                identity_hash(classpath, normalized), dedupable=True, execution=_intervals(kwargs)
+            )
         if not isinstance(marker, Mapping):
             return _alone(classpath, trigger_id)
         if marker.get("shared_stream"):

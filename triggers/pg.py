@@ -46,8 +46,13 @@ class PgTarget:
         return hashlib.sha256(raw.encode()).hexdigest()
 
     def connect_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"host": self.host, "port": self.port, "user": self.user,
-                                  "password": self.password, "database": self.database}
+        kwargs: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "database": self.database,
+        }
         if self.ssl:
             kwargs["ssl"] = self.ssl
         return kwargs
@@ -60,8 +65,7 @@ class SourceError(Exception):
 T = TypeVar("T")
 
 
-async def read_only(source: asyncpg.Connection | asyncpg.Pool,
-                    reads: Callable[[Any], Awaitable[T]]) -> T:
+async def read_only(source: asyncpg.Connection | asyncpg.Pool, reads: Callable[[Any], Awaitable[T]]) -> T:
     """Run a sensor's reads in a READ ONLY transaction of their own: a check is a read, and a statement
     that writes (a data-modifying CTE, a function with side effects) fails instead of changing data.
     BEGIN READ ONLY also holds against SQL that turns ``default_transaction_read_only`` off."""
@@ -87,9 +91,11 @@ async def refuse_writable_role(conn: asyncpg.Connection | asyncpg.Pool, conn_id:
     code may use must be read-only (docs/guides/sensors.md, "Metadata-DB sensors: a
     read-only role for airflow_db")."""
     if await conn.fetchval(WRITABLE_ROLE_SQL):
-        raise SourceError(f"connection {conn_id!r} logs in as a role that can write to Airflow's metadata "
-                          "database; give it a read-only role (docs/guides/sensors.md, "
-                          "'Metadata-DB sensors: a read-only role for airflow_db')")
+        raise SourceError(
+            f"connection {conn_id!r} logs in as a role that can write to Airflow's metadata "
+            "database; give it a read-only role (docs/guides/sensors.md, "
+            "'Metadata-DB sensors: a read-only role for airflow_db')"
+        )
 
 
 async def target_for(conn_id: str, *, patience: float = 0.0) -> PgTarget:
@@ -99,8 +105,14 @@ async def target_for(conn_id: str, *, patience: float = 0.0) -> PgTarget:
 
     conn = await aget_connection(conn_id, patience=patience)
     extra = await aextra_dejson(conn)
-    return PgTarget(host=conn.host or "localhost", port=int(conn.port or 5432), user=conn.login,
-                    password=conn.password, database=conn.schema or None, ssl=extra.get("sslmode"))
+    return PgTarget(
+        host=conn.host or "localhost",
+        port=int(conn.port or 5432),
+        user=conn.login,
+        password=conn.password,
+        database=conn.schema or None,
+        ssl=extra.get("sslmode"),
+    )
 
 
 _pools: dict[tuple[str, int], asyncpg.Pool] = {}
@@ -135,8 +147,11 @@ def is_permanent(exc: BaseException) -> bool:
     )
     # but the source's own limits on a transaction (idle in it, or open, too long: a stalled triggerer)
     # and a transaction an earlier error aborted say nothing of the check: worth another try
-    timed_out = (asyncpg.IdleInTransactionSessionTimeoutError, asyncpg.TransactionTimeoutError,
-                 asyncpg.InFailedSQLTransactionError)
+    timed_out = (
+        asyncpg.IdleInTransactionSessionTimeoutError,
+        asyncpg.TransactionTimeoutError,
+        asyncpg.InFailedSQLTransactionError,
+    )
     return isinstance(exc, (*permanent, SourceError)) and not isinstance(exc, timed_out)
 
 
@@ -186,8 +201,11 @@ class SourceListener:
                 # bounded: every wait on the source arms it (under the lock) before its check, so a
                 # source that accepts and then says nothing must not hold them all
                 if self.conn is None:
-                    conn = await asyncpg.connect(**self.target.connect_kwargs(), timeout=LISTEN_TIMEOUT,
-                                                 server_settings={"application_name": LISTENER_NAME})
+                    conn = await asyncpg.connect(
+                        **self.target.connect_kwargs(),
+                        timeout=LISTEN_TIMEOUT,
+                        server_settings={"application_name": LISTENER_NAME},
+                    )
                     conn.add_termination_listener(self._lost)
                     self.conn, self.listening = conn, set()
                 if channel not in self.listening:

@@ -22,8 +22,13 @@ from triggers.polling import channel_names, listening, one_or_many, poll_until
 STATEMENT_TIMEOUT = 60.0
 
 
-async def sql_condition(source: asyncpg.Connection | asyncpg.Pool, sql: str, parameters: Sequence[Any],
-                        failure_sql: str | None, failure_parameters: Sequence[Any]) -> dict[str, Any] | None:
+async def sql_condition(
+    source: asyncpg.Connection | asyncpg.Pool,
+    sql: str,
+    parameters: Sequence[Any],
+    failure_sql: str | None,
+    failure_parameters: Sequence[Any],
+) -> dict[str, Any] | None:
     async def reads(conn: asyncpg.Connection) -> dict[str, Any] | None:
         if failure_sql:
             # Two statements of the author's in one transaction: the first must not be able to end it
@@ -43,8 +48,9 @@ async def sql_condition(source: asyncpg.Connection | asyncpg.Pool, sql: str, par
 
 def _still_in_transaction(conn: asyncpg.Connection, argument: str) -> None:
     if not conn.is_in_transaction():
-        raise SourceError(f"{argument} ended the read-only transaction (COMMIT, ROLLBACK): a sensor's SQL "
-                          "may only read")
+        raise SourceError(
+            f"{argument} ended the read-only transaction (COMMIT, ROLLBACK): a sensor's SQL may only read"
+        )
 
 
 class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
@@ -78,12 +84,19 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
         self.notify_channel = one_or_many(channel_names(notify_channel))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("triggers.sql_condition.SqlConditionTrigger", {
-            "conn_id": self.conn_id, "sql": self.sql, "parameters": self.parameters,
-            "failure_sql": self.failure_sql, "failure_parameters": self.failure_parameters,
-            "poll_interval": self.poll_interval, "notify_channel": self.notify_channel,
-            "read_only_role": self.read_only_role,
-        })
+        return (
+            "triggers.sql_condition.SqlConditionTrigger",
+            {
+                "conn_id": self.conn_id,
+                "sql": self.sql,
+                "parameters": self.parameters,
+                "failure_sql": self.failure_sql,
+                "failure_parameters": self.failure_parameters,
+                "poll_interval": self.poll_interval,
+                "notify_channel": self.notify_channel,
+                "read_only_role": self.read_only_role,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         target = await target_for(self.conn_id, patience=CONNECTION_PATIENCE)
@@ -95,8 +108,9 @@ class SqlConditionTrigger(DedupableTrigger, BaseTrigger):
             if not role_checked:  # once per trigger: a SourceError ends the wait with the cause
                 await refuse_writable_role(pool, self.conn_id)
                 role_checked = True
-            return await sql_condition(pool, self.sql, self.parameters, self.failure_sql,
-                                       self.failure_parameters)
+            return await sql_condition(
+                pool, self.sql, self.parameters, self.failure_sql, self.failure_parameters
+            )
 
         async with listening(target, self.notify_channel) as hint:
             payload = await poll_until(check, poll_interval=self.poll_interval, log=self.log, hint=hint)

@@ -82,13 +82,20 @@ class LoadState:
             return f"latest load FAILED for {', '.join(self.failed)}"
         if self.status == "success":
             return f"all {len(self.loaded)} required tables loaded"
-        parts = [f"{label}: {', '.join(names)}" for label, names in
-                 (("loading", self.loading), ("not loaded", self.missing)) if names]
+        parts = [
+            f"{label}: {', '.join(names)}"
+            for label, names in (("loading", self.loading), ("not loaded", self.missing))
+            if names
+        ]
         return "waiting for " + "; ".join(parts)
 
     def payload(self) -> dict[str, Any]:
-        return {"status": self.status, "message": self.message(), "loaded": self.loaded,
-                "failed": self.failed}
+        return {
+            "status": self.status,
+            "message": self.message(),
+            "loaded": self.loaded,
+            "failed": self.failed,
+        }
 
 
 def evaluate(rows: Sequence[Any], required: Sequence[str], since: dt.datetime | None) -> LoadState:
@@ -117,14 +124,19 @@ def _aware(value: dt.datetime) -> dt.datetime:
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
-async def check_tables(conn: asyncpg.Connection | asyncpg.Pool, spec: StatusTable,
-                       required: Sequence[str], since: dt.datetime | None) -> LoadState:
+async def check_tables(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    spec: StatusTable,
+    required: Sequence[str],
+    since: dt.datetime | None,
+) -> LoadState:
     rows = await read_only(conn, lambda c: c.fetch(spec.query(), list(required)))
     return evaluate(rows, required, since)
 
 
-async def check_once(conn_id: str, spec: StatusTable, required: Sequence[str],
-                     since: dt.datetime | None) -> LoadState:
+async def check_once(
+    conn_id: str, spec: StatusTable, required: Sequence[str], since: dt.datetime | None
+) -> LoadState:
     """The worker-side check: one short-lived connection, no pool left behind."""
     target = await target_for(conn_id)
     conn = await asyncpg.connect(**target.connect_kwargs())
@@ -156,8 +168,16 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
 
     # end_from_trigger is identity: members of one group must agree on whether the wait ends here
     calls_sync_sdk = False  # connections and comms are asked with await: no greenback portal needed
-    identity_kwargs = ("conn_id", "required_tables", "status_table", "table_column", "status_column",
-                       "time_column", "since", "end_from_trigger")
+    identity_kwargs = (
+        "conn_id",
+        "required_tables",
+        "status_table",
+        "table_column",
+        "status_column",
+        "time_column",
+        "since",
+        "end_from_trigger",
+    )
     # a group listens on every channel any of its members listens on (a NOTIFY is never dropped)
     execution_merge = {"notify_channel": "union"}
     wait_description = "{required_tables} loaded[ since {since}] ({status_table} on {conn_id})"
@@ -192,11 +212,16 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
         return (
             "triggers.table_load.TableLoadTrigger",
             {
-                "conn_id": self.conn_id, "required_tables": self.required_tables,
-                "status_table": self.spec.status_table, "table_column": self.spec.table_column,
-                "status_column": self.spec.status_column, "time_column": self.spec.time_column,
-                "since": self.since, "poll_interval": self.poll_interval,
-                "notify_channel": self.notify_channel, "end_from_trigger": self.end_from_trigger,
+                "conn_id": self.conn_id,
+                "required_tables": self.required_tables,
+                "status_table": self.spec.status_table,
+                "table_column": self.spec.table_column,
+                "status_column": self.spec.status_column,
+                "time_column": self.spec.time_column,
+                "since": self.since,
+                "poll_interval": self.poll_interval,
+                "notify_channel": self.notify_channel,
+                "end_from_trigger": self.end_from_trigger,
             },
         )
 
@@ -228,8 +253,9 @@ class TableLoadTrigger(DedupableTrigger, BaseTrigger):
     async def _wait_in_batch(self, target: PgTarget, since: dt.datetime | None) -> dict[str, Any]:
         """Every wait of this process on the same status table shares one query per tick."""
         batch = status_batch(target, self.spec, self.conn_id)
-        async with batch.join(self.required_tables, self.poll_interval,
-                              channel_names(self.notify_channel)) as member:
+        async with batch.join(
+            self.required_tables, self.poll_interval, channel_names(self.notify_channel)
+        ) as member:
             while True:
                 answer = await member.next()
                 if answer.error is not None:
@@ -247,7 +273,11 @@ def status_batch(target: PgTarget, spec: StatusTable, conn_id: str) -> KeyedBatc
         return await read_only(await shared_pool(target), lambda c: c.fetch(statement, list(keys)))
 
     def make() -> KeyedBatch:
-        return KeyedBatch(f"{spec.status_table} on {conn_id}", fetch, key_of=lambda row: row["table_name"],
-                          listener=lambda channel: shared_listener(target, channel))
+        return KeyedBatch(
+            f"{spec.status_table} on {conn_id}",
+            fetch,
+            key_of=lambda row: row["table_name"],
+            listener=lambda channel: shared_listener(target, channel),
+        )
 
     return shared_batch(("table_load", target.key, statement), make)

@@ -35,8 +35,12 @@ def _connection_failure(err: BaseException) -> str | None:
         return _first_line(str(err.orig))
     if isinstance(err, DBAPIError) and err.connection_invalidated:
         return _first_line(str(err.orig))
-    if isinstance(err, asyncpg.exceptions.InvalidAuthorizationSpecificationError
-                  | asyncpg.exceptions.InvalidCatalogNameError | asyncpg.exceptions.CannotConnectNowError):
+    if isinstance(
+        err,
+        asyncpg.exceptions.InvalidAuthorizationSpecificationError
+        | asyncpg.exceptions.InvalidCatalogNameError
+        | asyncpg.exceptions.CannotConnectNowError,
+    ):
         return _first_line(str(err))
     return _socket_failure(err)
 
@@ -56,9 +60,16 @@ def _socket_failure(err: BaseException) -> str | None:
 
 # what libpq and PostgreSQL say when a connection or login fails (not when a statement fails)
 _CONNECT_FAILURES = (
-    "could not connect", "connection refused", "connection to server at", "connection to server on",
-    "password authentication failed", "no pg_hba.conf entry", "could not translate host name",
-    "timeout expired", "the database system is starting up", "the database system is shutting down",
+    "could not connect",
+    "connection refused",
+    "connection to server at",
+    "connection to server on",
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "could not translate host name",
+    "timeout expired",
+    "the database system is starting up",
+    "the database system is shutting down",
 )
 
 
@@ -103,18 +114,25 @@ def explain(err: BaseException) -> tuple[str, int] | None:
         malformed = _malformed_database_url(link)
         if malformed is not None:
             # never the URL itself: it may hold the password
-            return (f"cannot parse [database] sql_alchemy_conn ({malformed}): it must be a URL such as "
-                    "postgresql://user:password@host:5432/airflow", ExitCode.CONFIG)
+            return (
+                f"cannot parse [database] sql_alchemy_conn ({malformed}): it must be a URL such as "
+                "postgresql://user:password@host:5432/airflow",
+                ExitCode.CONFIG,
+            )
         denied = _privilege_failure(link)
         if denied is not None:
-            return (f"the database role lacks a privilege ({denied}): see docs/operations/install.md for "
-                    "the privileges the smart triggerer and the dataset bridge need",
-                    ExitCode.DATABASE_PRIVILEGE)
+            return (
+                f"the database role lacks a privilege ({denied}): see docs/operations/install.md for "
+                "the privileges the smart triggerer and the dataset bridge need",
+                ExitCode.DATABASE_PRIVILEGE,
+            )
         reason = _connection_failure(link)
         if reason is not None:
-            return (f"cannot reach the database ({reason}): is PostgreSQL running, and are the URL and "
-                    "credentials in [database] sql_alchemy_conn right?",
-                    ExitCode.DATABASE_UNREACHABLE)
+            return (
+                f"cannot reach the database ({reason}): is PostgreSQL running, and are the URL and "
+                "credentials in [database] sql_alchemy_conn right?",
+                ExitCode.DATABASE_UNREACHABLE,
+            )
     return None
 
 
@@ -135,5 +153,9 @@ def guarded(prog: str, verbose: bool, command: Callable[[], int]) -> int:
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every command of both CLIs takes."""
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="on an error, print the traceback as well as the one-line message")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="on an error, print the traceback as well as the one-line message",
+    )

@@ -27,32 +27,55 @@ def _port(value: str) -> int:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity", type=_positive_int, default=None,
-                        help="the most groups (coroutines) the instance runs, and its weight in shard "
-                             "placement; when every instance is full, the waits beyond it stay deferred "
-                             "and start as room frees (default: [triggerer] capacity)")
-    parser.add_argument("--health-port", type=_port, default=None,
-                        help="serve GET /health and /metrics on PORT; 0 picks a free port and logs it "
-                             "(default: [smart_triggerer] health_port, unset = no endpoint)")
-    parser.add_argument("--health-host", default=None,
-                        help="address the health endpoint binds (default: [smart_triggerer] health_host, "
-                             "127.0.0.1); any other address, e.g. 0.0.0.0 for Kubernetes probes, needs "
-                             "[smart_triggerer] health_token")
-    parser.add_argument("--queues", default=None,
-                        help="comma-separated trigger queues to serve (isolation from stock triggerers)")
-    parser.add_argument("--team-name", default=None,
-                        help="serve only this team's triggers, in a shard space of its own (Airflow 3.3 "
-                             "multi-team; needs [core] multi_team), as airflow triggerer --team-name")
-    parser.add_argument("--skip-serve-logs", action="store_true",
-                        help="do not start the trigger log server (as for `airflow triggerer`)")
+    parser.add_argument(
+        "--capacity",
+        type=_positive_int,
+        default=None,
+        help="the most groups (coroutines) the instance runs, and its weight in shard "
+        "placement; when every instance is full, the waits beyond it stay deferred "
+        "and start as room frees (default: [triggerer] capacity)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=_port,
+        default=None,
+        help="serve GET /health and /metrics on PORT; 0 picks a free port and logs it "
+        "(default: [smart_triggerer] health_port, unset = no endpoint)",
+    )
+    parser.add_argument(
+        "--health-host",
+        default=None,
+        help="address the health endpoint binds (default: [smart_triggerer] health_host, "
+        "127.0.0.1); any other address, e.g. 0.0.0.0 for Kubernetes probes, needs "
+        "[smart_triggerer] health_token",
+    )
+    parser.add_argument(
+        "--queues",
+        default=None,
+        help="comma-separated trigger queues to serve (isolation from stock triggerers)",
+    )
+    parser.add_argument(
+        "--team-name",
+        default=None,
+        help="serve only this team's triggers, in a shard space of its own (Airflow 3.3 "
+        "multi-team; needs [core] multi_team), as airflow triggerer --team-name",
+    )
+    parser.add_argument(
+        "--skip-serve-logs",
+        action="store_true",
+        help="do not start the trigger log server (as for `airflow triggerer`)",
+    )
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--team-name", default=None,
-                        help="with [core] multi_team: only this team's instances (and those of no team). "
-                             "status reads the metadata database with its credentials: it is for operators; "
-                             "the page scopes by team through Airflow's auth manager")
+    parser.add_argument(
+        "--team-name",
+        default=None,
+        help="with [core] multi_team: only this team's instances (and those of no team). "
+        "status reads the metadata database with its credentials: it is for operators; "
+        "the page scopes by team through Airflow's auth manager",
+    )
 
 
 EPILOG = """Configuration: the usual Airflow configuration (AIRFLOW_HOME, airflow.cfg, AIRFLOW__SECTION__KEY);
@@ -67,15 +90,24 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="smart-triggerer",
         description="A deduplicating, sharded replacement for `airflow triggerer`.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = commands.add_parser("run", help="run one smart triggerer instance", epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = commands.add_parser(
+        "run",
+        help="run one smart triggerer instance",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_run_arguments(run)
-    status = commands.add_parser("status", help="instances, shards, waiters, groups, dedup ratio",
-                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    status = commands.add_parser(
+        "status",
+        help="instances, shards, waiters, groups, dedup ratio",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_status_arguments(status)
     for sub in (run, status):
         add_common_arguments(sub)
@@ -108,11 +140,15 @@ def queue_set(raw: str | None) -> set[str] | None:
         return None
     queues = [q.strip() for q in raw.split(",")]
     if not all(queues):
-        raise ConfigError(f"--queues {raw!r} has an empty queue name: give comma-separated names, e.g. "
-                          "--queues reports,exports")
+        raise ConfigError(
+            f"--queues {raw!r} has an empty queue name: give comma-separated names, e.g. "
+            "--queues reports,exports"
+        )
     if not conf.getboolean("triggerer", "queues_enabled", fallback=False):
-        raise ConfigError("--queues may only be used when [triggerer] queues_enabled is True "
-                          "(AIRFLOW__TRIGGERER__QUEUES_ENABLED), as for airflow triggerer")
+        raise ConfigError(
+            "--queues may only be used when [triggerer] queues_enabled is True "
+            "(AIRFLOW__TRIGGERER__QUEUES_ENABLED), as for airflow triggerer"
+        )
     return set(queues)
 
 
@@ -128,8 +164,10 @@ def team_of(raw: str | None) -> str | None:
     if not raw.strip():
         raise ConfigError("--team-name is empty: give the name of a team (airflow teams list)")
     if not conf.getboolean("core", "multi_team", fallback=False):
-        raise ConfigError("--team-name may only be used when [core] multi_team is True "
-                          "(AIRFLOW__CORE__MULTI_TEAM), as for airflow triggerer")
+        raise ConfigError(
+            "--team-name may only be used when [core] multi_team is True "
+            "(AIRFLOW__CORE__MULTI_TEAM), as for airflow triggerer"
+        )
     return raw.strip()
 
 

@@ -20,8 +20,11 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors suggest the closest flag or command (sub-commands are made of it
     too: argparse makes a sub-parser of its parent's class)."""
 
-    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+    def parse_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> argparse.Namespace:
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             # the command's own parser reports it: its usage line is the one that helps

@@ -50,17 +50,21 @@ def apply(session: Any, schema: str, migrations: Iterable[Migration]) -> list[Mi
     recorded there, in order; the caller holds the schema's lock and owns the transaction. ``schema`` is
     one of ours, never a user's input."""
     session.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
-    session.execute(text(
-        f"CREATE TABLE IF NOT EXISTS {schema}.migration (version integer PRIMARY KEY, "
-        "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-    ))
+    session.execute(
+        text(
+            f"CREATE TABLE IF NOT EXISTS {schema}.migration (version integer PRIMARY KEY, "
+            "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+    )
     applied = set(session.execute(text(f"SELECT version FROM {schema}.migration")).scalars())
     done = []
     for version, name, sql in migrations:
         if version in applied:
             continue
         session.connection().exec_driver_sql(sql)
-        session.execute(text(f"INSERT INTO {schema}.migration (version, name) VALUES (:version, :name)"),
-                        {"version": version, "name": name})
+        session.execute(
+            text(f"INSERT INTO {schema}.migration (version, name) VALUES (:version, :name)"),
+            {"version": version, "name": name},
+        )
         done.append((version, name, sql))
     return done

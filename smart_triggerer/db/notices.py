@@ -62,8 +62,10 @@ class MembershipNotices:
             conn = _listening_connection()
         except Exception as err:  # the database is away: renewals still run every loop
             (log.debug if self.failing else log.info)(
-                "not listening for membership notices; trying again later", error=cause(err),
-                retry_in=RETRY_SECONDS)
+                "not listening for membership notices; trying again later",
+                error=cause(err),
+                retry_in=RETRY_SECONDS,
+            )
             self.failing = True
             return
         if conn is None:
@@ -95,8 +97,10 @@ class MembershipNotices:
         conn.notifies.clear()
         if peers:
             self.received += len(peers)
-            log.info("a peer joined, stopped or handed shards over: renewing the leases now",
-                     peers=sorted({p.split(" ", 1)[0] for p in peers}))
+            log.info(
+                "a peer joined, stopped or handed shards over: renewing the leases now",
+                peers=sorted({p.split(" ", 1)[0] for p in peers}),
+            )
             self.on_notice()
         return True
 

@@ -19,8 +19,15 @@ def supported_airflow() -> str:
     except PackageNotFoundError:  # run from a source tree that was never installed
         return ""
     found = (Requirement(r) for r in wanted)
-    specifier = next((r.specifier for r in found if canonicalize_name(r.name) == "apache-airflow"
-                      and (r.marker is None or r.marker.evaluate({"extra": ""}))), None)
+    specifier = next(
+        (
+            r.specifier
+            for r in found
+            if canonicalize_name(r.name) == "apache-airflow"
+            and (r.marker is None or r.marker.evaluate({"extra": ""}))
+        ),
+        None,
+    )
     # lower bounds first, as people write them
     return ",".join(sorted((str(s) for s in specifier or ()), key=lambda s: s.startswith("<")))
 
@@ -64,10 +71,14 @@ def require_migrated() -> None:
     from sqlalchemy import text
 
     with create_session() as session:
-        found = session.execute(text(
-            "SELECT to_regclass('alembic_version') IS NOT NULL AND to_regclass('job') IS NOT NULL "
-            "AND to_regclass('trigger') IS NOT NULL")).scalar()
+        found = session.execute(
+            text(
+                "SELECT to_regclass('alembic_version') IS NOT NULL AND to_regclass('job') IS NOT NULL "
+                "AND to_regclass('trigger') IS NOT NULL"
+            )
+        ).scalar()
     if not found:
         raise AirflowNotMigrated(
             "the metadata database has no Airflow tables: run `airflow db migrate` against it first "
-            "([database] sql_alchemy_conn names the database this command uses)")
+            "([database] sql_alchemy_conn names the database this command uses)"
+        )

@@ -104,22 +104,45 @@ def render(status: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="smart triggerer instances")
-    for column in ("job id", "host", "healthy", "shards", "waiters", "groups / capacity", "lag p99",
-                   "RSS", "resumed", "failed"):
+    for column in (
+        "job id",
+        "host",
+        "healthy",
+        "shards",
+        "waiters",
+        "groups / capacity",
+        "lag p99",
+        "RSS",
+        "resumed",
+        "failed",
+    ):
         table.add_column(column)
     for i in status["instances"]:
         lag = "-" if i["lag_p99_ms"] is None else f"{i['lag_p99_ms']:.0f} ms"
         rss = "-" if i["rss_mb"] is None else f"{i['rss_mb']} MB"
         groups = f"{i['groups']} / {i['capacity']}" + ("" if i["accepting"] else " (shedding)")
-        table.add_row(str(i["job_id"]), i["host"], "yes" if i["healthy"] else "no", str(i["shards_owned"]),
-                      str(i["waiters"]), groups, lag, rss, str(i["resumed_total"]),
-                      str(i["failures_total"]))
+        table.add_row(
+            str(i["job_id"]),
+            i["host"],
+            "yes" if i["healthy"] else "no",
+            str(i["shards_owned"]),
+            str(i["waiters"]),
+            groups,
+            lag,
+            rss,
+            str(i["resumed_total"]),
+            str(i["failures_total"]),
+        )
     console = Console()
     console.print(table)
     totals = status["totals"]
-    console.print(f"{totals['instances']} healthy instance(s), {totals['shards_owned']}/{totals['shards']} "
-                  f"shards owned, {totals['waiters']} waiters in {totals['groups']} groups, "
-                  f"dedup ratio {status['dedup_ratio']}")
+    console.print(
+        f"{totals['instances']} healthy instance(s), {totals['shards_owned']}/{totals['shards']} "
+        f"shards owned, {totals['waiters']} waiters in {totals['groups']} groups, "
+        f"dedup ratio {status['dedup_ratio']}"
+    )
     if totals["fleet_full"]:
-        console.print("the fleet is full: every instance is at its capacity or limits (add an instance or "
-                      "raise --capacity); instances keep what they run")
+        console.print(
+            "the fleet is full: every instance is at its capacity or limits (add an instance or "
+            "raise --capacity); instances keep what they run"
+        )

@@ -203,11 +203,28 @@ class Store:
 
     # --- membership and leases ---
 
-    def register(self, job_id: int, hostname: str, capacity: int, queues: str | None, *,
-                 health_url: str | None, shards: int, lease_seconds: float | None = None) -> None:
+    def register(
+        self,
+        job_id: int,
+        hostname: str,
+        capacity: int,
+        queues: str | None,
+        *,
+        health_url: str | None,
+        shards: int,
+        lease_seconds: float | None = None,
+    ) -> None:
         self._run("create_shards", shards=shards, queues=queues or "")
-        self._run("register_instance", job_id=job_id, hostname=hostname, capacity=capacity,
-                  queues=queues, health_url=health_url, placement=PLACEMENT, lease_seconds=lease_seconds)
+        self._run(
+            "register_instance",
+            job_id=job_id,
+            hostname=hostname,
+            capacity=capacity,
+            queues=queues,
+            health_url=health_url,
+            placement=PLACEMENT,
+            lease_seconds=lease_seconds,
+        )
 
     def refuse_other_leases(self, job_id: int, lease_seconds: float) -> None:
         """A fleet must agree on ``lease_seconds``: peers judge each other's membership by their own, so a
@@ -228,13 +245,15 @@ class Store:
         rows = self._run("live_queue_sets", lease_seconds=lease_seconds)
         return [r[0] for r in rows]
 
-    def heartbeat(self, job_id: int, lease_seconds: float, *, feed_xmin: str | None = None,
-                  **counters: Any) -> tuple[bool, float]:
+    def heartbeat(
+        self, job_id: int, lease_seconds: float, *, feed_xmin: str | None = None, **counters: Any
+    ) -> tuple[bool, float]:
         """Renew membership; ``feed_xmin``: how far this instance has read the change feed. Returns whether
         the membership was still live (by the database clock) before this renewal (False too when the row
         is gone) and the database clock (epoch seconds)."""
-        row = self._run("heartbeat_instance", job_id=job_id, lease_seconds=lease_seconds,
-                        feed_xmin=feed_xmin, **counters).one_or_none()
+        row = self._run(
+            "heartbeat_instance", job_id=job_id, lease_seconds=lease_seconds, feed_xmin=feed_xmin, **counters
+        ).one_or_none()
         if row is None:
             return False, float(self._run("db_clock").scalar_one())
         return bool(row.was_live), float(row.db_now)
@@ -242,22 +261,42 @@ class Store:
     def live_candidates(self, lease_seconds: float, queues: str | None) -> list[LiveMember]:
         """Live members as the placement sees them (placement.py), with the placement each computes."""
         rows = self._run("live_instances", lease_seconds=lease_seconds, queues=queues)
-        return [LiveMember(Candidate(r.job_id, r.capacity, accepting=r.accepting, limit=r.limit_groups),
-                           r.placement, float(r.lapses_in)) for r in rows]
+        return [
+            LiveMember(
+                Candidate(r.job_id, r.capacity, accepting=r.accepting, limit=r.limit_groups),
+                r.placement,
+                float(r.lapses_in),
+            )
+            for r in rows
+        ]
 
     def shard_loads(self, queues: str | None) -> list[ShardLoad]:
         """Each shard's live owner (None: none) and the groups its owner last published."""
-        return [ShardLoad(r.shard, r.owner_job_id, r.groups)
-                for r in self._run("shard_loads", queues=queues or "")]
+        return [
+            ShardLoad(r.shard, r.owner_job_id, r.groups)
+            for r in self._run("shard_loads", queues=queues or "")
+        ]
 
-    def claim_shards(self, job_id: int, shards: Iterable[int], lease_seconds: float,
-                     queues: str | None, loads: Mapping[int, int] | None = None) -> set[int]:
+    def claim_shards(
+        self,
+        job_id: int,
+        shards: Iterable[int],
+        lease_seconds: float,
+        queues: str | None,
+        loads: Mapping[int, int] | None = None,
+    ) -> set[int]:
         """Renew and take leases; ``loads``: groups this instance holds per shard it has loaded, published
         with the renewal."""
         published = sorted((loads or {}).items())
-        rows = self._run("claim_shards", job_id=job_id, shards=sorted(shards), lease_seconds=lease_seconds,
-                         queues=queues or "", load_shards=[s for s, _ in published],
-                         load_groups=[g for _, g in published])
+        rows = self._run(
+            "claim_shards",
+            job_id=job_id,
+            shards=sorted(shards),
+            lease_seconds=lease_seconds,
+            queues=queues or "",
+            load_shards=[s for s, _ in published],
+            load_groups=[g for _, g in published],
+        )
         return {r.shard for r in rows}
 
     def held_shards(self, job_id: int, shards: Iterable[int], queues: str | None) -> set[int]:
@@ -328,22 +367,38 @@ class Store:
 
     def instances(self, lease_seconds: float, keep_stopped_seconds: float = 1e9) -> list[dict[str, Any]]:
         """Live instances and those stopped within ``keep_stopped_seconds``."""
-        return [dict(r._mapping) for r in self._run("instances", lease_seconds=lease_seconds,
-                                                     keep_stopped_seconds=keep_stopped_seconds)]
+        return [
+            dict(r._mapping)
+            for r in self._run(
+                "instances", lease_seconds=lease_seconds, keep_stopped_seconds=keep_stopped_seconds
+            )
+        ]
 
     def page_group_order(self, dag_ids: Sequence[str]) -> list[tuple[Any, ...]]:
         """Every group of deferred tasks in these DAGs, biggest first: (identity_hash, alone, queue,
         members, dags, waiting_since)."""
         return [tuple(r) for r in self._run("page_group_order", dag_ids=list(dag_ids))]
 
-    def page_groups(self, groups: Sequence[tuple[int, int | None, str]], dag_ids: Sequence[str],
-                    members: int, scanned: int) -> list[dict[str, Any]]:
+    def page_groups(
+        self,
+        groups: Sequence[tuple[int, int | None, str]],
+        dag_ids: Sequence[str],
+        members: int,
+        scanned: int,
+    ) -> list[dict[str, Any]]:
         """Details of these groups ((identity_hash, alone, queue), in page order), with their first
         ``members`` deferred tasks in ``dag_ids`` among their first ``scanned`` members."""
         self.session.execute(text(PAGE_GROUPS_PLANNER))
-        rows = self._run("page_groups", hashes=[g[0] for g in groups], alone=[g[1] for g in groups],
-                         queues=[g[2] for g in groups], dag_ids=list(dag_ids), members=members,
-                         scanned=scanned, multi_team=multi_team_enabled())
+        rows = self._run(
+            "page_groups",
+            hashes=[g[0] for g in groups],
+            alone=[g[1] for g in groups],
+            queues=[g[2] for g in groups],
+            dag_ids=list(dag_ids),
+            members=members,
+            scanned=scanned,
+            multi_team=multi_team_enabled(),
+        )
         return [dict(r._mapping) for r in rows]
 
     def page_chart(self) -> list[dict[str, Any]]:
@@ -351,30 +406,47 @@ class Store:
 
     # --- identities ---
 
-    def unhashed_triggers(self, queues: RowScope | Sequence[str] | None, limit: int,
-                          after_xid: str | None = None,
-                          after_id: int = 0) -> list[tuple[int, str, str, str | None]]:
+    def unhashed_triggers(
+        self,
+        queues: RowScope | Sequence[str] | None,
+        limit: int,
+        after_xid: str | None = None,
+        after_id: int = 0,
+    ) -> list[tuple[int, str, str, str | None]]:
         """Trigger rows without an identity, in id order after ``after_id``: all of them (a sweep), or
         (``after_xid``) those new since."""
         if after_xid is None:
             self.session.execute(text(SWEEP_PLANNER))
-        rows = self._run("unhashed_triggers", **scope_params(queues), limit=limit, after_xid=after_xid,
-                         after_id=after_id)
+        rows = self._run(
+            "unhashed_triggers", **scope_params(queues), limit=limit, after_xid=after_xid, after_id=after_id
+        )
         return [(r.id, r.classpath, r.kwargs, r.team_name) for r in rows]
 
     def insert_identities(self, identities: Sequence[NewIdentity]) -> None:
         if not identities:
             return
-        self._run("insert_identities", trigger_ids=[i.trigger_id for i in identities],
-                  hashes=[i.identity_hash for i in identities], shards=[i.shard for i in identities],
-                  dedupable=[i.dedupable for i in identities],
-                  executions=[json.dumps(i.execution) for i in identities],
-                  errors=[i.error for i in identities], descriptions=[i.description for i in identities])
+        self._run(
+            "insert_identities",
+            trigger_ids=[i.trigger_id for i in identities],
+            hashes=[i.identity_hash for i in identities],
+            shards=[i.shard for i in identities],
+            dedupable=[i.dedupable for i in identities],
+            executions=[json.dumps(i.execution) for i in identities],
+            errors=[i.error for i in identities],
+            descriptions=[i.description for i in identities],
+        )
 
-    def record_sample(self, job_id: int, waiters: int, groups: int, polls_saved: float, *,
-                      prune: bool) -> None:
-        self._run("record_sample", job_id=job_id, waiters=waiters, groups=groups, polls_saved=polls_saved,
-                  prune=prune)
+    def record_sample(
+        self, job_id: int, waiters: int, groups: int, polls_saved: float, *, prune: bool
+    ) -> None:
+        self._run(
+            "record_sample",
+            job_id=job_id,
+            waiters=waiters,
+            groups=groups,
+            polls_saved=polls_saved,
+            prune=prune,
+        )
 
     def hold_events(self, held: Sequence[tuple[int, str, float]]) -> dict[int, float]:
         """Store events held for members: (trigger id, event text, hold seconds) each; returns each stored
@@ -401,13 +473,24 @@ class Store:
         xmin: str = self._run("snapshot_xmin").scalar_one()
         return xmin
 
-    def waiting_triggers(self, shards: Iterable[int], queues: RowScope | Sequence[str] | None, *,
-                         after_xid: str | None = None, hold_seconds: float = 0.0) -> list[WaitingTrigger]:
+    def waiting_triggers(
+        self,
+        shards: Iterable[int],
+        queues: RowScope | Sequence[str] | None,
+        *,
+        after_xid: str | None = None,
+        hold_seconds: float = 0.0,
+    ) -> list[WaitingTrigger]:
         """Every waiter of these shards, or (``after_xid``) those that arrived or were watched anew since."""
         if not shards:
             return []
-        rows = self._run("waiting_triggers", shards=sorted(shards), **scope_params(queues),
-                         after_xid=after_xid, hold_seconds=hold_seconds)
+        rows = self._run(
+            "waiting_triggers",
+            shards=sorted(shards),
+            **scope_params(queues),
+            after_xid=after_xid,
+            hold_seconds=hold_seconds,
+        )
         return [_waiting(r) for r in rows]
 
     def deleted_triggers(self, after_xid: str) -> set[int]:
@@ -444,7 +527,6 @@ class Store:
         self._run("claim_triggers", job_id=job_id, ids=sorted(ids))
 
 
-
 def multi_team_enabled() -> bool:
     from airflow.configuration import conf
 
@@ -478,16 +560,40 @@ def scope_params(scope: RowScope | Sequence[str] | None) -> dict[str, Any]:
     """The row filter's parameters (a bare queue list: no team filter)."""
     if not isinstance(scope, RowScope):
         scope = RowScope(tuple(scope) if scope else None)
-    return {"queues": list(scope.queues) if scope.queues else None, "team": scope.team,
-            "multi_team": scope.multi_team}
+    return {
+        "queues": list(scope.queues) if scope.queues else None,
+        "team": scope.team,
+        "multi_team": scope.multi_team,
+    }
 
 
 def _waiting(r: Any) -> WaitingTrigger:
-    (trigger_id, identity_hash, shard, dedupable, execution, error, hold_left, has_task, timeout_in,
-     held_event, held_in) = r
-    return WaitingTrigger(trigger_id, identity_hash, shard, dedupable, has_task, _execution(execution),
-                          float(hold_left), error, None if timeout_in is None else float(timeout_in),
-                          held_event, float(held_in or 0.0))
+    (
+        trigger_id,
+        identity_hash,
+        shard,
+        dedupable,
+        execution,
+        error,
+        hold_left,
+        has_task,
+        timeout_in,
+        held_event,
+        held_in,
+    ) = r
+    return WaitingTrigger(
+        trigger_id,
+        identity_hash,
+        shard,
+        dedupable,
+        has_task,
+        _execution(execution),
+        float(hold_left),
+        error,
+        None if timeout_in is None else float(timeout_in),
+        held_event,
+        float(held_in or 0.0),
+    )
 
 
 def _execution(stored: str | None) -> dict[str, Any]:

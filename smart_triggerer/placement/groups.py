@@ -45,8 +45,14 @@ class Group:
     @property
     def poll_interval(self) -> float | None:
         """How often the group's coroutine polls (its members' shortest interval), when a kwarg says so."""
-        return next((float(v) for k in INTERVAL_KWARGS
-                     if isinstance(v := self.settings.get(k), int | float) and v > 0), None)
+        return next(
+            (
+                float(v)
+                for k in INTERVAL_KWARGS
+                if isinstance(v := self.settings.get(k), int | float) and v > 0
+            ),
+            None,
+        )
 
     def merge_settings(self, execution: Mapping[str, Sequence[Any]]) -> None:
         """Add one member's execution kwargs (``key -> (rule, value)``). A member that brings what every
@@ -94,8 +100,9 @@ class Groups:
     arrivals: int = 0
     _with_members: int = 0
 
-    def join(self, trigger_id: int, identity_hash: int,
-             execution: Mapping[str, Sequence[Any]] | None = None) -> Group:
+    def join(
+        self, trigger_id: int, identity_hash: int, execution: Mapping[str, Sequence[Any]] | None = None
+    ) -> Group:
         group = self.by_hash.get(identity_hash)
         if group is None:
             group = self.by_hash[identity_hash] = Group(identity_hash)

@@ -81,8 +81,13 @@ class _Room:
 SETTLE_ROUNDS = 8
 
 
-def place(shards: int, members: Iterable[Candidate], groups: Mapping[int, int],
-          owners: Mapping[int, int | None], epsilon: float) -> Placement:
+def place(
+    shards: int,
+    members: Iterable[Candidate],
+    groups: Mapping[int, int],
+    owners: Mapping[int, int | None],
+    epsilon: float,
+) -> Placement:
     """shard -> owner for every shard of ``range(shards)``; ``groups``: groups per shard as published
     (missing: not known yet, see ``_with_estimates``);
     ``owners``: each shard's current owner (None or a non-member: none).
@@ -112,8 +117,13 @@ def _with_estimates(shards: int, known: Mapping[int, int]) -> dict[int, int]:
     return {shard: known.get(shard, estimate) for shard in range(shards)}
 
 
-def _place_once(shards: int, live: list[Candidate], groups: Mapping[int, int],
-                owners: Mapping[int, int | None], epsilon: float) -> Placement:
+def _place_once(
+    shards: int,
+    live: list[Candidate],
+    groups: Mapping[int, int],
+    owners: Mapping[int, int | None],
+    epsilon: float,
+) -> Placement:
     weights = {shard: float(max(groups.get(shard, 0), 1)) for shard in range(shards)}
     shares = fair_shares(sum(weights.values()), live)
     rooms = {m.job_id: _Room(m, shares[m.job_id], _bound(m, shares[m.job_id], epsilon)) for m in live}
@@ -124,14 +134,21 @@ def _place_once(shards: int, live: list[Candidate], groups: Mapping[int, int],
     margin = sum(weights.values()) / max(shards, 1) / 2
     for shard in range(shards):  # stays first, so that what the others keep is counted before a move
         owner = owners.get(shard)
-        if owner in rooms and rooms[owner].fits(weights[shard], groups.get(shard, 0),
-                                                rooms[owner].share + margin):
+        if owner in rooms and rooms[owner].fits(
+            weights[shard], groups.get(shard, 0), rooms[owner].share + margin
+        ):
             placed[shard] = _take(rooms[owner], weights[shard], groups.get(shard, 0)), False
     for shard in range(shards):
         if shard not in placed:
             owner = owners.get(shard)
-            room, full = _choose(shard, weights[shard], groups.get(shard, 0), rooms=rooms, live=live,
-                                 owner=owner if owner in rooms else None)
+            room, full = _choose(
+                shard,
+                weights[shard],
+                groups.get(shard, 0),
+                rooms=rooms,
+                live=live,
+                owner=owner if owner in rooms else None,
+            )
             placed[shard] = _take(room, weights[shard], groups.get(shard, 0)), full
     result.owners = {shard: room.member.job_id for shard, (room, _) in sorted(placed.items())}
     result.full = any(full for _, full in placed.values())
@@ -172,18 +189,27 @@ def _take(room: _Room, weight: float, groups: int) -> _Room:
     return room
 
 
-def _choose(shard: int, weight: float, groups: int, *, rooms: dict[int, _Room], live: list[Candidate],
-            owner: int | None) -> tuple[_Room, bool]:
+def _choose(
+    shard: int,
+    weight: float,
+    groups: int,
+    *,
+    rooms: dict[int, _Room],
+    live: list[Candidate],
+    owner: int | None,
+) -> tuple[_Room, bool]:
     """The member for one shard, and whether it was placed over every bound (full)."""
-    allowed = [rooms[m.job_id] for m in _preference(shard, live)
-               if m.accepting or m.job_id == owner]
+    allowed = [rooms[m.job_id] for m in _preference(shard, live) if m.accepting or m.job_id == owner]
     # under the shares: a shard its live owner cannot keep goes to the member furthest below its share
     # (on a join, the joiner, not another member that happens to have a little room); a shard without an
     # owner (a leaver's, a dead instance's, a start's) to the member with the least room it fits in, so
     # that the heavy shards still find room under a share and no member ends over its share and sheds
     # one of its own in the next loop. The rendezvous order breaks ties (sorted is stable).
-    order = (sorted(allowed, key=lambda r: r.weight - r.share) if owner is not None
-             else sorted(allowed, key=lambda r: r.share - r.weight))
+    order = (
+        sorted(allowed, key=lambda r: r.weight - r.share)
+        if owner is not None
+        else sorted(allowed, key=lambda r: r.share - r.weight)
+    )
     for room in order:
         if room.fits(weight, groups, room.share):
             return room, False

@@ -16,8 +16,10 @@ def decode_kwargs(kwargs: dict[str, Any], *, as_is: str | None = None) -> dict[s
     0.1 ms there, a third of the runner's CPU for a new coroutine. ``as_is``: a kwarg left undecoded."""
     from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
-    return {k: smart_decode_trigger_kwargs(v) if isinstance(v, (dict, list)) and k != as_is else v
-            for k, v in kwargs.items()}
+    return {
+        k: smart_decode_trigger_kwargs(v) if isinstance(v, (dict, list)) and k != as_is else v
+        for k, v in kwargs.items()
+    }
 
 
 _ABSENT: Any = object()

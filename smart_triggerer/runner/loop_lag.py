@@ -54,20 +54,22 @@ class LagBoard:
 
     def write(self, minute_ms: float, recent_ms: float) -> None:
         self._sequence += 1
-        self._page[:_SEQUENCE.size] = _SEQUENCE.pack(self._sequence)
-        self._page[_SEQUENCE.size:_SEQUENCE.size + _FIGURES.size] = _FIGURES.pack(
-            minute_ms, recent_ms, time.monotonic())
+        self._page[: _SEQUENCE.size] = _SEQUENCE.pack(self._sequence)
+        self._page[_SEQUENCE.size : _SEQUENCE.size + _FIGURES.size] = _FIGURES.pack(
+            minute_ms, recent_ms, time.monotonic()
+        )
         self._sequence += 1
-        self._page[:_SEQUENCE.size] = _SEQUENCE.pack(self._sequence)
+        self._page[: _SEQUENCE.size] = _SEQUENCE.pack(self._sequence)
 
     def read(self) -> tuple[float, float] | None:
         """(p99 over the last minute, p99 recently) in ms; None before the first write. A runner that has
         not written for a while is lagging by that while (a loop stuck in one callback writes nothing)."""
         for _ in range(100):
-            (before,) = _SEQUENCE.unpack(self._page[:_SEQUENCE.size])
+            (before,) = _SEQUENCE.unpack(self._page[: _SEQUENCE.size])
             minute_ms, recent_ms, written_at = _FIGURES.unpack(
-                self._page[_SEQUENCE.size:_SEQUENCE.size + _FIGURES.size])
-            (after,) = _SEQUENCE.unpack(self._page[:_SEQUENCE.size])
+                self._page[_SEQUENCE.size : _SEQUENCE.size + _FIGURES.size]
+            )
+            (after,) = _SEQUENCE.unpack(self._page[: _SEQUENCE.size])
             if before == after and before % 2 == 0:
                 if before == 0:
                     return None
@@ -76,13 +78,14 @@ class LagBoard:
         return None  # a writer in the middle of a write for a hundred reads: take the next reading
 
     def write_holder(self, trigger_id: int, name: str) -> None:
-        sequence = _HOLDER.unpack(self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size])[0]
-        self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size] = _HOLDER.pack(
-            sequence + 1, trigger_id, name.encode()[:240])
+        sequence = _HOLDER.unpack(self._page[_HOLDER_AT : _HOLDER_AT + _HOLDER.size])[0]
+        self._page[_HOLDER_AT : _HOLDER_AT + _HOLDER.size] = _HOLDER.pack(
+            sequence + 1, trigger_id, name.encode()[:240]
+        )
 
     def read_holder(self) -> tuple[int, str] | None:
         """(trigger id, task name) the runner's spotter last saw holding its blocked loop; None: none."""
-        _, trigger_id, name = _HOLDER.unpack(self._page[_HOLDER_AT:_HOLDER_AT + _HOLDER.size])
+        _, trigger_id, name = _HOLDER.unpack(self._page[_HOLDER_AT : _HOLDER_AT + _HOLDER.size])
         return (trigger_id, name.rstrip(b"\0").decode(errors="replace")) if trigger_id else None
 
 

@@ -218,7 +218,7 @@ class BatchedLogChannel:
                 while self._pending:  # lines added while a batch went out go in the next one
                     batch, self._pending = memoryview(bytes(self._pending)), bytearray()
                     while batch:  # a blocking write of a socket may take part of it
-                        batch = batch[self.raw.write(batch):]
+                        batch = batch[self.raw.write(batch) :]
             finally:
                 self._draining = False
 
@@ -286,8 +286,12 @@ class _TriggerLog:
         """The calling coroutine sent an event and is ending without being cancelled."""
         details = self._triggers.get(structlog.contextvars.get_contextvars().get("trigger_id", 0))
         task = asyncio.current_task()
-        return (details is not None and details["events"] > 0 and task is details["task"]
-                and not task.cancelling())
+        return (
+            details is not None
+            and details["events"] > 0
+            and task is details["task"]
+            and not task.cancelling()
+        )
 
 
 class _WakingDeque(deque[Any]):
@@ -361,8 +365,12 @@ class SmartTriggerRunner(TriggerRunner):
         often as answers come while a pile lasts)."""
         if self._prefetch is not None and self._prefetch.done():
             self._collect_answer()
-        if (self._handing_over and self._prefetch is None and not self.stop
-                and len(self.to_create) <= PREFETCH_BELOW):
+        if (
+            self._handing_over
+            and self._prefetch is None
+            and not self.stop
+            and len(self.to_create) <= PREFETCH_BELOW
+        ):
             self._prefetch = asyncio.create_task(self._sync_ahead(), name="ask ahead")
 
     async def _sync_ahead(self) -> None:
@@ -427,8 +435,9 @@ class SmartTriggerRunner(TriggerRunner):
             # Airflow's decoding, where it changes anything (our identity marker: plain JSON)
             deserialised_kwargs = decode_kwargs(kw, as_is=IDENTITY_KWARG)
             if ti := workload.ti:
-                trigger_name = (f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{ti.map_index}/{ti.try_number} "
-                                f"(ID {trigger_id})")
+                trigger_name = (
+                    f"{ti.dag_id}/{ti.run_id}/{ti.task_id}/{ti.map_index}/{ti.try_number} (ID {trigger_id})"
+                )
                 trigger_instance = trigger_class(**deserialised_kwargs)
                 if workload.dag_data:
                     runtime_ti = self.create_runtime_ti(ti, workload.dag_data, workload.dag_run_data)
@@ -499,11 +508,17 @@ class SmartTriggerRunner(TriggerRunner):
             saved_exc = e
         else:
             if isinstance(result, TriggerEvent):
-                self.log.error("Trigger returned a TriggerEvent rather than yielding it",
-                               trigger=details["name"], trigger_id=trigger_id)
+                self.log.error(
+                    "Trigger returned a TriggerEvent rather than yielding it",
+                    trigger=details["name"],
+                    trigger_id=trigger_id,
+                )
         if details["events"] == 0:
-            self.log.error("Trigger exited without sending an event. Dependent tasks will be failed.",
-                           name=details["name"], trigger_id=trigger_id)
+            self.log.error(
+                "Trigger exited without sending an event. Dependent tasks will be failed.",
+                name=details["name"],
+                trigger_id=trigger_id,
+            )
             self.failed_triggers.append((trigger_id, saved_exc))
 
     def run(self) -> None:

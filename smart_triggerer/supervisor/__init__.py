@@ -17,11 +17,12 @@ shards another instance took over. An event is acknowledged to the runner (``per
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
-``load``, ``feed``, ``deadlines``, ``starting``, ``events``, ``housekeeping``. ``load``, ``deadlines`` and
-``stall`` are objects that own their state and are handed the context the parts share (``shared.py``:
-settings, groups and members, owned shards, the database clock); the others are still mixins over
-``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
-the parts in order, and it answers what a part asks of the instance (the runner watch's ``Instance``)."""
+``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``. ``load``,
+``deadlines``, ``stall`` and ``log_files`` are objects that own their state and are handed the context the
+parts share (``shared.py``: settings, groups and members, owned shards, the database clock); the others are
+still mixins over ``state.SupervisorState``, whose fields they share. The class here is the conductor:
+``run_once`` calls the parts in order, and it answers what a part asks of the instance (the runner watch's
+``Instance``)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,16 @@ from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.feed import FeedLoading
 from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.leases import Leases
-from smart_triggerer.supervisor.starting import WRITE_HELD_EVERY_SECONDS, GroupStarting
+from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
+from smart_triggerer.supervisor.starting import GroupStarting
 from smart_triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFanout, Housekeeping,
-                                   SupervisorState):
+class SmartTriggerRunnerSupervisor(
+    Leases, FeedLoading, GroupStarting, EventFanout, Housekeeping, SupervisorState
+):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -72,11 +75,11 @@ class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFano
         if not self._start_backlog():
             self.dag_cache.clear()  # the start is over
         self._hold_collector()  # held from a big start's first batch; released once it is over
-        self._pace_log_files()
+        self.log_files.pace()
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
-        if self._log_files_pending():
+        if self.log_files.pending():
             wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
         self._service_subprocess(0.0 if self._start_backlog() else wait)
         self.watch.look()  # after its messages were read: a wedged runner's instance steps out

@@ -25,8 +25,9 @@ def payload_text(payload: Any) -> str:
 
 
 def _digest(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode("utf-8",
-                                                                              "surrogatepass")).hexdigest()
+    return hashlib.sha256(
+        json.dumps(payload, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
+    ).hexdigest()
 
 
 class DeadLetters:

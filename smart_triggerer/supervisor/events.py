@@ -33,6 +33,7 @@ WATCHER_BACKOFF_SECONDS = 1.0
 # listener slower than the idle-in-transaction limit) is failed as its own fault
 OUTAGE_STRIKES = 3
 
+
 def _failure_cause(exc: Any) -> str:
     """A runner-reported failure in one line: an exception, the traceback lines it was sent as, or none."""
     if isinstance(exc, BaseException):
@@ -132,17 +133,25 @@ class EventFanout(SupervisorState):
                 self._store_events([entry])
             except Exception as err:
                 if is_transient(err):
-                    log.info("an event met a lock it may not wait for; trying it again next loop",
-                             runner_id=entry.trigger_id, error=cause(err))
+                    log.info(
+                        "an event met a lock it may not wait for; trying it again next loop",
+                        runner_id=entry.trigger_id,
+                        error=cause(err),
+                    )
                     later.append(entry)
                 elif blames_event(err):
                     self._poisoned(entry, err)
                 elif not self._lost_its_session_again(entry, err, time.monotonic() - started):
                     raise  # the database refuses every writer: this and every later event stay queued
                 elif self.outage_strikes[entry.trigger_id] >= OUTAGE_STRIKES:
-                    self._poisoned(entry, err, why=(
-                        f"the server ended its transaction {OUTAGE_STRIKES} times while the database "
-                        "answered (a listener or callback slower than half a lease?)"))
+                    self._poisoned(
+                        entry,
+                        err,
+                        why=(
+                            f"the server ended its transaction {OUTAGE_STRIKES} times while the database "
+                            "answered (a listener or callback slower than half a lease?)"
+                        ),
+                    )
                 else:
                     later.append(entry)
             else:
@@ -156,8 +165,11 @@ class EventFanout(SupervisorState):
         sooner was not idle that long: terminated or restarted from outside, which to the client looks the
         same ("server closed the connection"); counted, it failed innocent tasks when sessions were ended
         again and again for a second while a fresh connection still answered. That is an outage."""
-        if (not is_outage(err) or seconds < idle_limit_seconds(self.settings.lease_seconds)
-                or not self._database_answers()):
+        if (
+            not is_outage(err)
+            or seconds < idle_limit_seconds(self.settings.lease_seconds)
+            or not self._database_answers()
+        ):
             return False
         self.outage_strikes[entry.trigger_id] = self.outage_strikes.get(entry.trigger_id, 0) + 1
         return True
@@ -225,8 +237,12 @@ class EventFanout(SupervisorState):
         self.outage_strikes.pop(entry.trigger_id, None)
         why = why or cause(err)
         group = self.groups.by_runner(entry.trigger_id)
-        log.error("an event could not be stored; failing its members", runner_id=entry.trigger_id,
-                  members=len(group.members) if group else 0, error=why)
+        log.error(
+            "an event could not be stored; failing its members",
+            runner_id=entry.trigger_id,
+            members=len(group.members) if group else 0,
+            error=why,
+        )
         self.events_total += 1
         if group is None or self._in_lapsed_shard(group):
             return
@@ -251,9 +267,15 @@ class EventFanout(SupervisorState):
                     store.dead_event(trigger_id, payload_text(entry.event.payload), tries, why)
             tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
             self.failures_total += fanout.fail(
-                session, tasks, [f"smart-triggerer: the trigger's event could not be stored: {why}\n"])
-        log.error("an asset watcher's event could not be stored; set aside in smart_triggerer.dead_event so "
-                  "its source moves on", runner_id=entry.trigger_id, tries=tries, error=why)
+                session, tasks, [f"smart-triggerer: the trigger's event could not be stored: {why}\n"]
+            )
+        log.error(
+            "an asset watcher's event could not be stored; set aside in smart_triggerer.dead_event so "
+            "its source moves on",
+            runner_id=entry.trigger_id,
+            tries=tries,
+            error=why,
+        )
         self.dead_letters.forget(group.identity_hash)
         self.dead_letters.total += 1
         if entry.persist_seq is not None:
@@ -303,8 +325,10 @@ class EventFanout(SupervisorState):
             by_event[id(self.held[trigger_id].event)].append(trigger_id)
         with create_session() as session:
             fenced = self._fence(session)
-            batches = [([t for t in ids if self._shard_of(t) in fenced], self.held[ids[0]].event)
-                       for ids in by_event.values()]
+            batches = [
+                ([t for t in ids if self._shard_of(t) in fenced], self.held[ids[0]].event)
+                for ids in by_event.values()
+            ]
             Store(session).release_held_events(t for ids, _event in batches for t in ids)
             self.resumed_total += fanout.resume(session, batches)
         # those not fenced: their shard moved; its new owner resumes them from their stored event
@@ -344,10 +368,16 @@ class EventFanout(SupervisorState):
             if not blames_event(err):
                 raise  # not the traceback's doing: the group is kept and its failure tried again
             # the database refuses the traceback itself: the tasks fail with a fixed one
-            log.error("a failure's traceback could not be stored; failing its tasks without it",
-                      error=cause(err))
-            self._fail_tasks(group, ["smart-triggerer: the trigger failed, and its error could not be "
-                                     "stored; see the triggerer's log\n"])
+            log.error(
+                "a failure's traceback could not be stored; failing its tasks without it", error=cause(err)
+            )
+            self._fail_tasks(
+                group,
+                [
+                    "smart-triggerer: the trigger failed, and its error could not be "
+                    "stored; see the triggerer's log\n"
+                ],
+            )
         watchers = [m for m in group.members if not self._is_task(m)]
         if not watchers or self._in_lapsed_shard(group):
             self._end_group(group)
@@ -363,8 +393,14 @@ class EventFanout(SupervisorState):
         self.groups.suspend(group, time.monotonic() + delay)
         self.watcher_restarts_total += 1
         self.last_watcher_error = why
-        log.warning("an asset watcher failed; starting it again after a backoff", runner_id=runner_id,
-                    watchers=len(watchers), attempt=attempt, retry_in=delay, error=why)
+        log.warning(
+            "an asset watcher failed; starting it again after a backoff",
+            runner_id=runner_id,
+            watchers=len(watchers),
+            attempt=attempt,
+            retry_in=delay,
+            error=why,
+        )
 
     def _fail_tasks(self, group: Group, exc: Any) -> None:
         with create_session() as session:

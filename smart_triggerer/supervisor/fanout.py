@@ -117,8 +117,11 @@ def delete_unused(session: Session, trigger_ids: Sequence[int]) -> None:
             # the connection is gone and the whole transaction with it: the caller must see the outage
             # (events kept, retried), not a PendingRollbackError at its commit that blames an event
             raise
-        log.warning("unused trigger rows left to the sweep", triggers=len(set(trigger_ids)),
-                    error=str(err).splitlines()[0])
+        log.warning(
+            "unused trigger rows left to the sweep",
+            triggers=len(set(trigger_ids)),
+            error=str(err).splitlines()[0],
+        )
 
 
 def _resume_through_airflow(session: Session, items: Sequence[tuple[Any, TriggerEvent]]) -> int:
@@ -140,8 +143,10 @@ def fail(session: Session, trigger_ids: Sequence[int], exc: Any) -> int:
     if not locked:
         return 0
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_FAILURE.value, "traceback": traceback})
-    session.execute(text(queries()["fail_task_instances"]),
-                    {"ids": [str(row[0]) for row in locked], "next_kwargs": next_kwargs})
+    session.execute(
+        text(queries()["fail_task_instances"]),
+        {"ids": [str(row[0]) for row in locked], "next_kwargs": next_kwargs},
+    )
     delete_unused(session, trigger_ids)
     return len(locked)
 
@@ -152,8 +157,10 @@ def timeout(session: Session, shards: Sequence[int], queues: RowScope | Sequence
     if not shards:
         return []
     next_kwargs = json.dumps({"error": TriggerFailureReason.TRIGGER_TIMEOUT.value})
-    result = session.execute(text(queries()["timeout_members"]),
-                             {"shards": list(shards), **scope_params(queues), "next_kwargs": next_kwargs})
+    result = session.execute(
+        text(queries()["timeout_members"]),
+        {"shards": list(shards), **scope_params(queues), "next_kwargs": next_kwargs},
+    )
     timed_out = [int(row[0]) for row in result]
     delete_unused(session, timed_out)
     return timed_out
@@ -177,17 +184,21 @@ def submit_watcher_event(session: Session, trigger_id: int, event: TriggerEvent)
         Trigger.submit_event(trigger_id=trigger_id, event=event, session=session)
         return
     trigger = session.scalars(
-        select(Trigger).where(Trigger.id == trigger_id)
+        select(Trigger)
+        .where(Trigger.id == trigger_id)
         .options(selectinload(Trigger.asset_watchers).selectinload(AssetWatcherModel.asset))
     ).one_or_none()
     if trigger is None:
         return
     for asset in trigger.assets:
-        claimed = session.execute(text(queries()["claim_asset_event_key"]),
-                                  {"asset_id": asset.id, "key": key, "trigger_id": trigger_id}).first()
+        claimed = session.execute(
+            text(queries()["claim_asset_event_key"]),
+            {"asset_id": asset.id, "key": key, "trigger_id": trigger_id},
+        ).first()
         if claimed is None:
             continue  # this asset already has the event for this key
         asset_manager.register_asset_change(
-            asset=asset.to_serialized(), extra={"from_trigger": True, "payload": payload}, session=session)
+            asset=asset.to_serialized(), extra={"from_trigger": True, "payload": payload}, session=session
+        )
     if trigger.callback:
         trigger.callback.handle_event(event, session)

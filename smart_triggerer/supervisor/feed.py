@@ -65,8 +65,11 @@ class FeedLoading(SupervisorState):
         read = [int(x) for x in (self.load_xmin, self.hash_xmin) if x is not None]
         if not read or int(xmin) >= max(read):
             return False
-        log.warning("the database's transaction ids went back; reading every waiter again",
-                    position=max(read), now=int(xmin))
+        log.warning(
+            "the database's transaction ids went back; reading every waiter again",
+            position=max(read),
+            now=int(xmin),
+        )
         self.load_xmin = self.hash_xmin = None
         return True
 
@@ -112,8 +115,12 @@ class FeedLoading(SupervisorState):
         while True:
             with create_session() as session:
                 store = Store(session)
-                rows = store.unhashed_triggers(self.queue_list, limit=batch, after_xid=after,
-                                               after_id=self.sweep_after if after is None else 0)
+                rows = store.unhashed_triggers(
+                    self.queue_list,
+                    limit=batch,
+                    after_xid=after,
+                    after_id=self.sweep_after if after is None else 0,
+                )
                 if rows:
                     store.insert_identities(compute_identities(rows, self.settings))
             hashed += len(rows)
@@ -130,8 +137,10 @@ class FeedLoading(SupervisorState):
         this one may have been taken for stopped while it was paused."""
         with create_session() as session:
             if Store(session).ensure_feed_locked():
-                log.warning("installed the change feed's triggers again (an instance stopped while this one "
-                            "was paused, or a table of Airflow's was recreated)")
+                log.warning(
+                    "installed the change feed's triggers again (an instance stopped while this one "
+                    "was paused, or a table of Airflow's was recreated)"
+                )
 
     def _load_waiters(self) -> None:
         """Arrivals and departures since the last read, from the change feed; every waiter of shards just
@@ -198,8 +207,9 @@ class FeedLoading(SupervisorState):
             xmin = store.snapshot_xmin()
             rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
             if feed and self.load_xmin is not None:
-                rows += store.waiting_triggers(self.owned - full - unread, self.queue_list,
-                                               after_xid=self.load_xmin, hold_seconds=hold)
+                rows += store.waiting_triggers(
+                    self.owned - full - unread, self.queue_list, after_xid=self.load_xmin, hold_seconds=hold
+                )
                 gone = store.deleted_triggers(self.load_xmin)
             new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
             if new:
@@ -222,8 +232,12 @@ class FeedLoading(SupervisorState):
         for row in rows:
             self._join(row)
         if full:  # a takeover's or a start's read: how long the runner waited for it
-            log.info("read whole shards", shards=len(full), waits=len(rows),
-                     seconds=round(time.monotonic() - started, 2))
+            log.info(
+                "read whole shards",
+                shards=len(full),
+                waits=len(rows),
+                seconds=round(time.monotonic() - started, 2),
+            )
         return True
 
     def _join(self, row: WaitingTrigger) -> None:

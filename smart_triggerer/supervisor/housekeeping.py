@@ -114,8 +114,9 @@ class Housekeeping(SupervisorState):
                 # until the sweep, which clears them (one still referred to is not ours to delete)
                 self.left_pending = (self.left_pending | set(released)) - deleted
             if released:
-                log.info("waits whose task left deferred released", tasks=len(released),
-                         triggers=len(deleted))
+                log.info(
+                    "waits whose task left deferred released", tasks=len(released), triggers=len(deleted)
+                )
             return
         self.clean_unused()  # Airflow's: reads every trigger row and every waiting task's
         self.left_pending.clear()
@@ -145,8 +146,9 @@ class Housekeeping(SupervisorState):
         if built:
             self.left_index_builder = None
         elif self.left_index in ("missing", "invalid") and builder is None:
-            self.left_index_builder = threading.Thread(target=self._build_left_index, name="left-index",
-                                                       daemon=True)
+            self.left_index_builder = threading.Thread(
+                target=self._build_left_index, name="left-index", daemon=True
+            )
             self.left_index_builder.start()
 
     def _build_left_index(self) -> None:
@@ -157,8 +159,9 @@ class Housekeeping(SupervisorState):
         """A point of the page's chart: once a minute, and when the waiters or groups changed since the
         last one (else the page would show that sample's polls saved beside groups formed after it)."""
         with create_session() as session:
-            Store(session).record_sample(self.job_id, *counts, self.groups.polls_saved_per_minute(),
-                                         prune=0 in self.owned)
+            Store(session).record_sample(
+                self.job_id, *counts, self.groups.polls_saved_per_minute(), prune=0 in self.owned
+            )
         self.sampled, self.sampled_at = counts, now
 
     def _forget_watcher_failures(self, now: float) -> None:
@@ -167,8 +170,11 @@ class Housekeeping(SupervisorState):
         for identity_hash in list(self.watcher_failures):
             group = self.groups.by_hash.get(identity_hash)
             failed_at = self.watcher_failed_at.get(identity_hash, now)
-            working = group is not None and group.runner_id is not None and (
-                now - failed_at > WATCHER_BACKOFF_MAX_SECONDS)
+            working = (
+                group is not None
+                and group.runner_id is not None
+                and (now - failed_at > WATCHER_BACKOFF_MAX_SECONDS)
+            )
             if group is None or working:
                 self.watcher_failures.pop(identity_hash, None)
                 self.watcher_failed_at.pop(identity_hash, None)
@@ -200,22 +206,30 @@ class Housekeeping(SupervisorState):
     def publish_snapshot(self) -> None:
         """Copy the counters for the HTTP thread (it must never iterate what this loop mutates)."""
         counters = self._counters()
-        counters.update(shards_owned=len(self.owned), job_id=self.job_id, capacity=self.capacity,
-                        lag_recent_ms=round(self.load_filters.lag_recent_ms, 1),
-                        shards_taken_total=self.shards_moved_in,
-                        shards_handed_over_total=self.shards_moved_out,
-                        coroutines=len(self.running_triggers), events_pending=len(self.events),
-                        events_dead_total=self.dead_letters.total,
-                        runner_stalled=None if self.watch.stall is None else self.watch.stall.cause,
-                        last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None)
+        counters.update(
+            shards_owned=len(self.owned),
+            job_id=self.job_id,
+            capacity=self.capacity,
+            lag_recent_ms=round(self.load_filters.lag_recent_ms, 1),
+            shards_taken_total=self.shards_moved_in,
+            shards_handed_over_total=self.shards_moved_out,
+            coroutines=len(self.running_triggers),
+            events_pending=len(self.events),
+            events_dead_total=self.dead_letters.total,
+            runner_stalled=None if self.watch.stall is None else self.watch.stall.cause,
+            last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None,
+        )
         self.published = counters
 
     def snapshot(self) -> dict[str, Any]:
         """What /metrics and /health report (called from the HTTP thread: reads only published values)."""
         now = time.monotonic()
         pending_since = self.pending_since
-        return {**self.published, "lease_age": now - self.last_renewal,
-                "events_stuck_seconds": 0.0 if pending_since is None else now - pending_since}
+        return {
+            **self.published,
+            "lease_age": now - self.last_renewal,
+            "events_stuck_seconds": 0.0 if pending_since is None else now - pending_since,
+        }
 
 
 def build_left_index() -> str:
@@ -241,15 +255,21 @@ def build_left_index() -> str:
                     conn.execute(text(queries_["drop_left_index"]))
                 started = time.monotonic()
                 conn.execute(text(queries_["create_left_index"]))
-                log.info("partial index of departed waits built", index="smart_triggerer_ti_left",
-                         seconds=round(time.monotonic() - started, 1))
+                log.info(
+                    "partial index of departed waits built",
+                    index="smart_triggerer_ti_left",
+                    seconds=round(time.monotonic() - started, 1),
+                )
                 return "built"
             finally:
                 conn.execute(text("RESET lock_timeout; RESET statement_timeout"))
                 conn.execute(text(queries_["unlock_left_index"]))
     except Exception as err:
         refused = getattr(getattr(err, "orig", None), "pgcode", None) == "42501"  # insufficient_privilege
-        log.warning("could not build the partial index of departed waits; Airflow's clean_unused runs "
-                    "every 5 s instead" + ("" if refused else ", and the build is tried again later"),
-                    index="smart_triggerer_ti_left", error=str(err).splitlines()[0])
+        log.warning(
+            "could not build the partial index of departed waits; Airflow's clean_unused runs "
+            "every 5 s instead" + ("" if refused else ", and the build is tried again later"),
+            index="smart_triggerer_ti_left",
+            error=str(err).splitlines()[0],
+        )
         return "refused" if refused else "failed"

@@ -33,14 +33,26 @@ def _decrypt(raw: str) -> dict[str, Any]:
     return decode_kwargs(decrypt_kwargs(raw), as_is=IDENTITY_KWARG)
 
 
-def identity_of(trigger_id: int, classpath: str, raw: str, settings: Settings,
-                policy: IdentityPolicy, *, team: str | None = None) -> NewIdentity:
+def identity_of(
+    trigger_id: int,
+    classpath: str,
+    raw: str,
+    settings: Settings,
+    policy: IdentityPolicy,
+    *,
+    team: str | None = None,
+) -> NewIdentity:
     identity = policy.identity(classpath, _decrypt(raw), trigger_id)
     execution = {k: [rule, value] for k, (rule, value) in identity.execution.items()}
     hashed = team_identity(identity.hash, team)
-    return NewIdentity(trigger_id, hashed, shard_of(hashed, settings.shards),
-                       identity.dedupable, execution if identity.dedupable else {},
-                       description=identity.description)
+    return NewIdentity(
+        trigger_id,
+        hashed,
+        shard_of(hashed, settings.shards),
+        identity.dedupable,
+        execution if identity.dedupable else {},
+        description=identity.description,
+    )
 
 
 def team_identity(identity: int, team: str | None) -> int:
@@ -60,9 +72,14 @@ def compute_identities(rows: Iterable[tuple[Any, ...]], settings: Settings) -> l
         except Exception as err:
             # The message names the failure, never the kwargs (they may hold secrets).
             error = f"could not read the kwargs of trigger {trigger_id} ({classpath}): {type(err).__name__}"
-            log.error("trigger kwargs unreadable", trigger_id=trigger_id, classpath=classpath,
-                      error=type(err).__name__)
+            log.error(
+                "trigger kwargs unreadable",
+                trigger_id=trigger_id,
+                classpath=classpath,
+                error=type(err).__name__,
+            )
             fallback = identity_hash("$trigger", {"id": trigger_id})
-            result.append(NewIdentity(trigger_id, fallback, shard_of(fallback, settings.shards), False, {},
-                                      error=error))
+            result.append(
+                NewIdentity(trigger_id, fallback, shard_of(fallback, settings.shards), False, {}, error=error)
+            )
     return result

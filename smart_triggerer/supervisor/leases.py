@@ -52,8 +52,11 @@ class Leases(SupervisorState):
             except SQLAlchemyError as err:
                 if not is_transient(err) or time.monotonic() + delay > deadline:
                     raise
-                log.info("the schema is busy (another instance migrating, or a reader); trying again",
-                         error=cause(err), retry_in=delay)
+                log.info(
+                    "the schema is busy (another instance migrating, or a reader); trying again",
+                    error=cause(err),
+                    retry_in=delay,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.publish_snapshot()
@@ -64,9 +67,15 @@ class Leases(SupervisorState):
             store.migrate(self.settings.shards)
             self._refuse_overlapping_queues(store)
             store.refuse_other_leases(self.job_id, self.settings.lease_seconds)
-            store.register(self.job_id, get_hostname(), self.capacity, self.queues_key,
-                           health_url=self.health_url, shards=self.settings.shards,
-                           lease_seconds=self.settings.lease_seconds)
+            store.register(
+                self.job_id,
+                get_hostname(),
+                self.capacity,
+                self.queues_key,
+                health_url=self.health_url,
+                shards=self.settings.shards,
+                lease_seconds=self.settings.lease_seconds,
+            )
             # peers renew now and hand this one its share
             store.notify_membership(self.job_id, self.queues_key)
 
@@ -94,8 +103,11 @@ class Leases(SupervisorState):
             return
         if self._db_step("renewal", self._renew_leases) or not self.owned:
             return
-        log.warning("cannot renew shard leases; stopping all shards before they expire",
-                    shards=len(self.owned), cause=self.last_error)
+        log.warning(
+            "cannot renew shard leases; stopping all shards before they expire",
+            shards=len(self.owned),
+            cause=self.last_error,
+        )
         self._drop_shards(set(self.owned))
         self.owned = set()
 
@@ -109,8 +121,10 @@ class Leases(SupervisorState):
         lapsed, self.lapsed = self.lapsed & self.owned, set()
         if not lapsed:
             return
-        log.warning("shard leases lapsed by the database clock; dropping them until claimed again",
-                    shards=sorted(lapsed))
+        log.warning(
+            "shard leases lapsed by the database clock; dropping them until claimed again",
+            shards=sorted(lapsed),
+        )
         self._drop_shards(lapsed)
         self.owned -= lapsed
         self.to_read -= lapsed
@@ -125,8 +139,9 @@ class Leases(SupervisorState):
     def _renew_membership(self, store: Store, counters: dict[str, Any]) -> None:
         """Heartbeat our instance row; note the database clock it read, and re-read the feed if our
         membership had lapsed before this renewal."""
-        was_live, db_now = store.heartbeat(self.job_id, self.settings.lease_seconds,
-                                           feed_xmin=self._feed_xmin(), **counters)
+        was_live, db_now = store.heartbeat(
+            self.job_id, self.settings.lease_seconds, feed_xmin=self._feed_xmin(), **counters
+        )
         self.db_clock = (db_now, time.monotonic())
         if not was_live:
             self._lost_the_feed()
@@ -156,8 +171,9 @@ class Leases(SupervisorState):
                 # the taker claims them now, not at its next loop
                 store.notify_membership(self.job_id, self.queues_key)
             loads = self._loads_to_publish()
-            claimed = store.claim_shards(self.job_id, desired, self.settings.lease_seconds, self.queues_key,
-                                         loads)
+            claimed = store.claim_shards(
+                self.job_id, desired, self.settings.lease_seconds, self.queues_key, loads
+            )
             written = claimed.copy()  # the shards whose group counts this statement published
             if skipped := (desired - claimed) & self.owned:
                 # still ours, locked by a session of ours whose client is gone: kept, renewed later
@@ -190,15 +206,23 @@ class Leases(SupervisorState):
             return shards_of(self.job_id, assign(self.settings.shards, members))
         shards = store.shard_loads(self.queues_key)
         self.shard_groups = {s.shard: s.groups for s in shards if s.groups is not None}
-        placement = place(self.settings.shards, [m.candidate for m in live], self.shard_groups,
-                          {s.shard: s.owner for s in shards},
-                          self.settings.placement_epsilon)
+        placement = place(
+            self.settings.shards,
+            [m.candidate for m in live],
+            self.shard_groups,
+            {s.shard: s.owner for s in shards},
+            self.settings.placement_epsilon,
+        )
         self.load_filters.note_fleet(placement.full)
         return placement.shards_of(self.job_id)
 
     def _candidate(self) -> Candidate:
-        return Candidate(self.job_id, self.capacity, accepting=self.load_filters.accepting,
-                         limit=self.load_filters.limit_groups)
+        return Candidate(
+            self.job_id,
+            self.capacity,
+            accepting=self.load_filters.accepting,
+            limit=self.load_filters.limit_groups,
+        )
 
     def _loads_to_publish(self) -> dict[int, int]:
         """Groups per owned and loaded shard, where they changed enough since last published: placement
@@ -212,8 +236,11 @@ class Leases(SupervisorState):
             info = self.member_info.get(next(iter(group.members)))
             if info is not None and info.shard in counts:
                 counts[info.shard] += 1
-        return {shard: groups for shard, groups in counts.items()
-                if abs(groups - self.published_loads.get(shard, -LOAD_STEP)) >= max(LOAD_STEP, 0.1 * groups)}
+        return {
+            shard: groups
+            for shard, groups in counts.items()
+            if abs(groups - self.published_loads.get(shard, -LOAD_STEP)) >= max(LOAD_STEP, 0.1 * groups)
+        }
 
     def _lost_the_feed(self) -> None:
         """Our membership lapsed by the database clock (a pause, a very slow loop), and with it our claim on
@@ -292,8 +319,9 @@ class Leases(SupervisorState):
             return set()
         now = time.monotonic()
         busy = self._alive_runners() | {entry.trigger_id for entry in self.events}
-        return {shard for shard, (until, runners) in self.leaving.items()
-                if now >= until or not runners & busy}
+        return {
+            shard for shard, (until, runners) in self.leaving.items() if now >= until or not runners & busy
+        }
 
     def _finish_leaving(self) -> None:
         """Once the shards being given up have drained, renew at once: that renewal releases them."""
@@ -316,9 +344,11 @@ class Leases(SupervisorState):
         self._db_step("events", self.handle_events)
         left = self.leaving_runners & self._alive_runners()
         if left:
-            log.warning("stopping with coroutines the runner had not ended yet; an event they fire now is "
-                        "fired again by the next owner (a state) or redelivered by its source",
-                        coroutines=len(left))
+            log.warning(
+                "stopping with coroutines the runner had not ended yet; an event they fire now is "
+                "fired again by the next owner (a state) or redelivered by its source",
+                coroutines=len(left),
+            )
 
     def _drop_shards(self, shards: set[int]) -> None:
         """Forget every waiter of these shards and cancel their coroutines without on_kill."""
@@ -348,8 +378,10 @@ class Leases(SupervisorState):
             with create_session() as session:
                 removed = Store(session).remove_feed_if_last(self.job_id, self.settings.lease_seconds)
         except SQLAlchemyError as err:
-            log.warning("could not remove the change feed's triggers; the next instance to start uses them",
-                        error=cause(err))
+            log.warning(
+                "could not remove the change feed's triggers; the next instance to start uses them",
+                error=cause(err),
+            )
             return
         if removed:
             log.info("last instance stopped: removed the change feed's triggers from Airflow's tables")

@@ -92,8 +92,11 @@ class LoadFilters:
         lag window to show in: while shards cannot move (no room elsewhere), the limit does not sink to 0.
         Holding nothing, there is nothing to step down from."""
         held = self.groups.group_count()
-        return (held > 0 and now - self.shed_step_at >= SHED_STEP_SECONDS
-                and (self.limit_groups is None or held <= self.limit_groups))
+        return (
+            held > 0
+            and now - self.shed_step_at >= SHED_STEP_SECONDS
+            and (self.limit_groups is None or held <= self.limit_groups)
+        )
 
     def _shedding_helps(self, over: str) -> bool:
         """Another step only if the last one brought the memory down. CPython seldom gives freed memory
@@ -105,10 +108,13 @@ class LoadFilters:
         if self.rss_mb <= MEMORY_STEP_FALL * self.rss_at_step:  # more than noise: groups gave memory back
             return True
         if not self.memory_held:
-            log.warning("memory not given back after handing shards over: keeping the groups held and "
-                        "taking no new shards (restart the instance to return its memory)",
-                        rss_mb=self.rss_mb, max_rss_mb=self.settings.max_rss_mb,
-                        groups=self.groups.group_count())
+            log.warning(
+                "memory not given back after handing shards over: keeping the groups held and "
+                "taking no new shards (restart the instance to return its memory)",
+                rss_mb=self.rss_mb,
+                max_rss_mb=self.settings.max_rss_mb,
+                groups=self.groups.group_count(),
+            )
             self.memory_held = True
             self.shedding = f"{over}, not given back by handing shards over: holding"
         return False
@@ -133,16 +139,20 @@ class LoadFilters:
         self.shed_step_at = now
         # raised until it cannot bind (a shard's size makes "the raise was not taken up" no sign of that),
         # by a third, and by a twentieth of the capacity at least (from a small limit, a third is nothing)
-        self.limit_groups = max(int(self.limit_groups / SHED_STEP),
-                                self.limit_groups + max(1, self.capacity // EASE_STEPS_AT_LEAST))
+        self.limit_groups = max(
+            int(self.limit_groups / SHED_STEP),
+            self.limit_groups + max(1, self.capacity // EASE_STEPS_AT_LEAST),
+        )
         if self.limit_groups >= self.capacity:
             self.limit_groups = None
 
     def _over_limits(self) -> str | None:
         limits = self.settings
         if limits.max_loop_lag_ms and self.lag_recent_ms > limits.max_loop_lag_ms:
-            return (f"event-loop lag p99 {self.lag_recent_ms:.0f} ms > "
-                    f"max_loop_lag_ms {limits.max_loop_lag_ms:.0f}")
+            return (
+                f"event-loop lag p99 {self.lag_recent_ms:.0f} ms > "
+                f"max_loop_lag_ms {limits.max_loop_lag_ms:.0f}"
+            )
         if limits.max_rss_mb and self.rss_mb > limits.max_rss_mb:
             return f"memory {self.rss_mb} MB > max_rss_mb {limits.max_rss_mb}"
         return None
@@ -152,8 +162,9 @@ class LoadFilters:
         # memory: under the limit itself. CPython seldom gives memory back, so an instance that came down
         # to 95% of it would never reach a lower band and never take a shard again; the calm time and the
         # easing steps are the hysteresis
-        return ((not limits.max_loop_lag_ms or self.lag_recent_ms < limits.max_loop_lag_ms / 2)
-                and (not limits.max_rss_mb or self.rss_mb < limits.max_rss_mb))
+        return (not limits.max_loop_lag_ms or self.lag_recent_ms < limits.max_loop_lag_ms / 2) and (
+            not limits.max_rss_mb or self.rss_mb < limits.max_rss_mb
+        )
 
     def _shed(self, reason: str, now: float, message: str) -> None:
         groups = self.groups.group_count()
@@ -177,19 +188,26 @@ class LoadFilters:
         it stay deferred and start, most urgent first, as room frees or an instance joins."""
         full = full or self.shared.waiting_for_room() > 0
         if full and not self.fleet_full:
-            log.warning("the fleet is full: every instance is at its capacity or limits; waits beyond "
-                        "capacity stay deferred and start, most urgent first, as room frees or an instance "
-                        "joins (add an instance or raise --capacity)",
-                        waiting_for_room=self.shared.waiting_for_room())
+            log.warning(
+                "the fleet is full: every instance is at its capacity or limits; waits beyond "
+                "capacity stay deferred and start, most urgent first, as room frees or an instance "
+                "joins (add an instance or raise --capacity)",
+                waiting_for_room=self.shared.waiting_for_room(),
+            )
         elif self.fleet_full and not full:
             log.info("the fleet has room again")
         self.fleet_full = full
 
     def counters(self) -> dict[str, object]:
-        return {"lag_p99_ms": round(self.lag_p99_ms, 1), "rss_mb": self.rss_mb,
-                "accepting": self.shedding is None, "limit_groups": self.limit_groups,
-                "shedding": self.shedding, "fleet_full": self.fleet_full,
-                "waiting_for_room": self.shared.waiting_for_room()}
+        return {
+            "lag_p99_ms": round(self.lag_p99_ms, 1),
+            "rss_mb": self.rss_mb,
+            "accepting": self.shedding is None,
+            "limit_groups": self.limit_groups,
+            "shedding": self.shedding,
+            "fleet_full": self.fleet_full,
+            "waiting_for_room": self.shared.waiting_for_room(),
+        }
 
 
 def _tree_rss_mb() -> int:

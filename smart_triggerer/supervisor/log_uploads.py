@@ -48,8 +48,12 @@ class LogUploads:
     """A bounded queue of uploads and the worker thread that sends them, one at a time (a remote handler
     need not be safe to call from several threads)."""
 
-    def __init__(self, timeout: float = UPLOAD_TIMEOUT_SECONDS, queued_at_most: int = QUEUED_AT_MOST,
-                 stuck_at_most: int = STUCK_AT_MOST) -> None:
+    def __init__(
+        self,
+        timeout: float = UPLOAD_TIMEOUT_SECONDS,
+        queued_at_most: int = QUEUED_AT_MOST,
+        stuck_at_most: int = STUCK_AT_MOST,
+    ) -> None:
         self.timeout, self.queued_at_most, self.stuck_at_most = timeout, queued_at_most, stuck_at_most
         self.queue: deque[Upload] = deque()
         self.ready = threading.Condition()
@@ -92,9 +96,14 @@ class LogUploads:
             self.queue.clear()
             self.ready.notify_all()
         if left or self.skipped or self.timed_out:
-            log.warning("trigger log files not uploaded to the remote store at exit (their local files are "
-                        "kept)", left=left, given_up_after_timeout=self.timed_out, skipped=self.skipped,
-                        failed=self.failed, uploaded=self.uploaded)
+            log.warning(
+                "trigger log files not uploaded to the remote store at exit (their local files are kept)",
+                left=left,
+                given_up_after_timeout=self.timed_out,
+                skipped=self.skipped,
+                failed=self.failed,
+                uploaded=self.uploaded,
+            )
 
     def _too_many_stuck(self) -> bool:
         self.stuck = [w for w in self.stuck if w.thread is not None and w.thread.is_alive()]
@@ -113,8 +122,11 @@ class LogUploads:
             self.timed_out += 1
             self.stuck.append(worker)
             self.worker = None
-        log.warning("a remote log upload did not finish in time; given up (the local file is kept)",
-                    path=worker.current, timeout_seconds=self.timeout)
+        log.warning(
+            "a remote log upload did not finish in time; given up (the local file is kept)",
+            path=worker.current,
+            timeout_seconds=self.timeout,
+        )
         if self.queue and not self._too_many_stuck():
             self._start_worker()
 
@@ -155,5 +167,9 @@ class LogUploads:
         now = time.monotonic()
         if now - self.said_at >= SAY_EVERY_SECONDS:
             self.said_at = now
-            log.warning("remote log uploads are backed up; files kept locally only", skipped=self.skipped,
-                        queued=len(self.queue), stuck_uploads=len(self.stuck))
+            log.warning(
+                "remote log uploads are backed up; files kept locally only",
+                skipped=self.skipped,
+                queued=len(self.queue),
+                stuck_uploads=len(self.stuck),
+            )

@@ -19,7 +19,7 @@ from smart_triggerer.config import ConfigError, Settings
 from smart_triggerer.db.bounded import bound_waits
 from smart_triggerer.runner.collector import tune_collector
 from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
-from smart_triggerer.supervisor.starting import EXIT_LOG_SECONDS
+from smart_triggerer.supervisor.log_files import EXIT_LOG_SECONDS
 from smart_triggerer.web.health import HealthServer
 
 log = structlog.get_logger(logger_name=__name__)
@@ -35,8 +35,14 @@ class SmartTriggererJobRunner(TriggererJobRunner):
 
     signalled_at: float | None = None  # the first stop signal, on the monotonic clock
 
-    def __init__(self, job: Job, capacity: int | None, queues: set[str] | None, settings: Settings,
-                 team_name: str | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        capacity: int | None,
+        queues: set[str] | None,
+        settings: Settings,
+        team_name: str | None = None,
+    ) -> None:
         super().__init__(job, capacity=capacity, queues=queues, team_name=team_name)
         self.settings = settings
 
@@ -54,22 +60,37 @@ class SmartTriggererJobRunner(TriggererJobRunner):
         self.register_signals()
         health = None
         if self.settings.health_port is not None:
-            health = HealthServer(self.settings.health_port, self.settings.lease_seconds,
-                                  self.settings.health_host, self.settings.health_token)
+            health = HealthServer(
+                self.settings.health_port,
+                self.settings.lease_seconds,
+                self.settings.health_host,
+                self.settings.health_token,
+            )
             health.start()
         supervisor: SmartTriggerRunnerSupervisor | None = None
         tune_collector()  # before the runner is forked: it inherits the settings and the frozen heap
         try:
             supervisor = SmartTriggerRunnerSupervisor.start(
-                job=self.job, capacity=self.capacity, logger=log, queues=self.queues,
-                team_name=self.team_name, settings=self.settings, health_url=health.url if health else None,
+                job=self.job,
+                capacity=self.capacity,
+                logger=log,
+                queues=self.queues,
+                team_name=self.team_name,
+                settings=self.settings,
+                health_url=health.url if health else None,
             )
             self.trigger_runner = supervisor
             if health is not None:
                 health.snapshot = supervisor.snapshot
             supervisor.register()
-            log.info("smart triggerer started", job_id=self.job.id, shards=self.settings.shards,
-                     capacity=self.capacity, dedup=self.settings.dedup, team=self.team_name)
+            log.info(
+                "smart triggerer started",
+                job_id=self.job.id,
+                shards=self.settings.shards,
+                capacity=self.capacity,
+                dedup=self.settings.dedup,
+                team=self.team_name,
+            )
             supervisor.run()
             if not supervisor.stop:
                 log.error("the trigger runner subprocess died; exiting", exit_code=supervisor._exit_code)
@@ -92,15 +113,15 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             # instead of Airflow's 10 s per step, at the lowest priority.
             yield_cpu(supervisor.pid)
             leave_the_heap()
-            supervisor.log_pool.exiting = True  # the runner's last lines are written as they come
+            supervisor.log_files.pool.exiting = True  # the runner's last lines are written as they come
             supervisor.kill(escalation_delay=STOP_GRACE_SECONDS, force=True)
         if health is not None:  # nothing left to report on: the log files below may take seconds
             stop_health(health)
         if supervisor is not None:
             # up to EXIT_LOG_SECONDS after the stop signal, one second at least
-            supervisor.write_held_log_lines(max(exit_by - time.monotonic(), 1.0))
+            supervisor.log_files.write_at_exit(max(exit_by - time.monotonic(), 1.0))
             # remote uploads queued (a slow store): what is left by the exit budget is said in one line
-            supervisor.log_uploads.finish(max(exit_by - time.monotonic(), 0.5))
+            supervisor.log_files.uploads.finish(max(exit_by - time.monotonic(), 0.5))
         log.info("smart triggerer stopped")
 
 
@@ -195,8 +216,10 @@ def preflight(settings: Settings, team_name: str | None = None) -> None:
         from airflow.models.team import Team
 
         if Team.get_name_if_exists(team_name) is None:
-            raise ConfigError(f"--team-name {team_name!r}: no such team (airflow teams list; "
-                              "airflow teams create makes one)")
+            raise ConfigError(
+                f"--team-name {team_name!r}: no such team (airflow teams list; "
+                "airflow teams create makes one)"
+            )
 
 
 def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
@@ -210,15 +233,24 @@ def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
     return _serve_logs(False)
 
 
-def run(capacity: int | None, queues: set[str] | None, settings: Settings, skip_serve_logs: bool, *,
-        team_name: str | None = None) -> int:
+def run(
+    capacity: int | None,
+    queues: set[str] | None,
+    settings: Settings,
+    skip_serve_logs: bool,
+    *,
+    team_name: str | None = None,
+) -> int:
     from airflow.configuration import conf
 
     bound_waits(settings.lease_seconds)  # before the first connection of the run: every one carries them
     preflight(settings, team_name)
     with log_server(skip_serve_logs):
         runner = SmartTriggererJobRunner(
-            Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")), capacity, queues, settings,
+            Job(heartrate=conf.getfloat("triggerer", "JOB_HEARTBEAT_SEC")),
+            capacity,
+            queues,
+            settings,
             team_name,
         )
         code = run_job(job=runner.job, execute_callable=runner._execute)

@@ -96,13 +96,20 @@ class RunnerWatch:
 
     def _step_out(self, silent: float, limit: float) -> None:
         holder = LAG_BOARD.read_holder()
-        self.stall = Stall(time.monotonic() - silent,
-                           f"the trigger runner has not answered for {silent:.0f} s "
-                           f"(runner_stall_seconds {limit:g}){self._holder_text(holder)}",
-                           stale_runners=self.instance.alive_runners())
-        log.error("the trigger runner's event loop is blocked; handing every shard over until it answers",
-                  silent_seconds=round(silent, 1), runner_stall_seconds=limit, shards=len(self.shared.owned),
-                  waiters=len(self.shared.member_info), **self._holder_details(holder))
+        self.stall = Stall(
+            time.monotonic() - silent,
+            f"the trigger runner has not answered for {silent:.0f} s "
+            f"(runner_stall_seconds {limit:g}){self._holder_text(holder)}",
+            stale_runners=self.instance.alive_runners(),
+        )
+        log.error(
+            "the trigger runner's event loop is blocked; handing every shard over until it answers",
+            silent_seconds=round(silent, 1),
+            runner_stall_seconds=limit,
+            shards=len(self.shared.owned),
+            waiters=len(self.shared.member_info),
+            **self._holder_details(holder),
+        )
         self.instance.hand_every_shard_over()
         self.instance.db_step("step out", self._leave_fleet)
         self.instance.publish_snapshot()
@@ -121,12 +128,20 @@ class RunnerWatch:
         shared = self.shared
         with create_session() as session:
             store = Store(session)
-            store.register(shared.job_id, get_hostname(), shared.capacity, shared.queues_key,
-                           health_url=self.instance.health_url, shards=self.settings.shards,
-                           lease_seconds=self.settings.lease_seconds)
+            store.register(
+                shared.job_id,
+                get_hostname(),
+                shared.capacity,
+                shared.queues_key,
+                health_url=self.instance.health_url,
+                shards=self.settings.shards,
+                lease_seconds=self.settings.lease_seconds,
+            )
             store.notify_membership(shared.job_id, shared.queues_key)
-        log.info("the trigger runner answers again; taking shards again",
-                 out_for_seconds=round(time.monotonic() - self.stall.since, 1))
+        log.info(
+            "the trigger runner answers again; taking shards again",
+            out_for_seconds=round(time.monotonic() - self.stall.since, 1),
+        )
         self.stall = None
         self.instance.take_shards_again()  # our membership was stopped: read every waiter of what we take
 
@@ -137,8 +152,11 @@ class RunnerWatch:
             return {"holder": "unknown", "runner_process": self._runner_state()}
         trigger_id, name = holder
         group = self.shared.groups.by_runner(trigger_id)
-        return {"holder_trigger_id": trigger_id, "holder_task": name,
-                "holder_waiters": None if group is None else len(group.members)}
+        return {
+            "holder_trigger_id": trigger_id,
+            "holder_task": name,
+            "holder_waiters": None if group is None else len(group.members),
+        }
 
     def _holder_text(self, holder: tuple[int, str] | None) -> str:
         if holder is not None:
@@ -153,5 +171,9 @@ class RunnerWatch:
         except OSError:
             return "unknown"
         state = stat.rsplit(")", 1)[-1].split()[0]
-        return {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in an uninterruptible wait",
-                "Z": "a zombie"}.get(state, "running")
+        return {
+            "T": "stopped (SIGSTOP)",
+            "t": "stopped by a debugger",
+            "D": "in an uninterruptible wait",
+            "Z": "a zombie",
+        }.get(state, "running")

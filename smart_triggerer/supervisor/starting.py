@@ -31,7 +31,6 @@ from smart_triggerer.supervisor.dagbag import OneBuildDagBag
 from smart_triggerer.supervisor.state import SupervisorState
 from smart_triggerer.supervisor.trigger_logs import (
     PooledTriggerLoggingFactory,
-    close_ended,
     read_while_ready,
     reading_only_ready,
 )
@@ -43,31 +42,15 @@ TASK_STATE_REQUESTS = ("GetTaskStates", "GetDRCount")  # what ExternalDagTrigger
 # a group whose poll interval no kwarg names is started after those due within this many seconds
 UNKNOWN_INTERVAL_SECONDS = 60.0
 
-# a takeover or start of at least this many coroutines holds their first log lines until they all run,
-# and their log files are made this long after the runner reported the last one running (trigger_logs.py)
-HOLD_LOG_LINES_FROM = 100
-
 LOG_READS_BEFORE_FINISHING = 1024  # reads of Airflow's 4 KB each: the runner's biggest batch is 256 KB
 
-HELD_LOG_LINES_SECONDS = 2.0
 
-HOLD_LOG_LINES_MAX_SECONDS = 60.0  # a group that never reports running must not hold lines for ever
-
-# then held files are made in the background: at most this long per pass and one pass per this interval
-# (a quarter of a core; making and processing them all at once took a core for seconds, from the runner
-# still making its first polls)
-WRITE_HELD_SECONDS = 0.05
-
-WRITE_HELD_EVERY_SECONDS = 0.2
-
-# on the way out (the leases already released, at the lowest CPU priority): log files still to write, up
-# to this long after the stop signal. Made in the background at a quarter of a core, a takeover's held
-# first lines take tens of seconds to write at 25,000 waiters; a rolling restart stops the instance that
-# took them over within that time, and with a second for them 9,230 of those files lost their lines
-# (bench/RESULTS.md). Inside a grace period of 30 s (Kubernetes' default), with a few seconds to spare.
-EXIT_LOG_SECONDS = 25.0
-EXIT_REFUSED_AT_MOST = 100  # writes the file system refuses at exit before the rest are given up on
-EXIT_SAY_FILES_FROM = 1000  # so many files to write at exit: said before, as the exit takes seconds
+def start_under_way(hash_xmin: str | None, sweep_after: int, to_read: set[int], owned: set[int]) -> bool:
+    """A start or a takeover has more to hand out than the groups waiting now: a sweep's pass hashes on
+    (its groups wait to be read), or shards of a phased takeover are still to be read. Between two loops
+    of a cold start the groups read so far may all be running: making their files then took a quarter of
+    the supervisor's CPU from the rest of the start (py-spy, 50,000 waiters)."""
+    return (hash_xmin is None and sweep_after != 0) or bool(to_read & owned)
 
 
 class _RowCannotBeBuilt(Exception):
@@ -87,7 +70,7 @@ class GroupStarting(SupervisorState):
         most, also for groups started while the database was away (``build_backlog``)."""
         self.groups.wake(time.monotonic())  # failed watchers whose backoff is over
         self._hold_collector()
-        self._pace_log_files()  # before the first batch goes out: its lines come back between batches
+        self.log_files.pace()  # before the first batch goes out: its lines come back between batches
         deadline = time.monotonic() + self._busy_budget()
         while not self.stop:
             for group in self._next_to_start(min(self.settings.max_new_per_loop, self._room())):
@@ -99,113 +82,18 @@ class GroupStarting(SupervisorState):
             # the next: a runner left unanswered stalls on its full log socket
             self._service_subprocess(0.0)
 
-    def _pace_log_files(self) -> None:
-        """While a takeover or a start hands out coroutines (and for a moment after), their first log lines
-        are held in memory; then their files are made in the background, ``WRITE_HELD_SECONDS`` per
-        ``WRITE_HELD_EVERY_SECONDS`` (trigger_logs.py): making tens of thousands of files would otherwise be
-        most of the supervisor's work while waits wait."""
-        self.log_uploads.check()  # an upload past its timeout is given up, a new worker takes the queue
-        now = time.monotonic()
-        # groups without a coroutine yet: not started, started but not built, or not yet taken by the
-        # runner (Airflow counts them running once taken; the runner then creates a pile for seconds)
-        to_run = len(self.groups.unstarted) + len(self.groups.hash_of_runner) - len(self.running_triggers)
-        if not self.log_pool.holding:
-            self.holding_since = now
-        if to_run < HOLD_LOG_LINES_FROM:
-            self.hold_capped_at = None
-        if now - self.holding_since >= HOLD_LOG_LINES_MAX_SECONDS:
-            # held long enough: groups that never report running (a database away while they are built)
-            # begin no new hold for the same hand-out; a new arrival, or a new pile once under the mark, does
-            self.hold_capped_at = self.groups.arrivals
-        elif ((to_run >= HOLD_LOG_LINES_FROM and self.hold_capped_at != self.groups.arrivals)
-                # a start under way extends a hold a big hand-out began, never begins one
-                or (self.log_pool.holding and (to_run > 0 or self._start_under_way()))):
-            self.handing_out_until = now + HELD_LOG_LINES_SECONDS
-        elif self.log_pool.holding:
-            # reported running is not started yet: a runner given thousands at once runs their first
-            # steps (and their first lines) for seconds after; hold while new files' lines still come
-            self.handing_out_until = max(self.handing_out_until,
-                                         self.log_pool.new_file_held_at + HELD_LOG_LINES_SECONDS)
-        self.log_pool.holding = now < self.handing_out_until
-        if now - self.held_written_at < WRITE_HELD_EVERY_SECONDS:
-            return
-        if self.ended_logs or (not self.log_pool.holding and self.log_pool.held):
-            self.held_written_at = now
-            # ended coroutines' files first: they are complete, and closing one may upload it
-            left = self._close_ended(WRITE_HELD_SECONDS)
-            if not self.log_pool.holding:
-                self.log_pool.write_held(left)
-
     def _start_under_way(self) -> bool:
-        """A start or a takeover has more to hand out than the groups waiting now: a sweep's pass hashes
-        on (its groups wait to be read), or shards of a phased takeover are still to be read. Between two
-        loops of a cold start the groups read so far may all be running: making their files then took a
-        quarter of the supervisor's CPU from the rest of the start (py-spy, 50,000 waiters)."""
-        return (self.hash_xmin is None and self.sweep_after != 0) or bool(self.to_read & self.owned)
-
-    def _log_files_pending(self) -> bool:
-        """Log files wait to be made (held first lines) or closed (ended coroutines): the loop comes back
-        every ``WRITE_HELD_EVERY_SECONDS`` for them, not once per loop (a loop of a second made only a
-        fifth of them in the time meant for all)."""
-        return bool(self.ended_logs or self.log_pool.held)
-
-    def write_held_log_lines(self, budget_seconds: float) -> None:
-        """On the way out, for up to ``budget_seconds``: the held lines of every file first (a recent
-        start's or takeover's first lines, ended coroutines' last ones), written locally, then ended
-        coroutines' files closed (and uploaded, where remote logging is set: a slow remote must not cost
-        the local lines; an upload under way is not cut short). A file system that refuses
-        ``EXIT_REFUSED_AT_MOST`` writes ends it early. What is left is said, not silently lost."""
-        deadline = time.monotonic() + budget_seconds
-        self.log_pool.holding = False
-        held, ended = len(self.log_pool.held), len(self.ended_logs)
-        if held + ended >= EXIT_SAY_FILES_FROM:
-            log.info("writing trigger log files before exit", held=held, ended=ended,
-                     at_most_seconds=round(budget_seconds, 1))
-        refused = self.log_pool.refused_writes
-        if self.log_pool.write_held(budget_seconds, refused_at_most=EXIT_REFUSED_AT_MOST):
-            log.warning("trigger log lines not written at exit", files=len(self.log_pool.held),
-                        refused_writes=self.log_pool.refused_writes - refused)
-        if self.ended_logs and self.log_pool.refused_writes - refused < EXIT_REFUSED_AT_MOST:
-            self._close_ended(max(deadline - time.monotonic(), 0.0))
-        if self.ended_logs:
-            log.warning("ended triggers' log files not closed at exit", files=len(self.ended_logs))
-
-    def _close_later(self, finished: Any) -> None:
-        """Airflow closes (and uploads) an ended coroutine's log file while it handles the runner's
-        message. A handover of thousands ends thousands at once, each file made then if its lines were
-        still held: the loop stood for seconds, past the lease (bench/RESULTS.md). Their files are taken
-        out of Airflow's way here and closed a time budget per loop (``_close_ended``)."""
-        for trigger_id in finished:
-            if (factory := self.logger_cache.pop(trigger_id, None)) is not None:
-                self._close_now(trigger_id)  # an older file of the same id first (it ended before)
-                self.ended_logs[trigger_id] = factory
-
-    def _close_ended(self, budget_seconds: float) -> float:
-        """Close ended coroutines' log files, oldest first, for up to ``budget_seconds`` (one at least);
-        returns the budget left."""
-        deadline = time.monotonic() + budget_seconds
-        while self.ended_logs:
-            self._close_now(next(iter(self.ended_logs)))  # one at least: every pass makes progress
-            if time.monotonic() >= deadline:
-                break
-        return max(deadline - time.monotonic(), 0.0)
-
-    def _close_now(self, trigger_id: int) -> None:
-        """As Airflow does when a coroutine ends: close its file and upload it (when remote logging is set),
-        the upload off this loop (log_uploads.py): a hanging remote store must not hold the leases."""
-        factory = self.ended_logs.pop(trigger_id, None)
-        if factory is not None:
-            close_ended(trigger_id, factory, self.log_uploads)
+        return start_under_way(self.hash_xmin, self.sweep_after, self.to_read, self.owned)
 
     def _hold_collector(self) -> None:
         """No collection of the older generations while a big start runs (``collector.OlderHeld``): groups
         wait to start or to be built, shards of a phased takeover are still to be read, or the first log
         lines of a big hand-out are still held. The last is the runner's own sign: the lines are held
-        until none of a new coroutine came for a moment (``_pace_log_files``), and Airflow counts a
+        until none of a new coroutine came for a moment (``LogFiles.pace``), and Airflow counts a
         coroutine running as soon as the runner takes its pile, which it then creates for seconds. The
         collection that fell due (300-400 ms at 25,000 waits) ran while it did, on the same two cores
         (bench/RESULTS.md)."""
-        starting = self._start_backlog() or bool(self.to_read & self.owned) or self.log_pool.holding
+        starting = self._start_backlog() or bool(self.to_read & self.owned) or self.log_files.pool.holding
         self.collector.update(len(self.groups.unstarted), starting)
 
     def _start_backlog(self) -> bool:
@@ -276,9 +164,11 @@ class GroupStarting(SupervisorState):
         new_ids = requested - self.running_triggers
         if new_ids:
             new_ids.difference_update(
-                (entry.trigger_id for entry in self.events), (entry.trigger_id for entry in self.orphans),
+                (entry.trigger_id for entry in self.events),
+                (entry.trigger_id for entry in self.orphans),
                 self.cancelling_triggers,
-                (failure[0] for failure in self.failed_triggers), (w.id for w in self.creating_triggers),
+                (failure[0] for failure in self.failed_triggers),
+                (w.id for w in self.creating_triggers),
             )
         cancel_ids = self.running_triggers - requested
         if cancel_ids:
@@ -327,16 +217,23 @@ class GroupStarting(SupervisorState):
         group.unstartable.add(trigger_id)
         self.groups.stop_runner(group)
         leader = self.groups.start(group)
-        log.warning("a group's leader could not start", trigger_id=trigger_id, next_leader=leader,
-                    members=len(group.members))
+        log.warning(
+            "a group's leader could not start",
+            trigger_id=trigger_id,
+            next_leader=leader,
+            members=len(group.members),
+        )
 
     def fetch_trigger_details(self, trigger_ids: set[int], *, session: Session) -> dict[int, Trigger]:
         """Airflow's ``Trigger.bulk_fetch`` without what a workload never reads: it also joins each task
         instance's trigger (the row just read, again) and that trigger's triggerer job, a sixth of a
         takeover's build time at tens of thousands of triggers."""
         each_statement_commits(session)  # the first statement of Airflow's build session (bounded.py)
-        stmt = (select(Trigger).where(Trigger.id.in_(trigger_ids))
-                .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger)))
+        stmt = (
+            select(Trigger)
+            .where(Trigger.id.in_(trigger_ids))
+            .options(selectinload(Trigger.task_instance).noload(TaskInstance.trigger))
+        )
         return {trigger.id: trigger for trigger in session.scalars(stmt)}
 
     def build_trigger_workloads(self, new_trigger_ids: set[int]) -> list[Any]:
@@ -349,8 +246,9 @@ class GroupStarting(SupervisorState):
             built.extend(super().build_trigger_workloads(airflow_way))
         return built
 
-    def _build_task_workloads(self, trigger_ids: set[int],
-                              render_log_fname: Any) -> tuple[list[Any], set[int]]:
+    def _build_task_workloads(
+        self, trigger_ids: set[int], render_log_fname: Any
+    ) -> tuple[list[Any], set[int]]:
         """(workloads built, ids left to Airflow's builder). A row whose DAG cannot be read on this host
         is in neither: another member leads its group (``_next_leader``)."""
         try:
@@ -363,8 +261,10 @@ class GroupStarting(SupervisorState):
                 raise
             # a row the batch cannot read: Airflow's builder names the row it cannot build, and another
             # member of its group leads
-            log.warning("could not read a batch of workloads in one statement; building them Airflow's way",
-                        error=cause(err))
+            log.warning(
+                "could not read a batch of workloads in one statement; building them Airflow's way",
+                error=cause(err),
+            )
             return [], set(trigger_ids)
         built: list[Any] = []
         airflow_way = set(trigger_ids) - set(rows)  # watchers, callbacks, rows gone (Airflow says which)
@@ -372,41 +272,58 @@ class GroupStarting(SupervisorState):
         for trigger_id, row in rows.items():
             flag = flags[trigger_id]
             if isinstance(flag, Exception):
-                log.error("a trigger's workload cannot be built on this host", trigger_id=trigger_id,
-                          error=cause(flag))
+                log.error(
+                    "a trigger's workload cannot be built on this host",
+                    trigger_id=trigger_id,
+                    error=cause(flag),
+                )
                 continue
-            made = None if flag or row.ti["dag_version_id"] is None else plain_workload(row, render_log_fname,
-                                                                                       log_id)
+            made = (
+                None
+                if flag or row.ti["dag_version_id"] is None
+                else plain_workload(row, render_log_fname, log_id)
+            )
             if made is None:  # starts from the trigger, no DAG version, or values only Airflow can explain
                 airflow_way.add(trigger_id)
                 continue
             workload, ti, log_path = made
-            self._close_now(trigger_id)  # its previous coroutine's file, if not closed yet: before this one
+            self.log_files.close_now(
+                trigger_id
+            )  # its previous coroutine's file, if not closed yet: before this one
             self.logger_cache[trigger_id] = PooledTriggerLoggingFactory(
-                log_path=log_path, ti=ti, pool=self.log_pool)  # type: ignore[arg-type]  # as Airflow's
+                log_path=log_path,
+                ti=ti,  # type: ignore[arg-type]  # as Airflow's
+                pool=self.log_files.pool,
+            )
             built.append(self._for_group(workload, row.encrypted_kwargs))
         return built, airflow_way
 
-    def _create_workload(self, trigger: Trigger, dag_bag: Any, render_log_fname: Any,
-                         session: Session) -> Any:
+    def _create_workload(
+        self, trigger: Trigger, dag_bag: Any, render_log_fname: Any, session: Session
+    ) -> Any:
         """Airflow's, for the rows ``build_trigger_workloads`` leaves to it."""
         if self.build_bag is None or self.build_bag.bag is not dag_bag:
             self.build_bag = OneBuildDagBag(dag_bag, self.dag_cache)
         try:
-            workload = super()._create_workload(trigger, cast("DBDagBag", self.build_bag), render_log_fname,
-                                                session)  # a DBDagBag in all Airflow asks of it
+            workload = super()._create_workload(
+                trigger, cast("DBDagBag", self.build_bag), render_log_fname, session
+            )  # a DBDagBag in all Airflow asks of it
         except SQLAlchemyError as err:
             if is_outage(err) or is_transient(err):
                 raise
             # this row's own data is refused (e.g. a value its model cannot load): it cannot lead here
-            log.error("a trigger's workload cannot be built; another member leads its group",
-                      trigger_id=trigger.id, error=cause(err))
+            log.error(
+                "a trigger's workload cannot be built; another member leads its group",
+                trigger_id=trigger.id,
+                error=cause(err),
+            )
             raise _RowCannotBeBuilt(trigger.id) from err
         except Exception as err:
             # e.g. a timetable or a module the task's DAG needs is not installed on this host: this row
             # cannot lead its group here (another member, or another host after a handover, may)
-            log.error("a trigger's workload cannot be built on this host", trigger_id=trigger.id,
-                      error=cause(err))
+            log.error(
+                "a trigger's workload cannot be built on this host", trigger_id=trigger.id, error=cause(err)
+            )
             return None
         self._pool_log_file(trigger.id)
         return None if workload is None else self._for_group(workload, trigger.encrypted_kwargs)
@@ -426,10 +343,14 @@ class GroupStarting(SupervisorState):
 
     def _pool_log_file(self, trigger_id: int) -> None:
         """The coroutine's log file through the bounded pool, not one descriptor per coroutine."""
-        self._close_now(trigger_id)  # its previous coroutine's file, if not closed yet: before this one
+        self.log_files.close_now(
+            trigger_id
+        )  # its previous coroutine's file, if not closed yet: before this one
         factory = self.logger_cache.get(trigger_id)
         if type(factory) is TriggerLoggingFactory:
-            self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(factory, self.log_pool)
+            self.logger_cache[trigger_id] = PooledTriggerLoggingFactory.replacing(
+                factory, self.log_files.pool
+            )
 
     def _with_group_settings(self, workload: Any, encrypted_kwargs: str, group: Group) -> Any:
         """Run the group with its members' merged settings (shortest interval, every channel...). While
@@ -438,8 +359,9 @@ class GroupStarting(SupervisorState):
         if not group.settings or group.uniform is not None:
             return workload
         kwargs = Trigger._decrypt_kwargs(encrypted_kwargs)
-        changed = {k: v for k, v in group.settings.items()
-                   if k in kwargs and kwargs[k] != v and [kwargs[k]] != v}
+        changed = {
+            k: v for k, v in group.settings.items() if k in kwargs and kwargs[k] != v and [kwargs[k]] != v
+        }
         if not changed:
             return workload
         kwargs.update(changed)
@@ -453,7 +375,7 @@ class GroupStarting(SupervisorState):
             self.task_state_requests_total += 1
         if isinstance(msg, messages.TriggerStateChanges) and msg.finished:
             self._read_sent_log_lines()
-            self._close_later(msg.finished)
+            self.log_files.close_later(msg.finished)
         super()._handle_request(msg, log, req_id)
         if isinstance(msg, messages.TriggerStateChanges):
             if msg.finished or msg.events or msg.failures or handing_out:
@@ -475,8 +397,8 @@ class GroupStarting(SupervisorState):
 
     def _log_keys(self) -> list[Any]:
         """The selector keys of the runner's log channel."""
-        return [key for key in self.selector.get_map().values()
-                if self._open_sockets.get(key.fileobj) == "logs"]  # type: ignore[call-overload]
+        keys = self.selector.get_map().values()
+        return [key for key in keys if self._open_sockets.get(key.fileobj) == "logs"]  # type: ignore[call-overload]
 
     def _read_sent_log_lines(self) -> None:
         """Read what the runner's log channel holds now. Airflow closes an ended coroutine's log file when a
@@ -488,4 +410,3 @@ class GroupStarting(SupervisorState):
             # Airflow's reader, its 4 KB reads counted; a closed channel is left to the loop's next select
             raw = getattr(key.data[0], "raw", key.data[0])
             read_while_ready(raw, key.fileobj, LOG_READS_BEFORE_FINISHING)
-

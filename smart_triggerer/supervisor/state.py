@@ -30,10 +30,9 @@ from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
 from smart_triggerer.supervisor.load import LoadFilters
-from smart_triggerer.supervisor.log_uploads import LogUploads
+from smart_triggerer.supervisor.log_files import LogFiles
 from smart_triggerer.supervisor.shared import MemberInfo, Shared
 from smart_triggerer.supervisor.stall import RunnerWatch
-from smart_triggerer.supervisor.trigger_logs import LogFilePool, open_files_allowed
 from smart_triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
@@ -43,6 +42,7 @@ SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
 FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
 
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
+
 
 @dataclass
 class Held:
@@ -58,15 +58,35 @@ class SupervisorState(TriggerRunnerSupervisor):
     multi_team: bool = attrs.field(factory=multi_team_enabled)
     health_url: str | None = None
     # what the parts share, and the parts that own their state (the rest are still this class's mixins)
-    shared: Shared = attrs.field(init=False, default=attrs.Factory(
-        lambda self: Shared(settings=self.settings, capacity=self.capacity, job=self.job, queues=self.queues,
-                            team_name=self.team_name, multi_team=self.multi_team), takes_self=True))
-    load_filters: LoadFilters = attrs.field(init=False, default=attrs.Factory(
-        lambda self: LoadFilters(self.shared, starting=self._start_backlog), takes_self=True))
-    deadlines: MemberDeadlines = attrs.field(init=False, default=attrs.Factory(
-        lambda self: MemberDeadlines(self.shared), takes_self=True))
-    watch: RunnerWatch = attrs.field(init=False, default=attrs.Factory(
-        lambda self: RunnerWatch(self.shared, self), takes_self=True))
+    shared: Shared = attrs.field(
+        init=False,
+        default=attrs.Factory(
+            lambda self: Shared(
+                settings=self.settings,
+                capacity=self.capacity,
+                job=self.job,
+                queues=self.queues,
+                team_name=self.team_name,
+                multi_team=self.multi_team,
+            ),
+            takes_self=True,
+        ),
+    )
+    load_filters: LoadFilters = attrs.field(
+        init=False,
+        default=attrs.Factory(
+            lambda self: LoadFilters(self.shared, starting=self._start_backlog), takes_self=True
+        ),
+    )
+    deadlines: MemberDeadlines = attrs.field(
+        init=False, default=attrs.Factory(lambda self: MemberDeadlines(self.shared), takes_self=True)
+    )
+    watch: RunnerWatch = attrs.field(
+        init=False, default=attrs.Factory(lambda self: RunnerWatch(self.shared, self), takes_self=True)
+    )
+    log_files: LogFiles = attrs.field(
+        init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
+    )
 
     held: dict[int, Held] = attrs.field(factory=dict, init=False)  # also stored: 0013_held_events.sql
     # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
@@ -101,8 +121,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     last_prune: float = attrs.field(default=-math.inf, init=False)
     last_lingering: float = attrs.field(factory=time.monotonic, init=False)
     last_watcher_check: float = attrs.field(factory=time.monotonic, init=False)
-    last_sample: float = attrs.field(factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS,
-                                     init=False)
+    last_sample: float = attrs.field(
+        factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS, init=False
+    )
     # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved" card
     # comes from it, next to groups from the heartbeat, so a change is sampled within FIRST_SAMPLE_SECONDS
     sampled: tuple[int, int] | None = attrs.field(default=None, init=False)
@@ -129,18 +150,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
     last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
-    log_pool: LogFilePool = attrs.field(factory=lambda: LogFilePool(open_files_allowed()), init=False)
     # the waiting groups, most urgent first, as sorted when ``groups.arrivals`` was ``start_order_arrivals``
     start_order: list[Group] = attrs.field(factory=list, init=False)
     start_order_arrivals: int = attrs.field(default=-1, init=False)
-    handing_out_until: float = attrs.field(default=-math.inf, init=False)  # a big start, plus the grace
-    holding_since: float = attrs.field(default=-math.inf, init=False)
-    # ``groups.arrivals`` when the cap ended a hold: that hand-out begins no new one (None: none ended)
-    hold_capped_at: int | None = attrs.field(default=None, init=False)
-    held_written_at: float = attrs.field(default=-math.inf, init=False)
-    # ended coroutines' log files, closed a time budget per loop (starting.py, ``_close_ended``)
-    ended_logs: dict[int, Any] = attrs.field(factory=dict, init=False)
-    log_uploads: LogUploads = attrs.field(factory=LogUploads, init=False)  # remote uploads, off the loop
     last_schema_check: float = attrs.field(default=-math.inf, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
     # groups per owned shard as last published with the leases (published again when it changes enough)
@@ -151,6 +163,14 @@ class SupervisorState(TriggerRunnerSupervisor):
     loads_counted_at: float = attrs.field(default=-math.inf, init=False)
     shards_moved_in: int = attrs.field(default=0, init=False)  # shards taken since start
     shards_moved_out: int = attrs.field(default=0, init=False)  # shards handed over (or dropped) since start
+
+    def _log_files(self) -> LogFiles:
+        return LogFiles(
+            self.shared,
+            running=lambda: self.running_triggers,
+            start_under_way=self._start_under_way,
+            logger_cache=self.logger_cache,
+        )
 
     # --- the shared state, read and written through the context the parts share ---
 
@@ -293,6 +313,9 @@ class SupervisorState(TriggerRunnerSupervisor):
 
     # --- what the parts call of each other: each is implemented by its part, the conductor has them all ---
 
+    def _start_under_way(self) -> bool:
+        raise NotImplementedError  # implemented by a part
+
     def _counters(self) -> dict[str, Any]:
         raise NotImplementedError  # implemented by a part
 
@@ -328,4 +351,3 @@ class SupervisorState(TriggerRunnerSupervisor):
 
     def _finish_leaving(self) -> None:
         raise NotImplementedError  # implemented by a part
-

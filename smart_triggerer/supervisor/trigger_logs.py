@@ -149,8 +149,9 @@ class LogFilePool:
 
             files = conf.get("logging", "file_task_handler_new_file_permissions", fallback="0o664")
             folders = conf.get("logging", "file_task_handler_new_folder_permissions", fallback="0o775")
-            self._settings = FileSettings(conf.get("logging", "base_log_folder"), int(files, 8),
-                                          int(folders, 8))
+            self._settings = FileSettings(
+                conf.get("logging", "base_log_folder"), int(files, 8), int(folders, 8)
+            )
         return self._settings
 
     def __len__(self) -> int:
@@ -173,8 +174,11 @@ class LogFilePool:
             try:
                 evicted.close()
             except OSError as err:  # its buffered line could not be flushed: its own loss, not the new file's
-                log.warning("cannot close a trigger log file; its last lines are dropped", path=oldest.name,
-                            error=str(err))
+                log.warning(
+                    "cannot close a trigger log file; its last lines are dropped",
+                    path=oldest.name,
+                    error=str(err),
+                )
         self._open[log_file] = handle
         return handle
 
@@ -325,8 +329,9 @@ class PooledLogFile:
         if isinstance(err, OSError):  # the file system refused it (a processor's error is the line's own)
             self._pool.refused_writes += 1
         if not self._warned:
-            log.warning("cannot write a trigger log file; its lines are dropped", path=self.name,
-                        error=str(err))
+            log.warning(
+                "cannot write a trigger log file; its lines are dropped", path=self.name, error=str(err)
+            )
             self._warned = True
 
     def flush(self) -> None:
@@ -360,8 +365,10 @@ class _HoldingLogger:
     @property
     def _logger(self) -> Any:
         if self.made is None:
-            self.made = structlog.wrap_logger(structlog.BytesLogger(self._file),  # type: ignore[arg-type]
-                                              processors=self._processors).bind()
+            self.made = structlog.wrap_logger(
+                structlog.BytesLogger(self._file),  # type: ignore[arg-type]
+                processors=self._processors,
+            ).bind()
         return self.made
 
     def log(self, level: int, event: Any = None, *args: Any, **kw: Any) -> Any:

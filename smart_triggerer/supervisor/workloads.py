@@ -41,8 +41,20 @@ from smart_triggerer.supervisor.dagbag import DagCache
 
 log = structlog.get_logger(logger_name=__name__)
 
-DTO_FIELDS = ("id", "task_id", "dag_id", "run_id", "try_number", "dag_version_id", "map_index", "hostname",
-              "context_carrier", "queue", "pool_slots", "priority_weight")
+DTO_FIELDS = (
+    "id",
+    "task_id",
+    "dag_id",
+    "run_id",
+    "try_number",
+    "dag_version_id",
+    "map_index",
+    "hostname",
+    "context_carrier",
+    "queue",
+    "pool_slots",
+    "priority_weight",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +124,11 @@ def _reads_only(template: str, fields: set[str]) -> bool:
     if not meta.find_undeclared_variables(tree) <= {"ti", "try_number"}:
         return False
     uses = [n for n in tree.find_all(nodes.Name) if n.name == "ti"]
-    reads = [n for n in tree.find_all(nodes.Getattr)
-             if isinstance(n.node, nodes.Name) and n.node.name == "ti" and n.attr in fields]
+    reads = [
+        n
+        for n in tree.find_all(nodes.Getattr)
+        if isinstance(n.node, nodes.Name) and n.node.name == "ti" and n.attr in fields
+    ]
     return len(uses) == len(reads)  # ``ti`` only ever as ``ti.<a DTO field>``
 
 
@@ -134,23 +149,39 @@ def task_rows(session: Session, trigger_ids: Iterable[int]) -> dict[int, TaskRow
     for row in session.connection().execute(_task_rows_statement(), {"ids": list(trigger_ids)}):
         trigger_id, classpath, kwargs, *ti_values, timeout, bundle_version, created = row
         ti = dict(zip(DTO_FIELDS, ti_values, strict=True))
-        found.setdefault(trigger_id,
-                         TaskRow(trigger_id, classpath, kwargs, ti, timeout, bundle_version, created))
+        found.setdefault(
+            trigger_id, TaskRow(trigger_id, classpath, kwargs, ti, timeout, bundle_version, created)
+        )
     return found
 
 
 @functools.cache
 def _task_rows_statement() -> Select[Any]:
-    instance = (select(*[getattr(TaskInstance, name) for name in DTO_FIELDS], TaskInstance.trigger_timeout)
-                .where(TaskInstance.trigger_id == Trigger.id).offset(0).lateral("ti"))
-    run = (select(DagRun.bundle_version, DagRun.created_dag_version_id)
-           .where(DagRun.dag_id == instance.c.dag_id, DagRun.run_id == instance.c.run_id)
-           .offset(0).lateral("run"))
+    instance = (
+        select(*[getattr(TaskInstance, name) for name in DTO_FIELDS], TaskInstance.trigger_timeout)
+        .where(TaskInstance.trigger_id == Trigger.id)
+        .offset(0)
+        .lateral("ti")
+    )
+    run = (
+        select(DagRun.bundle_version, DagRun.created_dag_version_id)
+        .where(DagRun.dag_id == instance.c.dag_id, DagRun.run_id == instance.c.run_id)
+        .offset(0)
+        .lateral("run")
+    )
     return (
-        select(Trigger.id, Trigger.classpath, Trigger.encrypted_kwargs,
-               *[instance.c[name] for name in DTO_FIELDS], instance.c.trigger_timeout,
-               run.c.bundle_version, run.c.created_dag_version_id)
-        .select_from(Trigger).join(instance, true()).join(run, true())
+        select(
+            Trigger.id,
+            Trigger.classpath,
+            Trigger.encrypted_kwargs,
+            *[instance.c[name] for name in DTO_FIELDS],
+            instance.c.trigger_timeout,
+            run.c.bundle_version,
+            run.c.created_dag_version_id,
+        )
+        .select_from(Trigger)
+        .join(instance, true())
+        .join(run, true())
         .where(Trigger.id.in_(bindparam("ids", expanding=True)))
     )
 
@@ -174,15 +205,19 @@ class StartFromTrigger:
         flags: dict[int, bool | Exception] = {}
         for row in rows:
             version = next((v for v in candidates[row.trigger_id] if v in hashes), None)
-            flags[row.trigger_id] = (False if version is None
-                                     else self._flag(version, hashes[version], row.ti["task_id"]))
+            flags[row.trigger_id] = (
+                False if version is None else self._flag(version, hashes[version], row.ti["task_id"])
+            )
         return flags
 
     @staticmethod
     def _candidates(row: TaskRow, latest: dict[str, Any]) -> list[Any]:
         """The run's version, then the task instance's own (Airflow: ``model_for_run or model(ti's)``)."""
-        run_version = (row.created_dag_version_id if row.run_version_known
-                       else latest.get(row.ti["dag_id"], row.created_dag_version_id))
+        run_version = (
+            row.created_dag_version_id
+            if row.run_version_known
+            else latest.get(row.ti["dag_id"], row.created_dag_version_id)
+        )
         return [v for v in (run_version, row.ti["dag_version_id"]) if v is not None]
 
     def _latest_versions(self, dag_ids: set[str]) -> dict[str, Any]:
@@ -196,8 +231,9 @@ class StartFromTrigger:
     def _hashes(self, versions: set[Any]) -> dict[Any, str]:
         if not versions:
             return {}
-        stmt = (select(SerializedDagModel.dag_version_id, SerializedDagModel.dag_hash)
-                .where(SerializedDagModel.dag_version_id.in_(versions)))
+        stmt = select(SerializedDagModel.dag_version_id, SerializedDagModel.dag_hash).where(
+            SerializedDagModel.dag_version_id.in_(versions)
+        )
         return {version: dag_hash for version, dag_hash in self.session.execute(stmt)}
 
     def _flag(self, version: Any, dag_hash: str, task_id: str) -> bool | Exception:
@@ -227,8 +263,9 @@ class StartFromTrigger:
         return bool(task.start_from_trigger)
 
 
-def plain_workload(row: TaskRow, render_log_fname: Callable[..., str],
-                   log_id: object) -> tuple[RunTrigger, TaskInstanceDTO, str] | None:
+def plain_workload(
+    row: TaskRow, render_log_fname: Callable[..., str], log_id: object
+) -> tuple[RunTrigger, TaskInstanceDTO, str] | None:
     """The workload Airflow builds for a task that does not start from the trigger, its DTO and log path;
     None when the row's values do not make a DTO (Airflow's own path then builds it, or says why)."""
     try:
@@ -236,6 +273,11 @@ def plain_workload(row: TaskRow, render_log_fname: Callable[..., str],
     except ValidationError:
         return None
     log_path = f"{render_log_fname(ti=ti)}.trigger.{log_id}.log"
-    workload = RunTrigger(id=row.trigger_id, classpath=row.classpath, encrypted_kwargs=row.encrypted_kwargs,
-                          ti=ti, timeout_after=row.trigger_timeout)
+    workload = RunTrigger(
+        id=row.trigger_id,
+        classpath=row.classpath,
+        encrypted_kwargs=row.encrypted_kwargs,
+        ti=ti,
+        timeout_after=row.trigger_timeout,
+    )
     return workload, ti, log_path

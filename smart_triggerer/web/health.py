@@ -26,43 +26,97 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS = (
     ("smart_triggerer_waiters", "gauge", "Deferred waiters (trigger rows) this instance runs", "waiters"),
     ("smart_triggerer_groups", "gauge", "Running identity groups (one coroutine each)", "groups"),
-    ("smart_triggerer_coroutines", "gauge", "Trigger coroutines running in the runner subprocess",
-     "coroutines"),
+    (
+        "smart_triggerer_coroutines",
+        "gauge",
+        "Trigger coroutines running in the runner subprocess",
+        "coroutines",
+    ),
     ("smart_triggerer_shards_owned", "gauge", "Shards whose lease this instance holds", "shards_owned"),
     ("smart_triggerer_events_total", "counter", "Trigger events received from the runner", "events_total"),
     ("smart_triggerer_resumed_total", "counter", "Task instances resumed by an event", "resumed_total"),
-    ("smart_triggerer_failures_total", "counter", "Task instances failed by a trigger failure",
-     "failures_total"),
+    (
+        "smart_triggerer_failures_total",
+        "counter",
+        "Task instances failed by a trigger failure",
+        "failures_total",
+    ),
     ("smart_triggerer_events_pending", "gauge", "Events received but not yet stored", "events_pending"),
-    ("smart_triggerer_watchers_failing", "gauge",
-     "Asset-watcher groups whose coroutine failed and has not stored an event since", "watchers_failing"),
-    ("smart_triggerer_watcher_restarts_total", "counter",
-     "Asset-watcher coroutines started again after a failure", "watcher_restarts_total"),
-    ("smart_triggerer_capacity", "gauge", "Groups (coroutines) this instance may hold (--capacity)",
-     "capacity"),
-    ("smart_triggerer_loop_lag_p99_ms", "gauge",
-     "The runner's event-loop lag, 99th percentile over the last minute (ms)", "lag_p99_ms"),
-    ("smart_triggerer_loop_lag_recent_p99_ms", "gauge",
-     "The runner's event-loop lag, 99th percentile over the last 10 s (ms; what max_loop_lag_ms judges)",
-     "lag_recent_ms"),
-    ("smart_triggerer_shards_taken_total", "counter",
-     "Shards this instance took (start, takeover, placement)", "shards_taken_total"),
-    ("smart_triggerer_shards_handed_over_total", "counter",
-     "Shards this instance handed over or dropped (placement, a lapse)", "shards_handed_over_total"),
+    (
+        "smart_triggerer_watchers_failing",
+        "gauge",
+        "Asset-watcher groups whose coroutine failed and has not stored an event since",
+        "watchers_failing",
+    ),
+    (
+        "smart_triggerer_watcher_restarts_total",
+        "counter",
+        "Asset-watcher coroutines started again after a failure",
+        "watcher_restarts_total",
+    ),
+    (
+        "smart_triggerer_capacity",
+        "gauge",
+        "Groups (coroutines) this instance may hold (--capacity)",
+        "capacity",
+    ),
+    (
+        "smart_triggerer_loop_lag_p99_ms",
+        "gauge",
+        "The runner's event-loop lag, 99th percentile over the last minute (ms)",
+        "lag_p99_ms",
+    ),
+    (
+        "smart_triggerer_loop_lag_recent_p99_ms",
+        "gauge",
+        "The runner's event-loop lag, 99th percentile over the last 10 s (ms; what max_loop_lag_ms judges)",
+        "lag_recent_ms",
+    ),
+    (
+        "smart_triggerer_shards_taken_total",
+        "counter",
+        "Shards this instance took (start, takeover, placement)",
+        "shards_taken_total",
+    ),
+    (
+        "smart_triggerer_shards_handed_over_total",
+        "counter",
+        "Shards this instance handed over or dropped (placement, a lapse)",
+        "shards_handed_over_total",
+    ),
     ("smart_triggerer_rss_mb", "gauge", "Resident memory of the supervisor and its runner (MB)", "rss_mb"),
-    ("smart_triggerer_accepting", "gauge",
-     "1 while this instance takes new shards, 0 while it sheds (lag or memory over its limit)", "accepting"),
-    ("smart_triggerer_fleet_full", "gauge",
-     "1 while every instance is at its capacity or limits (instances keep what they run)", "fleet_full"),
-    ("smart_triggerer_waiting_for_room", "gauge",
-     "Identity groups this instance holds but does not run: it is at its capacity (they start, most "
-     "urgent first, as room frees or an instance joins)", "waiting_for_room"),
-    ("smart_triggerer_task_state_requests_total", "counter",
-     "Task-state questions the triggers asked Airflow (GetTaskStates, GetDRCount; coalesced: one per tick "
-     "for the waits on one DAG run)", "task_state_requests_total"),
-    ("smart_triggerer_events_dead_total", "counter",
-     "Asset-watcher events set aside (smart_triggerer.dead_event) after failing to be stored many times",
-     "events_dead_total"),
+    (
+        "smart_triggerer_accepting",
+        "gauge",
+        "1 while this instance takes new shards, 0 while it sheds (lag or memory over its limit)",
+        "accepting",
+    ),
+    (
+        "smart_triggerer_fleet_full",
+        "gauge",
+        "1 while every instance is at its capacity or limits (instances keep what they run)",
+        "fleet_full",
+    ),
+    (
+        "smart_triggerer_waiting_for_room",
+        "gauge",
+        "Identity groups this instance holds but does not run: it is at its capacity (they start, most "
+        "urgent first, as room frees or an instance joins)",
+        "waiting_for_room",
+    ),
+    (
+        "smart_triggerer_task_state_requests_total",
+        "counter",
+        "Task-state questions the triggers asked Airflow (GetTaskStates, GetDRCount; coalesced: one per tick "
+        "for the waits on one DAG run)",
+        "task_state_requests_total",
+    ),
+    (
+        "smart_triggerer_events_dead_total",
+        "counter",
+        "Asset-watcher events set aside (smart_triggerer.dead_event) after failing to be stored many times",
+        "events_dead_total",
+    ),
 )
 
 
@@ -70,17 +124,23 @@ def render_metrics(snapshot: dict[str, Any]) -> str:
     lines = []
     job = snapshot.get("job_id", "")
     for name, kind, help_text, key in METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                  f'{name}{{job_id="{job}"}} {int(snapshot.get(key, 0))}']
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} {kind}",
+            f'{name}{{job_id="{job}"}} {int(snapshot.get(key, 0))}',
+        ]
     return "\n".join(lines) + "\n"
 
 
 def is_healthy(snapshot: dict[str, Any], lease_seconds: float) -> bool:
     """The runner lives and answers, the leases are renewed, and no event waits longer than a lease to be
     stored."""
-    return (bool(snapshot.get("runner_alive")) and not snapshot.get("runner_stalled")
-            and snapshot.get("lease_age", float("inf")) < lease_seconds
-            and snapshot.get("events_stuck_seconds", 0.0) < lease_seconds)
+    return (
+        bool(snapshot.get("runner_alive"))
+        and not snapshot.get("runner_stalled")
+        and snapshot.get("lease_age", float("inf")) < lease_seconds
+        and snapshot.get("events_stuck_seconds", 0.0) < lease_seconds
+    )
 
 
 class HealthServer:
@@ -116,8 +176,11 @@ class HealthServer:
         if self._expected:
             given = request.headers.get("Authorization", "").encode("utf-8", "replace")
             if not hmac.compare_digest(given, self._expected):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                                         headers={"WWW-Authenticate": "Bearer"})
+                return web.json_response(
+                    {"error": "missing or wrong bearer token"},
+                    status=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         return await handler(request)
 
     def start(self) -> None:
@@ -127,9 +190,11 @@ class HealthServer:
         if self._bind_error is not None:
             from smart_triggerer.errors import UserError
 
-            raise UserError(f"cannot serve the health endpoint on {self.host}:{self.port} "
-                            f"({self._bind_error.strerror or self._bind_error}): choose another "
-                            "--health-port / --health-host") from self._bind_error
+            raise UserError(
+                f"cannot serve the health endpoint on {self.host}:{self.port} "
+                f"({self._bind_error.strerror or self._bind_error}): choose another "
+                "--health-port / --health-host"
+            ) from self._bind_error
         log.info("health endpoint listening", url=self.url)
 
     def stop(self) -> None:

@@ -99,8 +99,9 @@ async def _unavailable(_request: Request, err: PageUnavailable) -> JSONResponse:
 @app.exception_handler(PoolTimeout)
 async def _database_down(_request: Request, err: Exception) -> JSONResponse:
     log.warning("smart triggerer page: metadata database unreachable", error=type(err).__name__)
-    return JSONResponse({"detail": "the metadata database is unreachable; try again shortly"},
-                        status_code=503)
+    return JSONResponse(
+        {"detail": "the metadata database is unreachable; try again shortly"}, status_code=503
+    )
 
 
 def _readable_dag_ids(user: Any) -> set[str]:
@@ -122,8 +123,13 @@ def _task_instance_dag_ids(user: Any, dag_ids: frozenset[str]) -> frozenset[str]
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
 
     manager = get_auth_manager()
-    return frozenset(d for d in dag_ids if manager.is_authorized_dag(
-        method="GET", access_entity=DagAccessEntity.TASK_INSTANCE, details=DagDetails(id=d), user=user))
+    return frozenset(
+        d
+        for d in dag_ids
+        if manager.is_authorized_dag(
+            method="GET", access_entity=DagAccessEntity.TASK_INSTANCE, details=DagDetails(id=d), user=user
+        )
+    )
 
 
 def _may_read_assets(user: Any) -> bool:
@@ -155,11 +161,17 @@ def _visible_teams(user: Any) -> frozenset[str] | None:
         return None
     manager = get_auth_manager()
     try:
-        return frozenset(team for team in Team.get_all_team_names() if manager.is_authorized_team(
-            method="GET", user=user, details=TeamDetails(name=team)))
+        return frozenset(
+            team
+            for team in Team.get_all_team_names()
+            if manager.is_authorized_team(method="GET", user=user, details=TeamDetails(name=team))
+        )
     except NotImplementedError:  # Airflow refuses to run multi-team with such a manager: say so, no 500
-        raise HTTPException(status_code=403, detail="[core] multi_team is on, but the auth manager does not "
-                                                    "support teams (is_authorized_team)") from None
+        raise HTTPException(
+            status_code=403,
+            detail="[core] multi_team is on, but the auth manager does not "
+            "support teams (is_authorized_team)",
+        ) from None
 
 
 def overview(may_read_assets: bool, teams: frozenset[str] | None = None) -> dict[str, Any]:
@@ -173,12 +185,18 @@ def overview(may_read_assets: bool, teams: frozenset[str] | None = None) -> dict
         store = Store(session)
         if not _installed(store):
             return {"installed": False, "instances": [], "totals": {}, "chart": [], "bridge": None}
-        instances = [_instance(r) for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)
-                     if status.in_teams(r["queues"], teams)]
+        instances = [
+            _instance(r)
+            for r in store.instances(settings.lease_seconds, KEEP_STOPPED_SECONDS)
+            if status.in_teams(r["queues"], teams)
+        ]
         shards = store.pinned_shards() or settings.shards  # the instances' count, not this process's
         # with teams, a sample whose instance row is gone (its team unknown) is not shown
-        samples = [s for s in store.page_chart()
-                   if teams is None or (s["known"] and status.in_teams(s["space"], teams))]
+        samples = [
+            s
+            for s in store.page_chart()
+            if teams is None or (s["known"] and status.in_teams(s["space"], teams))
+        ]
         chart, polls_saved = _chart(samples)
         bridge = bridge_store.panel(session) if may_read_assets else None
     found = status.totals(instances, shards)
@@ -199,8 +217,10 @@ def _installed(store: Any) -> bool:
         return False
     version = store.schema_version()
     if version < PAGE_SCHEMA:
-        raise PageUnavailable(f"the smart_triggerer schema is at version {version} and this page needs "
-                              f"{PAGE_SCHEMA}: start an upgraded smart-triggerer, which migrates it")
+        raise PageUnavailable(
+            f"the smart_triggerer schema is at version {version} and this page needs "
+            f"{PAGE_SCHEMA}: start an upgraded smart-triggerer, which migrates it"
+        )
     return True
 
 
@@ -214,11 +234,19 @@ def _chart(samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float |
         fresh = [r for r in latest.values() if _counts_at(r, minute)]
         if (samples[0]["read_at"] - minute).total_seconds() >= 3600:
             continue  # read only to carry into the hour's first minute
-        points.append({"minute": _iso(minute), "waiters": sum(int(r["waiters"]) for r in fresh),
-                       "groups": sum(int(r["groups"]) for r in fresh),
-                       "polls_saved_per_minute": round(sum(float(r["polls_saved"]) for r in fresh), 1)})
-    now = [r for r in latest.values() if float(r["age_seconds"]) <= SAMPLE_FRESH_SECONDS
-           and r["stopped_at"] is None]
+        points.append(
+            {
+                "minute": _iso(minute),
+                "waiters": sum(int(r["waiters"]) for r in fresh),
+                "groups": sum(int(r["groups"]) for r in fresh),
+                "polls_saved_per_minute": round(sum(float(r["polls_saved"]) for r in fresh), 1),
+            }
+        )
+    now = [
+        r
+        for r in latest.values()
+        if float(r["age_seconds"]) <= SAMPLE_FRESH_SECONDS and r["stopped_at"] is None
+    ]
     return points, (round(sum(float(r["polls_saved"]) for r in now), 1) if now else None)
 
 
@@ -231,8 +259,12 @@ def _counts_at(sample: dict[str, Any], minute: dt.datetime) -> bool:
 
 def _instance(row: dict[str, Any]) -> dict[str, Any]:
     """As ``status --json`` shows it, with what the page adds."""
-    return {**status.instance(row), "stopped": row["stopped_at"] is not None,
-            "lease_expires_at": _iso(row["lease_expires_at"]), "started_at": _iso(row["started_at"])}
+    return {
+        **status.instance(row),
+        "stopped": row["stopped_at"] is not None,
+        "lease_expires_at": _iso(row["lease_expires_at"]),
+        "started_at": _iso(row["started_at"]),
+    }
 
 
 @dataclass(frozen=True)
@@ -346,8 +378,10 @@ def _read_order(dag_ids: frozenset[str]) -> list[GroupCount]:
 
     with _session() as session:
         found = Store(session).page_group_order(sorted(dag_ids))
-    return [GroupCount((identity_hash, alone, queue), members, dags, since)
-            for identity_hash, alone, queue, members, dags, since in found]
+    return [
+        GroupCount((identity_hash, alone, queue), members, dags, since)
+        for identity_hash, alone, queue, members, dags, since in found
+    ]
 
 
 GROUP_ORDERS = GroupOrders(_read_order)
@@ -356,15 +390,18 @@ GROUP_ORDERS = GroupOrders(_read_order)
 def groups_page(viewer: Viewer, limit: int, offset: int) -> dict[str, Any]:
     """One page of the groups the viewer may see, cut from the kept order; ``total``: over all pages."""
     order = _group_order(viewer.dag_ids)
-    shown = order[offset: offset + limit]
+    shown = order[offset : offset + limit]
     details = _details(shown, viewer) if shown else []
     return {
         "total": len(order),
         "limit": limit,
         "offset": offset,
         # a group whose members all left since the order was read has no first member: left out
-        "groups": [_group(count, row, viewer) for count, row in zip(shown, details, strict=True)
-                   if row["classpath"] is not None],
+        "groups": [
+            _group(count, row, viewer)
+            for count, row in zip(shown, details, strict=True)
+            if row["classpath"] is not None
+        ],
     }
 
 
@@ -380,8 +417,9 @@ def _details(shown: list[GroupCount], viewer: Viewer) -> list[dict[str, Any]]:
     from smart_triggerer.db.store import Store
 
     with _session() as session:
-        return Store(session).page_groups([c.key for c in shown], sorted(viewer.listed_dag_ids()),
-                                          MEMBERS_SHOWN, MEMBERS_SCANNED)
+        return Store(session).page_groups(
+            [c.key for c in shown], sorted(viewer.listed_dag_ids()), MEMBERS_SHOWN, MEMBERS_SCANNED
+        )
 
 
 def _group(count: GroupCount, row: dict[str, Any], viewer: Viewer) -> dict[str, Any]:
@@ -432,8 +470,11 @@ async def api_overview(user: User) -> dict[str, Any]:
 
 
 @app.get("/api/groups")
-async def api_groups(user: User, limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
-                     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0) -> dict[str, Any]:
+async def api_groups(
+    user: User,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+) -> dict[str, Any]:
     viewer = await run_in_threadpool(_viewer, user)
     return await run_in_threadpool(groups_page, viewer, limit, offset)
 
@@ -450,10 +491,12 @@ class SmartTriggererPagePlugin(AirflowPlugin):
 
     name = "smart_triggerer_page"
     fastapi_apps = [{"app": app, "url_prefix": "/smart-triggerer", "name": "smart triggerer page"}]
-    external_views = [{
-        "name": "Smart Triggerer",
-        "href": "smart-triggerer/ui/",
-        "url_route": "smart-triggerer",
-        "destination": "nav",
-        "category": "browse",
-    }]
+    external_views = [
+        {
+            "name": "Smart Triggerer",
+            "href": "smart-triggerer/ui/",
+            "url_route": "smart-triggerer",
+            "destination": "nav",
+            "category": "browse",
+        }
+    ]

@@ -12,7 +12,7 @@ from tests.helpers.waiting import rows, wait_for
 
 pytestmark = pytest.mark.e2e
 
-PRODUCER = '''
+PRODUCER = """
 import pendulum
 from airflow.sdk import DAG, Asset, task
 
@@ -22,9 +22,9 @@ with DAG(dag_id="publisher", schedule=None, start_date=pendulum.datetime(2024, 1
         return "loaded"
 
     publish()
-'''
+"""
 
-CONSUMER = '''
+CONSUMER = """
 import pendulum
 from airflow.sdk import DAG, task
 from deferrables import AssetEventSensor
@@ -42,7 +42,7 @@ with DAG(dag_id="reporter", schedule=None, start_date=pendulum.datetime(2024, 1,
         return 2
 
     prepare() >> wait >> report()
-'''
+"""
 
 
 def test_mid_dag_wait_ends_on_the_asset_event(airflow_stack: AirflowStack) -> None:
@@ -58,4 +58,7 @@ def test_mid_dag_wait_ends_on_the_asset_event(airflow_stack: AirflowStack) -> No
     airflow_stack.trigger("publisher")
     assert airflow_stack.wait_for_run("reporter", run_id, timeout=120) == "success"
     assert airflow_stack.task_states("reporter", run_id) == {
-        "prepare": "success", "wait_fresh_users": "success", "report": "success"}
+        "prepare": "success",
+        "wait_fresh_users": "success",
+        "report": "success",
+    }

@@ -45,11 +45,25 @@ def at(seconds: float) -> dt.datetime:
     return T0 + dt.timedelta(seconds=seconds)
 
 
-def entry(op: str, seconds: float, *, method: str = "execute_complete", kwargs: Any = None,
-          due: float | None = None, txid: int = 1) -> dict[str, Any]:
-    return {"op": op, "at": at(seconds), "new_state": "deferred" if op == "deferred" else "scheduled",
-            "old_trigger_id": 7, "next_method": method, "next_kwargs": kwargs,
-            "trigger_timeout": at(due) if due is not None else None, "txid": txid}
+def entry(
+    op: str,
+    seconds: float,
+    *,
+    method: str = "execute_complete",
+    kwargs: Any = None,
+    due: float | None = None,
+    txid: int = 1,
+) -> dict[str, Any]:
+    return {
+        "op": op,
+        "at": at(seconds),
+        "new_state": "deferred" if op == "deferred" else "scheduled",
+        "old_trigger_id": 7,
+        "next_method": method,
+        "next_kwargs": kwargs,
+        "trigger_timeout": at(due) if due is not None else None,
+        "txid": txid,
+    }
 
 
 def http_waiter(timeout_at: float | None = None) -> Waiter:
@@ -62,37 +76,83 @@ def poison_waiter() -> Waiter:
 
 EVENT = {"event": {"key": "h00001"}}
 TIMEOUT = {"error": "Trigger timeout"}
-NOT_STORED = {"error": "Trigger failure", "traceback": [
-    "smart-triggerer: the trigger's event could not be stored: unsupported Unicode escape sequence\n"]}
+NOT_STORED = {
+    "error": "Trigger failure",
+    "traceback": [
+        "smart-triggerer: the trigger's event could not be stored: unsupported Unicode escape sequence\n"
+    ],
+}
 BOOM = {"error": "Trigger failure", "traceback": ["boom"]}
 BOUND = 10.0
 
 
-@pytest.mark.parametrize(("trail", "condition", "timeout_at", "verdict", "problem"), [
-    ([entry("deferred", 0), entry("resolved", 12, kwargs=EVENT)], 10, None, "resumed", None),
-    ([entry("deferred", 0)], 10, None, "lost", "still deferred"),
-    ([entry("deferred", 0), entry("resolved", 12, kwargs=EVENT),
-      entry("rewritten", 13, kwargs=EVENT, txid=2)], 10, None, "resumed", "doubled"),
-    ([entry("deferred", 0), entry("resolved", 12, kwargs={"event": {"key": "h00002"}})], 10, None,
-     "resumed", "wrong"),
-    ([entry("deferred", 0), entry("resolved", 9, kwargs=EVENT)], 10, None, "resumed", "premature"),
-    ([entry("deferred", 0), entry("resolved", 25, kwargs=EVENT)], 10, None, "resumed", "stalled"),
-    ([entry("deferred", 0), entry("resolved", 29, method="__fail__", kwargs=TIMEOUT, due=30)], 60, 30,
-     "timed_out", "early"),
-    ([entry("deferred", 0), entry("resolved", 31, method="__fail__", kwargs=TIMEOUT, due=30)], 60, 30,
-     "timed_out", None),
-    ([entry("deferred", 0), entry("resolved", 31, method="__fail__", kwargs=TIMEOUT, due=30)], 5, 30,
-     "timed_out", "wrong"),
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)], 10, None, "failed",
-     "failed"),
-    ([entry("deferred", 0), entry("deleted", 12)], 10, None, "lost", "deleted"),
-    # an event refused by the database fails its tasks with the cause: only the poison group may
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)], 10, None,
-     "failed", "could not be stored"),
-])
-def test_the_checker_catches_each_kind_of_violation(trail: list[dict[str, Any]], condition: float,
-                                                     timeout_at: float | None, verdict: str,
-                                                     problem: str | None) -> None:
+@pytest.mark.parametrize(
+    ("trail", "condition", "timeout_at", "verdict", "problem"),
+    [
+        ([entry("deferred", 0), entry("resolved", 12, kwargs=EVENT)], 10, None, "resumed", None),
+        ([entry("deferred", 0)], 10, None, "lost", "still deferred"),
+        (
+            [
+                entry("deferred", 0),
+                entry("resolved", 12, kwargs=EVENT),
+                entry("rewritten", 13, kwargs=EVENT, txid=2),
+            ],
+            10,
+            None,
+            "resumed",
+            "doubled",
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 12, kwargs={"event": {"key": "h00002"}})],
+            10,
+            None,
+            "resumed",
+            "wrong",
+        ),
+        ([entry("deferred", 0), entry("resolved", 9, kwargs=EVENT)], 10, None, "resumed", "premature"),
+        ([entry("deferred", 0), entry("resolved", 25, kwargs=EVENT)], 10, None, "resumed", "stalled"),
+        (
+            [entry("deferred", 0), entry("resolved", 29, method="__fail__", kwargs=TIMEOUT, due=30)],
+            60,
+            30,
+            "timed_out",
+            "early",
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 31, method="__fail__", kwargs=TIMEOUT, due=30)],
+            60,
+            30,
+            "timed_out",
+            None,
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 31, method="__fail__", kwargs=TIMEOUT, due=30)],
+            5,
+            30,
+            "timed_out",
+            "wrong",
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)],
+            10,
+            None,
+            "failed",
+            "failed",
+        ),
+        ([entry("deferred", 0), entry("deleted", 12)], 10, None, "lost", "deleted"),
+        # an event refused by the database fails its tasks with the cause: only the poison group may
+        (
+            [entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)],
+            10,
+            None,
+            "failed",
+            "could not be stored",
+        ),
+    ],
+)
+def test_the_checker_catches_each_kind_of_violation(
+    trail: list[dict[str, Any]], condition: float, timeout_at: float | None, verdict: str, problem: str | None
+) -> None:
     due = at(timeout_at) if timeout_at is not None else None
     outcome = judge(http_waiter(timeout_at), trail, at(condition), BOUND, due)
     assert outcome.verdict == verdict
@@ -102,20 +162,45 @@ def test_the_checker_catches_each_kind_of_violation(trail: list[dict[str, Any]],
         assert any(problem in p for p in outcome.problems), outcome.problems
 
 
-@pytest.mark.parametrize(("trail", "verdict", "problem"), [
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)], "rejected", None),
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED),
-      entry("rewritten", 13, method="__fail__", kwargs=NOT_STORED, txid=2)], "rejected", "doubled"),
-    ([entry("deferred", 0), entry("resolved", 12, kwargs={"event": {"key": "p_poison"}})], "failed", "wrong"),
-    ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)], "failed", "wrong"),
-    ([entry("deferred", 0)], "lost", "still deferred"),
-    ([entry("deferred", 0), entry("resolved", 25, method="__fail__", kwargs=NOT_STORED)], "rejected",
-     "stalled"),
-    ([entry("deferred", 0), entry("resolved", 9, method="__fail__", kwargs=NOT_STORED)], "rejected",
-     "premature"),
-])
+@pytest.mark.parametrize(
+    ("trail", "verdict", "problem"),
+    [
+        (
+            [entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=NOT_STORED)],
+            "rejected",
+            None,
+        ),
+        (
+            [
+                entry("deferred", 0),
+                entry("resolved", 12, method="__fail__", kwargs=NOT_STORED),
+                entry("rewritten", 13, method="__fail__", kwargs=NOT_STORED, txid=2),
+            ],
+            "rejected",
+            "doubled",
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 12, kwargs={"event": {"key": "p_poison"}})],
+            "failed",
+            "wrong",
+        ),
+        ([entry("deferred", 0), entry("resolved", 12, method="__fail__", kwargs=BOOM)], "failed", "wrong"),
+        ([entry("deferred", 0)], "lost", "still deferred"),
+        (
+            [entry("deferred", 0), entry("resolved", 25, method="__fail__", kwargs=NOT_STORED)],
+            "rejected",
+            "stalled",
+        ),
+        (
+            [entry("deferred", 0), entry("resolved", 9, method="__fail__", kwargs=NOT_STORED)],
+            "rejected",
+            "premature",
+        ),
+    ],
+)
 def test_a_poison_event_must_fail_its_tasks_with_the_cause_exactly_once(
-        trail: list[dict[str, Any]], verdict: str, problem: str | None) -> None:
+    trail: list[dict[str, Any]], verdict: str, problem: str | None
+) -> None:
     outcome = judge(poison_waiter(), trail, at(10), BOUND)
     assert outcome.verdict == verdict
     if problem is None:
@@ -125,9 +210,16 @@ def test_a_poison_event_must_fail_its_tasks_with_the_cause_exactly_once(
         assert any(problem in p for p in outcome.problems), outcome.problems
 
 
-@pytest.mark.parametrize(("team", "ran_in", "wrong"), [
-    ("alpha", "alpha", False), ("beta", "alpha", True), (None, "", False), (None, "beta", True),
-    ("alpha", "", True)])
+@pytest.mark.parametrize(
+    ("team", "ran_in", "wrong"),
+    [
+        ("alpha", "alpha", False),
+        ("beta", "alpha", True),
+        (None, "", False),
+        (None, "beta", True),
+        ("alpha", "", True),
+    ],
+)
 def test_a_team_wait_must_resume_with_its_own_teams_mark(team: str | None, ran_in: str, wrong: bool) -> None:
     """Identical waits of two teams: an event made in another team's environment (or none) is wrong."""
     waiter = Waiter(0, Identity(TEAM, "h00001", team=team), wave=0, poll_interval=2.0, push=False)
@@ -210,10 +302,16 @@ def test_a_wait_across_a_wedged_runner_gets_the_stall_threshold_more() -> None:
 
 
 def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:
-    events = [(1, "chaos://status/a0", {}, at(1)), (2, NUL_ASSET, {}, at(2)),
-              (3, "chaos://status/a1", {}, at(3))]
-    outbox = {1: ("delivered", None), 2: ("dead", "not relayed: PostgreSQL cannot store its extra as jsonb"),
-              3: ("delivered", None)}
+    events = [
+        (1, "chaos://status/a0", {}, at(1)),
+        (2, NUL_ASSET, {}, at(2)),
+        (3, "chaos://status/a1", {}, at(3)),
+    ]
+    outbox = {
+        1: ("delivered", None),
+        2: ("dead", "not relayed: PostgreSQL cannot store its extra as jsonb"),
+        3: ("delivered", None),
+    }
     observed = Observed({}, {}, {}, {}, [], events, T0, outbox=outbox, delivered=Counter({1: 1, 3: 2}))
     result = judge_bridge(observed)
     assert (result.violations, result.delivered, result.redelivered) == ([], 2, 1)
@@ -231,11 +329,20 @@ def test_the_asset_checker_wants_exactly_one_event_per_success_row_on_its_own_as
         payload = {"row_id": row_id, "table_name": table}
         return (event_id, f"chaos://status/{asset}", {"payload": payload}, at(3))
 
-    rows = [(1, "asset.a0", "SUCCESS", at(1)), (2, "asset.a0", "START", at(1)),
-            (3, "asset.a1", "SUCCESS", at(1)), (4, "asset.a1", "SUCCESS", at(1)),
-            (5, "asset.a1", "SUCCESS", at(1))]
-    events = [event(10, "a0", 1, "asset.a0"), event(11, "a0", 1, "asset.a0"), event(12, "a0", 2, "asset.a0"),
-              event(13, "a0", 3, "asset.a1"), event(14, "a1", 5, "asset.a1")]
+    rows = [
+        (1, "asset.a0", "SUCCESS", at(1)),
+        (2, "asset.a0", "START", at(1)),
+        (3, "asset.a1", "SUCCESS", at(1)),
+        (4, "asset.a1", "SUCCESS", at(1)),
+        (5, "asset.a1", "SUCCESS", at(1)),
+    ]
+    events = [
+        event(10, "a0", 1, "asset.a0"),
+        event(11, "a0", 1, "asset.a0"),
+        event(12, "a0", 2, "asset.a0"),
+        event(13, "a0", 3, "asset.a1"),
+        event(14, "a1", 5, "asset.a1"),
+    ]
     observed = Observed({}, {}, {}, {}, rows, events, T0)
     result = judge_assets(observed, BOUND)
     assert (len(result.lost), len(result.doubled), len(result.wrong)) == (1, 1, 2)
@@ -248,21 +355,31 @@ def test_an_event_whose_holder_was_struck_before_storing_it_gets_one_more_takeov
     was partitioned from PostgreSQL before storing it; the third stored it 12.4 s after the row. Two
     takeovers, each within the bound: allowed only with the logs' evidence of a firing by another process
     before the one that stored it (a firing after the store, as in ack mode, allows nothing)."""
+
     def status_event(event_id: int, row_id: int, stored: float) -> tuple[int, str, dict[str, Any], Any]:
-        return (event_id, "chaos://status/a7", {"payload": {"row_id": row_id, "table_name": "asset.a7"}},
-                at(stored))
+        return (
+            event_id,
+            "chaos://status/a7",
+            {"payload": {"row_id": row_id, "table_name": "asset.a7"}},
+            at(stored),
+        )
 
     rows = [(row_id, "asset.a7", "SUCCESS", at(0)) for row_id in (1, 2, 3)]
     events = [status_event(10, 1, 17), status_event(11, 2, 17), status_event(12, 3, 17)]
-    fired = {1: {"smart-3.13": at(6.6), "smart-1.18": at(16.8)}, 2: {"smart-1.18": at(16.8)},
-             3: {"smart-1.18": at(16.8), "smart-2.5": at(18)}}
+    fired = {
+        1: {"smart-3.13": at(6.6), "smart-1.18": at(16.8)},
+        2: {"smart-1.18": at(16.8)},
+        3: {"smart-1.18": at(16.8), "smart-2.5": at(18)},
+    }
     stored = {10: "smart-1.18", 11: "smart-1.18", 12: "smart-1.18"}
     observed = Observed({}, {}, {}, {}, rows, events, T0, fired_by=fired, stored_by=stored)
     result = judge_assets(observed, BOUND, retake=7.0)
-    assert result.stalled == [f"row {n} (asset.a7): its event came 17.0s later (bound {BOUND:g}s)"
-                              for n in (2, 3)]
-    assert result.refired == ["row 1 (asset.a7): 17.0s, fired before it was stored by 1 struck instance(s) "
-                              "(bound 17s)"]
+    assert result.stalled == [
+        f"row {n} (asset.a7): its event came 17.0s later (bound {BOUND:g}s)" for n in (2, 3)
+    ]
+    assert result.refired == [
+        "row 1 (asset.a7): 17.0s, fired before it was stored by 1 struck instance(s) (bound 17s)"
+    ]
     observed.asset_events[0] = status_event(10, 1, 20)  # past the second takeover too
     later = judge_assets(observed, BOUND, retake=7.0).stalled
     assert later[0] == "row 1 (asset.a7): its event came 20.0s later (bound 17s)"
@@ -271,17 +388,20 @@ def test_an_event_whose_holder_was_struck_before_storing_it_gets_one_more_takeov
 
 
 def test_firings_are_read_from_each_instance_process_log(tmp_path: Path) -> None:
-    line = ("2026-11-25T15:41:30.962263Z [info     ] Trigger fired event            "
-            "[airflow.jobs.triggerer_job_runner] dag_id=None loc=triggerer_job_runner.py:1046 map_index=None "
-            "name='ID 6' result=\"TriggerEvent<{'row_id': 1227, 'table_name': 'asset.a7', 'status': "
-            "'SUCCESS'}>\" run_id=None")
+    line = (
+        "2026-11-25T15:41:30.962263Z [info     ] Trigger fired event            "
+        "[airflow.jobs.triggerer_job_runner] dag_id=None loc=triggerer_job_runner.py:1046 map_index=None "
+        "name='ID 6' result=\"TriggerEvent<{'row_id': 1227, 'table_name': 'asset.a7', 'status': "
+        "'SUCCESS'}>\" run_id=None"
+    )
     later = line.replace("15:41:30.962263", "15:41:33.000000")
     (tmp_path / "smart-3.13.log").write_text(f"{line}\n{later}\n")
     (tmp_path / "smart-1.log").write_text(line.replace("1227", "1228") + "\n")
     (tmp_path / "relay.log").write_text(line + "\n")  # not an instance
     assert fired_by(tmp_path) == {
         1227: {"smart-3.13": dt.datetime(2026, 11, 25, 15, 41, 30, 962263, tzinfo=dt.UTC)},
-        1228: {"smart-1": dt.datetime(2026, 11, 25, 15, 41, 30, 962263, tzinfo=dt.UTC)}}
+        1228: {"smart-1": dt.datetime(2026, 11, 25, 15, 41, 30, 962263, tzinfo=dt.UTC)},
+    }
 
 
 def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
@@ -307,8 +427,10 @@ def test_the_short_plan_has_every_fault_kind_and_is_reproducible() -> None:
     for consume in (f for f in plan.faults if f.kind == "consume"):
         assert consume.slot.startswith("smart-")
         before = [f for f in plan.faults if f.at < consume.at and f.kind in stale]
-        assert all(consume.at - (f.at + (0 if f.kind == "clock_step" else f.hold)) >= plan.profile.retake
-                   for f in before), (consume, before)
+        assert all(
+            consume.at - (f.at + (0 if f.kind == "clock_step" else f.hold)) >= plan.profile.retake
+            for f in before
+        ), (consume, before)
 
 
 def test_a_partition_holds_what_is_sent_until_it_heals(pg_db: str) -> None:
@@ -349,6 +471,7 @@ def test_the_database_clock_steps_forward_while_the_server_runs(tmp_path: Path) 
     server = FakeClockPostgres(tmp_path / "pgdata", library=ensure_libfaketime())
     server.start()
     try:
+
         def offset() -> float:
             found = rows(server.dsn, "SELECT clock_timestamp()")[0][0]
             return float((found - dt.datetime.now(dt.UTC)).total_seconds())

@@ -23,7 +23,7 @@ from tests.helpers.waiting import rows, wait_for
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).parents[2]
-PRODUCER = '''
+PRODUCER = """
 import pendulum
 from airflow.sdk import DAG, Asset, task
 
@@ -38,8 +38,8 @@ with DAG(dag_id="publish_users", schedule=None, start_date=pendulum.datetime(202
 
     publish()
     publish_other()
-'''
-CONSUMER = '''
+"""
+CONSUMER = """
 import pendulum
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Asset
@@ -47,13 +47,15 @@ from airflow.sdk import DAG, Asset
 with DAG(dag_id="users_in_b", schedule=[Asset("warehouse://dds/h_user")],
          start_date=pendulum.datetime(2024, 1, 1), catchup=False):
     EmptyOperator(task_id="consume")
-'''
+"""
 
 
 def _b_events(dsn: str) -> list[int]:
     """Source event ids of B's relayed events, in the order B created them."""
-    return [int(r[0]) for r in rows(dsn, "SELECT CAST(extra AS jsonb) ->> 'source_event_id' FROM asset_event "
-                                         "ORDER BY id")]
+    return [
+        int(r[0])
+        for r in rows(dsn, "SELECT CAST(extra AS jsonb) ->> 'source_event_id' FROM asset_event ORDER BY id")
+    ]
 
 
 def _emit_in_a(stack: AirflowStack, uri: str, count: int) -> list[int]:
@@ -69,8 +71,10 @@ def _emit_in_a(stack: AirflowStack, uri: str, count: int) -> list[int]:
 
 
 def _outbox(dsn: str) -> dict[str, int]:
-    return {str(r[0]): int(r[1]) for r in rows(dsn, "SELECT status, count(*) FROM dataset_bridge.outbox "
-                                                    "GROUP BY status")}
+    return {
+        str(r[0]): int(r[1])
+        for r in rows(dsn, "SELECT status, count(*) FROM dataset_bridge.outbox GROUP BY status")
+    }
 
 
 def _post(url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
@@ -79,8 +83,13 @@ def _post(url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
 
 def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
     before = _b_events(b_dsn)
-    event = {"id": 999999, "uri": "warehouse://dds/h_user", "name": "warehouse://dds/h_user", "extra": {},
-             "timestamp": "2026-01-01T00:00:00+00:00"}
+    event = {
+        "id": 999999,
+        "uri": "warehouse://dds/h_user",
+        "name": "warehouse://dds/h_user",
+        "extra": {},
+        "timestamp": "2026-01-01T00:00:00+00:00",
+    }
     good = json.dumps({"source": "deployment_a", "events": [event]}).encode()
     wrong = _post(inbox_url, good, signing.sign("deployment_a", "not-the-secret", good))
     assert wrong.status_code == 401 and "bad signature" in wrong.json()["detail"]
@@ -99,19 +108,35 @@ def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
     # chunked: no Content-Length to refuse up front, so the inbox must stop reading at the limit (the
     # headers a caller anyone can be writes pass the checks made before the body is read)
     anyones = signing.sign("deployment_a", "not the secret", b"")
-    chunked = httpx.post(inbox_url, content=(b"x" * 65536 for _ in range(64)), timeout=30,
-                         headers={"Content-Type": "application/json", **anyones})
+    chunked = httpx.post(
+        inbox_url,
+        content=(b"x" * 65536 for _ in range(64)),
+        timeout=30,
+        headers={"Content-Type": "application/json", **anyones},
+    )
     assert chunked.status_code == 413
     # without signature headers it is refused before its body is read
-    unsigned_chunked = httpx.post(inbox_url, content=(b"x" * 65536 for _ in range(64)), timeout=30,
-                                  headers={"Content-Type": "application/json"})
+    unsigned_chunked = httpx.post(
+        inbox_url,
+        content=(b"x" * 65536 for _ in range(64)),
+        timeout=30,
+        headers={"Content-Type": "application/json"},
+    )
     assert unsigned_chunked.status_code == 401
     non_ascii = {**signing.sign("deployment_a", secret, good), "X-Bridge-Signature": "sha256=\u00e9"}
-    assert httpx.post(inbox_url, content=good, timeout=30, headers={
-        k: v.encode("latin-1") for k, v in non_ascii.items()}).status_code == 401
+    assert (
+        httpx.post(
+            inbox_url,
+            content=good,
+            timeout=30,
+            headers={k: v.encode("latin-1") for k, v in non_ascii.items()},
+        ).status_code
+        == 401
+    )
     # a well-signed event for an asset this source is not allowed: refused alone, naming it
-    payroll = json.dumps({"source": "deployment_a", "events": [{**event, "uri": "warehouse://dds/payroll",
-                                                                "name": "payroll"}]}).encode()
+    payroll = json.dumps(
+        {"source": "deployment_a", "events": [{**event, "uri": "warehouse://dds/payroll", "name": "payroll"}]}
+    ).encode()
     not_allowed = _post(inbox_url, payroll, signing.sign("deployment_a", secret, payroll))
     assert not_allowed.status_code == 200, not_allowed.text
     [refusal] = not_allowed.json()["results"]
@@ -120,8 +145,14 @@ def _check_refusals(inbox_url: str, secret: str, b_dsn: str) -> None:
 
 
 def _relay_status(stack: AirflowStack, env: dict[str, str]) -> dict[str, Any]:
-    result = subprocess.run([str(Path(sys.executable).with_name("dataset-bridge")), "relay-status", "--json"],
-                            env=env, capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("dataset-bridge")), "relay-status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return {t["target"]: t for t in json.loads(result.stdout.strip().splitlines()[-1])["targets"]}
 
 
@@ -129,12 +160,14 @@ def _relay_status(stack: AirflowStack, env: dict[str, str]) -> dict[str, Any]:
 # parallel phase's other tests, over the suite's default limit of five minutes
 @pytest.mark.timeout(600)
 def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_requests(
-        airflow_stack: AirflowStack, second_airflow_stack: AirflowStack, tmp_path: Path) -> None:
+    airflow_stack: AirflowStack, second_airflow_stack: AirflowStack, tmp_path: Path
+) -> None:
     a, b = airflow_stack, second_airflow_stack
     secret = secrets.token_urlsafe(32)
     inbox_url = f"{b.config.api_url}/dataset-bridge/inbox"
     routes = tmp_path / "routes.yaml"
-    routes.write_text(textwrap.dedent(f"""
+    routes.write_text(
+        textwrap.dedent(f"""
         source: deployment_a
         targets:
           deployment_b:
@@ -147,14 +180,18 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
             secret_env: BRIDGE_SECRET_C
             assets: [warehouse://dds/other]
             max_attempts: 2
-    """))
-    a.config.extra.update({
-        "AIRFLOW__CORE__ASSET_MANAGER_CLASS": "dataset_bridge.asset_manager.OutboxAssetManager",
-        "AIRFLOW__CORE__ASSET_MANAGER_KWARGS": json.dumps({"routes": str(routes)}),
-    })
+    """)
+    )
+    a.config.extra.update(
+        {
+            "AIRFLOW__CORE__ASSET_MANAGER_CLASS": "dataset_bridge.asset_manager.OutboxAssetManager",
+            "AIRFLOW__CORE__ASSET_MANAGER_KWARGS": json.dumps({"routes": str(routes)}),
+        }
+    )
     b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_SECRETS"] = json.dumps({"deployment_a": secret})
     b.config.extra["AIRFLOW__DATASET_BRIDGE__INBOX_ALLOWED_ASSETS"] = json.dumps(
-        {"deployment_a": ["uri:warehouse://dds/h_user", "uri:warehouse://dds/other"]})
+        {"deployment_a": ["uri:warehouse://dds/h_user", "uri:warehouse://dds/other"]}
+    )
     (a.config.dags_folder / "publish_users.py").write_text(textwrap.dedent(PRODUCER))
     (b.config.dags_folder / "users_in_b.py").write_text(textwrap.dedent(CONSUMER))
     relay_env = {"BRIDGE_SECRET_B": secret, "BRIDGE_SECRET_C": "a-wrong-secret"}
@@ -171,13 +208,27 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
     # 1. producer in A -> consumer in B, exactly once; the "other" event goes to C with a wrong secret
     run_id = a.trigger("publish_users")
     assert a.wait_for_run("publish_users", run_id, timeout=120) == "success"
-    wait_for(lambda: rows(b_dsn, "SELECT count(*) FROM dag_run WHERE dag_id = 'users_in_b'")[0][0],
-             lambda n: n == 1, 90, "B's consumer to run")
-    first = [int(r[0]) for r in rows(a_dsn, "SELECT e.id FROM asset_event e JOIN asset s "
-                                            "ON s.id = e.asset_id WHERE s.uri = 'warehouse://dds/h_user'")]
+    wait_for(
+        lambda: rows(b_dsn, "SELECT count(*) FROM dag_run WHERE dag_id = 'users_in_b'")[0][0],
+        lambda n: n == 1,
+        90,
+        "B's consumer to run",
+    )
+    first = [
+        int(r[0])
+        for r in rows(
+            a_dsn,
+            "SELECT e.id FROM asset_event e JOIN asset s "
+            "ON s.id = e.asset_id WHERE s.uri = 'warehouse://dds/h_user'",
+        )
+    ]
     assert _b_events(b_dsn) == first
-    wait_for(lambda: _relay_status(a, {**a.config.env(), **relay_env}).get("deployment_c", {}).get("dead"),
-             lambda dead: dead == 1, 60, "the wrongly authenticated event to be dead-lettered")
+    wait_for(
+        lambda: _relay_status(a, {**a.config.env(), **relay_env}).get("deployment_c", {}).get("dead"),
+        lambda dead: dead == 1,
+        60,
+        "the wrongly authenticated event to be dead-lettered",
+    )
     dead = _relay_status(a, {**a.config.env(), **relay_env})["deployment_c"]
     assert "401" in dead["last_error"] and "bad signature" in dead["last_error"]
 
@@ -187,9 +238,15 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
     # 3. the relay dies after B accepted a batch, before marking it: redelivered, never doubled
     a.retire(relay)
     crash_ids = _emit_in_a(a, "warehouse://dds/h_user", 5)
-    crashed = subprocess.run([sys.executable, "-m", "tests.helpers.crashing_relay", str(routes)],
-                             env={**a.config.env(), **relay_env}, cwd=REPO, capture_output=True, text=True,
-                             timeout=120, check=False)
+    crashed = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.crashing_relay", str(routes)],
+        env={**a.config.env(), **relay_env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
     assert _b_events(b_dsn) == first + crash_ids
     assert _outbox(a_dsn).get("pending", 0) == 5
@@ -205,8 +262,12 @@ def test_events_cross_deployments_exactly_once_through_crashes_downtime_and_bad_
     assert _outbox(a_dsn).get("pending", 0) == 3
     b.start_api_server()
     b.wait_healthy(["metadatabase"])
-    wait_for(lambda: _b_events(b_dsn), lambda ids: ids == first + crash_ids + down_ids, 90,
-             "the events made while B was down, in order")
+    wait_for(
+        lambda: _b_events(b_dsn),
+        lambda ids: ids == first + crash_ids + down_ids,
+        90,
+        "the events made while B was down, in order",
+    )
     status = _relay_status(a, {**a.config.env(), **relay_env})
     assert status["deployment_b"]["delivered"] == 1 + 5 + 3 and status["deployment_b"]["backlog"] == 0
     assert status["deployment_b"]["dead"] == 0

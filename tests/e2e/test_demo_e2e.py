@@ -21,12 +21,19 @@ pytestmark = pytest.mark.e2e
 def test_quick_demo_resumes_every_task_and_prints_its_summary(tmp_path: Path) -> None:
     """Also ``--keep-running``: stdout is exactly the JSON summary, printed while the stack stays up, and the
     environment file it names points ``smart-triggerer status`` and ``dataset-bridge status`` at it."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("AIRFLOW") and k != "SMART_TRIGGERER_DSN"}  # no database configured
-    command = [sys.executable, "-m", "devkit.demo", "--quick", "--json",
-               "--keep-running"]
-    demo = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW") and k != "SMART_TRIGGERER_DSN"
+    }  # no database configured
+    command = [sys.executable, "-m", "devkit.demo", "--quick", "--json", "--keep-running"]
+    demo = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     err_lines: list[str] = []
     reader = threading.Thread(target=lambda: err_lines.extend(demo.stderr), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -79,8 +86,10 @@ def _stop(demo: subprocess.Popen[str]) -> None:
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     """The first stdout line, or fail when the process exits first or ``timeout`` passes."""
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()),  # type: ignore[union-attr]
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: lines.append(process.stdout.readline()),  # type: ignore[union-attr]
+        daemon=True,
+    )
     reader.start()
     reader.join(timeout)
     assert lines and lines[0], f"no summary line from the demo (exit code {process.poll()})"
@@ -91,8 +100,14 @@ def _with_env(env_file: Path, argv: list[str]) -> subprocess.CompletedProcess[st
     bin_dir = Path(sys.executable).parent
     script = f'. "{env_file}" && exec "{bin_dir}/{argv[0]}" "$@"'
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-    return subprocess.run(["sh", "-c", script, "sh", *argv[1:]], env=clean, capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        ["sh", "-c", script, "sh", *argv[1:]],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def _running_under(root: Path) -> list[str]:

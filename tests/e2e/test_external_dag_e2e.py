@@ -15,7 +15,7 @@ from tests.integration.test_smart_triggerer import metrics
 
 pytestmark = pytest.mark.e2e
 
-PRODUCER = '''
+PRODUCER = """
 import pendulum
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
@@ -34,9 +34,9 @@ with DAG(dag_id="producer", schedule=None, start_date=pendulum.datetime(2024, 1,
         raise AirflowSkipException("nothing to do")
 
     ok(); broken(); skipped()
-'''
+"""
 
-LATEST = '''
+LATEST = """
 import pendulum
 from airflow.sdk import DAG
 from deferrables import ExternalDagSensor
@@ -44,9 +44,9 @@ from deferrables import ExternalDagSensor
 with DAG(dag_id="consumer_latest", schedule=None, start_date=pendulum.datetime(2024, 1, 1), catchup=False):
     ExternalDagSensor(task_id="wait_latest_ok", external_dag_id="producer", external_task_ids=["ok"],
                       latest_run=True, poke_interval=2, timeout=300)
-'''
+"""
 
-CONSUMER = '''
+CONSUMER = """
 import pendulum
 from airflow.sdk import DAG
 from deferrables import ExternalDagSensor
@@ -55,7 +55,7 @@ with DAG(dag_id="consumer", schedule=None, start_date=pendulum.datetime(2024, 1,
     for name in ("ok", "broken", "skipped"):
         ExternalDagSensor(task_id=f"wait_{name}", external_dag_id="producer", external_task_ids=[name],
                           poke_interval=2, timeout=300, retries=0)
-'''
+"""
 
 
 def task_state_questions(url: str) -> int:
@@ -79,10 +79,10 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     (folder / "producer.py").write_text(textwrap.dedent(PRODUCER))
     (folder / "consumer.py").write_text(textwrap.dedent(CONSUMER))
     (folder / "consumer_latest.py").write_text(textwrap.dedent(LATEST))
-    airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(
-        airflow_stack.config.database_dsn)
-    triggerer = airflow_stack.start_smart(["producer", "consumer", "consumer_latest"],
-                                          env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"})
+    airflow_stack.config.extra["AIRFLOW_CONN_AIRFLOW_DB"] = reader_dsn(airflow_stack.config.database_dsn)
+    triggerer = airflow_stack.start_smart(
+        ["producer", "consumer", "consumer_latest"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "16"}
+    )
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     consumer_run = airflow_stack.trigger("consumer", logical_date=when)
     dsn = airflow_stack.config.database_dsn
@@ -93,7 +93,10 @@ def test_external_waits_end_on_success_failure_and_skip(airflow_stack: AirflowSt
     airflow_stack.trigger("producer", logical_date=when)
     assert airflow_stack.wait_for_run("consumer", consumer_run, timeout=180) == "failed"
     assert airflow_stack.task_states("consumer", consumer_run) == {
-        "wait_ok": "success", "wait_broken": "failed", "wait_skipped": "skipped"}
+        "wait_ok": "success",
+        "wait_broken": "failed",
+        "wait_skipped": "skipped",
+    }
 
     latest = airflow_stack.trigger("consumer_latest")  # the producer's run above is the latest one
     assert airflow_stack.wait_for_run("consumer_latest", latest, timeout=120) == "success"

@@ -28,8 +28,15 @@ PASSWORDS = {"admin": "admin-password", LIMITED_USER: "limited-password", OUTSID
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("SMART_TRIGGERER_ARTIFACTS") or ROOT / ".artifacts")
 # Chromium flags for a closed network and a root user (background networking would only be refused)
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def moment(days: int) -> str:
@@ -40,16 +47,21 @@ def configure_auth(stack: AirflowStack) -> None:
     """Real logins (Airflow's SimpleAuthManager: admin, and limited who may not read hidden_ DAGs)."""
     stack.config.all_admins = False
     (stack.config.home / "passwords.json").write_text(json.dumps(PASSWORDS))
-    stack.config.extra.update({
-        "AIRFLOW__CORE__AUTH_MANAGER": "tests.helpers.auth.LimitedAuthManager",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,{LIMITED_USER}:viewer,{OUTSIDER}:viewer",
-        "PYTHONPATH": str(ROOT),  # the auth manager and the test trigger live in tests/helpers
-    })
+    stack.config.extra.update(
+        {
+            "AIRFLOW__CORE__AUTH_MANAGER": "tests.helpers.auth.LimitedAuthManager",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": (
+                f"admin:admin,{LIMITED_USER}:viewer,{OUTSIDER}:viewer"
+            ),
+            "PYTHONPATH": str(ROOT),  # the auth manager and the test trigger live in tests/helpers
+        }
+    )
 
 
 def token(stack: AirflowStack, user: str) -> str:
-    response = httpx.post(f"{stack.config.api_url}/auth/token", timeout=30,
-                          json={"username": user, "password": PASSWORDS[user]})
+    response = httpx.post(
+        f"{stack.config.api_url}/auth/token", timeout=30, json={"username": user, "password": PASSWORDS[user]}
+    )
     assert response.status_code == 201, response.text
     return str(response.json()["access_token"])
 
@@ -67,16 +79,22 @@ def get_json(stack: AirflowStack, path: str, bearer: str) -> Any:
 
 def groups_in_database(dsn: str, dag_ids: set[str]) -> list[int]:
     """Group sizes straight from the tables (deferred tasks by identity), biggest first."""
-    found = rows(dsn, "SELECT i.identity_hash, ti.dag_id FROM smart_triggerer.trigger_identity i "
-                      "JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'")
+    found = rows(
+        dsn,
+        "SELECT i.identity_hash, ti.dag_id FROM smart_triggerer.trigger_identity i "
+        "JOIN task_instance ti ON ti.trigger_id = i.trigger_id AND ti.state = 'deferred'",
+    )
     return sorted(Counter(h for h, dag_id in found if dag_id in dag_ids).values(), reverse=True)
 
 
 def full_overview(stack: AirflowStack, bearer: str) -> Any:
     """The overview once it counts every waiter: 15 in 3 groups."""
-    return wait_for(lambda: get_json(stack, "api/overview", bearer),
-                    lambda o: (o["totals"]["waiters"], o["totals"]["groups"]) == (15, 3), 60,
-                    "the overview to count 15 waiters in 3 groups")
+    return wait_for(
+        lambda: get_json(stack, "api/overview", bearer),
+        lambda o: (o["totals"]["waiters"], o["totals"]["groups"]) == (15, 3),
+        60,
+        "the overview to count 15 waiters in 3 groups",
+    )
 
 
 def seed_waiters(stack: AirflowStack) -> dict[str, list[int]]:
@@ -84,22 +102,37 @@ def seed_waiters(stack: AirflowStack) -> dict[str, list[int]]:
     dsn, dags = stack.config.database_dsn, stack.config.dags_folder
     plan = {"visible_a": [1] * 7 + [2] * 3, f"{HIDDEN_PREFIX}b": [1] * 4 + [3]}
     for dag_id, days in plan.items():
-        seed_deferred(dsn, dags, count=len(days), classpath=AT_TIME, dag_id=dag_id,
-                      kwargs_for=lambda i, days=days: {"moment": moment(days[i]), "poll_interval": 30})
+        seed_deferred(
+            dsn,
+            dags,
+            count=len(days),
+            classpath=AT_TIME,
+            dag_id=dag_id,
+            kwargs_for=lambda i, days=days: {"moment": moment(days[i]), "poll_interval": 30},
+        )
     return plan
 
 
 def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
-        airflow_stack: AirflowStack) -> None:
+    airflow_stack: AirflowStack,
+) -> None:
     configure_auth(airflow_stack)
     plan = seed_waiters(airflow_stack)
     airflow_stack.start_api_server()
     airflow_stack.wait_healthy(["metadatabase"])
     airflow_stack.start_smart_triggerer("smart-1", env=ENV)
     airflow_stack.start_smart_triggerer("smart-2", env=ENV)
-    wait_for(lambda: airflow_stack.smart_status()["totals"],
-             lambda t: t["waiters"] == 15 and t["groups"] == 3 and t["instances"] == 2
-             and t["shards_owned"] == t["shards"], 120, "two instances serving 15 waiters in 3 groups")
+    wait_for(
+        lambda: airflow_stack.smart_status()["totals"],
+        lambda t: (
+            t["waiters"] == 15
+            and t["groups"] == 3
+            and t["instances"] == 2
+            and t["shards_owned"] == t["shards"]
+        ),
+        120,
+        "two instances serving 15 waiters in 3 groups",
+    )
 
     # no credentials, or a forged token: refused, for the API and the page alike
     for path in ("api/overview", "api/groups", "ui/"):
@@ -113,12 +146,19 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     # instance that joined second, its waiters are counted by neither for a moment (CI on 3.3.1: 14)
     overview = full_overview(airflow_stack, admin)
     assert sorted(i["host"] for i in overview["instances"] if i["healthy"]) == sorted(
-        r[0] for r in rows(airflow_stack.config.database_dsn,
-                           "SELECT hostname FROM smart_triggerer.instance WHERE stopped_at IS NULL"))
+        r[0]
+        for r in rows(
+            airflow_stack.config.database_dsn,
+            "SELECT hostname FROM smart_triggerer.instance WHERE stopped_at IS NULL",
+        )
+    )
     groups = get_json(airflow_stack, "api/groups?limit=2&offset=0", admin)
     assert groups["total"] == 3
-    assert [g["members"] for g in groups["groups"]] == groups_in_database(
-        airflow_stack.config.database_dsn, set(plan))[:2] == [11, 3]
+    assert (
+        [g["members"] for g in groups["groups"]]
+        == groups_in_database(airflow_stack.config.database_dsn, set(plan))[:2]
+        == [11, 3]
+    )
     biggest = groups["groups"][0]
     assert biggest["waits_on"] == f"the time {moment(1)}" and biggest["dags"] == 2
     assert biggest["serving_instance"] is not None
@@ -129,8 +169,11 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     # a user who may not read hidden_b sees neither its tasks nor the group only its tasks make up
     limited_token = token(airflow_stack, LIMITED_USER)
     limited = get_json(airflow_stack, "api/groups", limited_token)
-    assert [g["members"] for g in limited["groups"]] == groups_in_database(
-        airflow_stack.config.database_dsn, {"visible_a"}) == [7, 3]
+    assert (
+        [g["members"] for g in limited["groups"]]
+        == groups_in_database(airflow_stack.config.database_dsn, {"visible_a"})
+        == [7, 3]
+    )
     assert all(m["dag_id"] == "visible_a" for g in limited["groups"] for m in g["first_members"])
     # limited may view triggers: the deployment-wide counts
     assert full_overview(airflow_stack, limited_token)["totals"]["waiters"] == 15
@@ -155,7 +198,8 @@ def test_the_page_and_its_api_show_instances_and_groups_to_signed_in_users(
     for instance in overview["instances"]:
         assert instance["accepting"] is True and instance["capacity"] > 0, instance
     assert sorted(int(load.split(" / ")[1]) for load in loads) == sorted(
-        i["capacity"] for i in overview["instances"]), loads
+        i["capacity"] for i in overview["instances"]
+    ), loads
     assert text.count("taking shards") == 2, text
     # the runner's loop lag and the instance's memory, as each instance reported them with its heartbeat
     for row in instance_rows:

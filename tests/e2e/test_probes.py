@@ -19,8 +19,10 @@ pytestmark = pytest.mark.e2e
 TOKEN = "probe-token-for-tests"
 # The chart runs `airflow jobs check --job-type TriggererJob --hostname $(hostname)`; Airflow records a
 # job's host with [core] hostname_callable, so both must name the host the same way.
-HOST_ENV = {"AIRFLOW__CORE__HOSTNAME_CALLABLE": "socket.gethostname",
-            "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "6"}
+HOST_ENV = {
+    "AIRFLOW__CORE__HOSTNAME_CALLABLE": "socket.gethostname",
+    "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "6",
+}
 
 
 def non_loopback_ipv4() -> str:
@@ -38,8 +40,9 @@ def jobs_check(stack: AirflowStack, where: str = BY_HOSTNAME) -> subprocess.Comp
     """The chart's probe: ``--hostname $(hostname)`` (older charts) or ``--local`` (newer ones)."""
     command = f'exec "$AIRFLOW_BIN" jobs check --job-type TriggererJob {where}'
     env = {**stack.config.env(), **HOST_ENV, "AIRFLOW_BIN": stack.config.airflow_bin()}
-    return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    return subprocess.run(
+        ["sh", "-c", command], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def wait_until(predicate: object, timeout: float, what: str) -> None:
@@ -55,8 +58,7 @@ def test_the_charts_probe_and_a_network_health_endpoint(airflow_stack: AirflowSt
     host = non_loopback_ipv4()
     env = {**HOST_ENV, "AIRFLOW__SMART_TRIGGERER__HEALTH_TOKEN": TOKEN}
     triggerer = airflow_stack.start_smart_triggerer(env=env, health_host=host)
-    wait_until(lambda: any(i["healthy"] for i in airflow_stack.smart_status()["instances"]), 90,
-               "registered")
+    wait_until(lambda: any(i["healthy"] for i in airflow_stack.smart_status()["instances"]), 90, "registered")
     url = airflow_stack.smart_status()["instances"][0]["health_url"]
     assert url.startswith(f"http://{host}:"), url
 
@@ -64,8 +66,14 @@ def test_the_charts_probe_and_a_network_health_endpoint(airflow_stack: AirflowSt
     assert httpx.get(f"{url}/health", timeout=10).status_code == 401
     wrong = httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}, timeout=10)
     assert wrong.status_code == 401
-    wait_until(lambda: httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"},
-                                 timeout=10).status_code == 200, 30, "healthy")
+    wait_until(
+        lambda: (
+            httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).status_code
+            == 200
+        ),
+        30,
+        "healthy",
+    )
     metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert metrics.status_code == 200 and "smart_triggerer_shards_owned" in metrics.text
     with pytest.raises(httpx.ConnectError):

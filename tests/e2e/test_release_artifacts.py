@@ -30,16 +30,16 @@ PACKAGE = "airflow-smart-triggerer"
 TOP_LEVEL = {"deferrables", "triggers", "dataset_bridge", "smart_triggerer"}
 
 # a team's own folder named as one of ours, beside its DAGs (docs/operations/install.md, name collisions)
-TEAM_FOLDER_DAG = '''
+TEAM_FOLDER_DAG = """
 import pendulum
 from airflow.sdk import DAG
 from triggers.team_helpers import TEAM  # the team's triggers/team_helpers.py, beside this file
 
 with DAG(dag_id="team_folder", schedule=None, start_date=pendulum.datetime(2024, 1, 1), catchup=False):
     pass
-'''
+"""
 
-SMOKE_DAG = '''
+SMOKE_DAG = """
 import pendulum
 from airflow.sdk import DAG
 from deferrables.sql_condition import SqlConditionSensor
@@ -51,14 +51,17 @@ with DAG(dag_id="release_smoke", schedule=None, start_date=pendulum.datetime(202
         sql="SELECT now() > CAST(CAST($1 AS text) AS timestamp) AT TIME ZONE 'UTC'",
         parameters=["{{ macros.datetime.utcnow() + macros.timedelta(seconds=3) }}"],
     )
-'''
+"""
 
 
 def run(argv: list[str | Path], *, with_stderr: bool = False, **kwargs: object) -> str:
-    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=900,
-                          check=False, **kwargs)  # type: ignore[call-overload]
-    assert done.returncode == 0, (f"{' '.join(map(str, argv[:4]))} exited {done.returncode}:\n"
-                                  f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    done = subprocess.run(
+        [str(a) for a in argv], capture_output=True, text=True, timeout=900, check=False, **kwargs
+    )  # type: ignore[call-overload]
+    assert done.returncode == 0, (
+        f"{' '.join(map(str, argv[:4]))} exited {done.returncode}:\n"
+        f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )
     return str(done.stdout) + (str(done.stderr) if with_stderr else "")
 
 
@@ -94,24 +97,46 @@ def test_the_artifacts_pass_twine_check(artifacts: Path) -> None:
 # 2-core machine, over the suite's default limit of five (each step has its own limit, in run())
 @pytest.mark.timeout(900)
 def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
-        artifacts: Path, airflow_config: AirflowConfig, tmp_path: Path) -> None:
+    artifacts: Path, airflow_config: AirflowConfig, tmp_path: Path
+) -> None:
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv])
     python, scripts = venv / "bin" / "python", venv / "bin"
     # next to the Airflow release these tests run against (CI runs the lowest and the newest supported)
-    run([python, "-m", "pip", "install", "--disable-pip-version-check", "--quiet",
-         next(artifacts.glob("*.whl")), f"apache-airflow=={metadata.version('apache-airflow')}"])
+    run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--quiet",
+            next(artifacts.glob("*.whl")),
+            f"apache-airflow=={metadata.version('apache-airflow')}",
+        ]
+    )
 
     env = {k: v for k, v in airflow_config.env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{scripts}{os.pathsep}{env.get('PATH', '')}"
     env["AIRFLOW_CONN_RELEASE_DB"] = airflow_config.database_dsn
     home = {"env": env, "cwd": tmp_path}  # never the checkout: what runs is the installed wheel
 
-    located = run([python, "-c", "import smart_triggerer, deferrables, triggers, dataset_bridge; "
-                   "print(smart_triggerer.__file__, triggers.__file__)"], **home)
+    located = run(
+        [
+            python,
+            "-c",
+            "import smart_triggerer, deferrables, triggers, dataset_bridge; "
+            "print(smart_triggerer.__file__, triggers.__file__)",
+        ],
+        **home,
+    )
     assert all(path.startswith(str(venv)) for path in located.split()), located
-    assert "No module named 'devkit'" in subprocess.run(
-        [python, "-c", "import devkit"], capture_output=True, text=True, check=False, **home).stderr
+    assert (
+        "No module named 'devkit'"
+        in subprocess.run(
+            [python, "-c", "import devkit"], capture_output=True, text=True, check=False, **home
+        ).stderr
+    )
     assert run([scripts / "smart-triggerer", "--version"], **home).split()[-1] == metadata.version(PACKAGE)
     providers = run([scripts / "airflow", "providers", "list"], **home)
     listed = [line for line in providers.splitlines() if line.startswith(PACKAGE)]
@@ -129,8 +154,14 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     (team_folder / "team_helpers.py").write_text("TEAM = 'data-platform'\n")
     (airflow_config.dags_folder / "team_folder.py").write_text(textwrap.dedent(TEAM_FOLDER_DAG))
     run([scripts / "airflow", "dags", "reserialize"], **home)
-    listed = subprocess.run([str(scripts / "airflow"), "dags", "list-import-errors", "--output", "plain"],
-                            capture_output=True, text=True, timeout=300, check=False, **home)
+    listed = subprocess.run(
+        [str(scripts / "airflow"), "dags", "list-import-errors", "--output", "plain"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        **home,
+    )
     # our installed triggers/ comes first on sys.path (Airflow appends the DAGs folder): the team's
     # module is not found, and the error names it (docs/operations/install.md says what to do); the
     # command exits 1 when there is an import error
@@ -139,8 +170,9 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     assert "No module named 'triggers.team_helpers'" in listed.stdout, listed.stdout[-4000:]
     (airflow_config.dags_folder / "team_folder.py").unlink()  # the rest runs on a DAG folder that parses
     output = run([scripts / "airflow", "dags", "test", "release_smoke"], **home)
-    states = rows(airflow_config.database_dsn,
-                  "SELECT state FROM task_instance WHERE dag_id = 'release_smoke'")
+    states = rows(
+        airflow_config.database_dsn, "SELECT state FROM task_instance WHERE dag_id = 'release_smoke'"
+    )
     assert [state for (state,) in states] == ["success"], states
     # it deferred, and the trigger from the installed wheel fired in line
     assert "Pausing task as DEFERRED" in output and "Trigger completed" in output, output[-4000:]
@@ -158,11 +190,21 @@ def start_service(command: Path, env: dict[str, str], folder: Path) -> subproces
     migrated, leases claimed); killed with its group if it never does."""
     log = folder / "service.log"
     with log.open("wb") as out:
-        process = subprocess.Popen([str(command), "run", "--skip-serve-logs"], env=env, cwd=folder,
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [str(command), "run", "--skip-serve-logs"],
+            env=env,
+            cwd=folder,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        wait_for(lambda: log.read_text(errors="replace"), lambda text: "smart triggerer started" in text
-                 or process.poll() is not None, 120, "the wheel's smart-triggerer to start")
+        wait_for(
+            lambda: log.read_text(errors="replace"),
+            lambda text: "smart triggerer started" in text or process.poll() is not None,
+            120,
+            "the wheel's smart-triggerer to start",
+        )
         assert process.poll() is None, log.read_text()[-4000:]
     except BaseException:
         os.killpg(process.pid, signal.SIGKILL)

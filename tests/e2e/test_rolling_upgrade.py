@@ -37,7 +37,7 @@ PREVIOUS_COMMIT = "fe46614"  # 0.1.0 (CHANGELOG.md)
 PACKAGE = "airflow-smart-triggerer"
 TABLES = 12  # 24 sensors, two per table (one group each)
 
-DAG = f'''
+DAG = f"""
 import pendulum
 from airflow.sdk import DAG
 from deferrables import TableLoadSensor
@@ -47,7 +47,7 @@ with DAG(dag_id="upgrade", schedule=None, start_date=pendulum.datetime(2024, 1, 
         for copy in ("a", "b"):
             TableLoadSensor(task_id=f"wait_t{{n}}_{{copy}}", conn_id="warehouse", required_tables=[f"t{{n}}"],
                             poke_interval=2, timeout=900)
-'''
+"""
 
 STATUS_DDL = """
 CREATE SCHEMA meta;
@@ -69,8 +69,10 @@ def previous_commit() -> str:
     argv = ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{PREVIOUS_COMMIT}^{{commit}}"]
     found = subprocess.run(argv, capture_output=True, text=True, check=False)
     if found.returncode != 0:
-        raise AssertionError(f"{PREVIOUS_COMMIT} is not in this clone: the rolling upgrade test needs the "
-                             "previous release's history (a full clone, not a shallow one)")
+        raise AssertionError(
+            f"{PREVIOUS_COMMIT} is not in this clone: the rolling upgrade test needs the "
+            "previous release's history (a full clone, not a shallow one)"
+        )
     return found.stdout.strip()
 
 
@@ -85,7 +87,7 @@ def previous_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with tarfile.open(archive) as tar:
         tar.extractall(source, filter="data")
     run([sys.executable, "-m", "build", "--wheel", "--outdir", work / "dist", source])
-    wheel, = (work / "dist").glob("*.whl")
+    (wheel,) = (work / "dist").glob("*.whl")
     site = work / "site"
     run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site, wheel])
     yield site
@@ -94,8 +96,10 @@ def previous_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def supports_this_airflow(site: Path) -> tuple[bool, str]:
     supported = previous_airflow_range(site)
     installed = metadata.version("apache-airflow")
-    return (SpecifierSet(supported, prereleases=True).contains(installed, prereleases=True),
-            f"the previous release supports apache-airflow{supported}; this run has {installed}")
+    return (
+        SpecifierSet(supported, prereleases=True).contains(installed, prereleases=True),
+        f"the previous release supports apache-airflow{supported}; this run has {installed}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def previous_release(previous_build: Path) -> Path:
 
 def previous_airflow_range(site: Path) -> str:
     """The ``apache-airflow`` requirement the previous release's wheel declares (its refusal range)."""
-    dist, = (d for d in metadata.distributions(path=[str(site)]) if d.metadata["Name"] == PACKAGE)
+    (dist,) = (d for d in metadata.distributions(path=[str(site)]) if d.metadata["Name"] == PACKAGE)
     for requirement in map(Requirement, dist.requires or []):
         if requirement.name == "apache-airflow":
             return str(requirement.specifier)
@@ -127,13 +131,21 @@ def _execute(dsn: str, statement: str, *args: object) -> None:
 
 
 def land(warehouse: str, tables: range) -> None:
-    _execute(warehouse, "INSERT INTO meta.detail_process_table_status (table_name, status) "
-                        "SELECT unnest($1::text[]), 'SUCCESS'", [f"t{n}" for n in tables])
+    _execute(
+        warehouse,
+        "INSERT INTO meta.detail_process_table_status (table_name, status) "
+        "SELECT unnest($1::text[]), 'SUCCESS'",
+        [f"t{n}" for n in tables],
+    )
 
 
 def states(dsn: str) -> dict[str, tuple[str | None, int]]:
-    return {task: (state, tries) for task, state, tries in rows(
-        dsn, "SELECT task_id, state, try_number FROM task_instance WHERE dag_id = 'upgrade'")}
+    return {
+        task: (state, tries)
+        for task, state, tries in rows(
+            dsn, "SELECT task_id, state, try_number FROM task_instance WHERE dag_id = 'upgrade'"
+        )
+    }
 
 
 def resumed(dsn: str, tables: range) -> None:
@@ -141,17 +153,29 @@ def resumed(dsn: str, tables: range) -> None:
     part: nothing stalled beyond a lease), then ends in success, once (its first try, and one write out of
     DEFERRED in the audit trail)."""
     names = {f"wait_t{n}_{copy}" for n in tables for copy in ("a", "b")}
-    wait_for(lambda: states(dsn),
-             lambda s: all(s.get(t, (None, 0))[0] not in (None, "deferred") for t in names), RELEASE_BOUND,
-             f"the sensors of tables {tables.start}-{tables.stop - 1} to leave DEFERRED")
-    found = wait_for(lambda: states(dsn), lambda s: all(s.get(t, (None, 0))[0] == "success" for t in names),
-                     RESUME_BOUND, f"the sensors of tables {tables.start}-{tables.stop - 1} to succeed")
+    wait_for(
+        lambda: states(dsn),
+        lambda s: all(s.get(t, (None, 0))[0] not in (None, "deferred") for t in names),
+        RELEASE_BOUND,
+        f"the sensors of tables {tables.start}-{tables.stop - 1} to leave DEFERRED",
+    )
+    found = wait_for(
+        lambda: states(dsn),
+        lambda s: all(s.get(t, (None, 0))[0] == "success" for t in names),
+        RESUME_BOUND,
+        f"the sensors of tables {tables.start}-{tables.stop - 1} to succeed",
+    )
     assert all(found[t][1] == 1 for t in names), {t: found[t] for t in names}
     # what the database saw: each task instance written out of DEFERRED once (a double resume by an old
     # and a new instance would show here even when the second write was absorbed)
-    left = dict(rows(dsn, "SELECT ti.task_id, count(*) FROM chaos.ti_audit a JOIN task_instance ti "
-                          "ON ti.id = a.ti_id WHERE a.op = 'resolved' AND ti.dag_id = 'upgrade' "
-                          "GROUP BY ti.task_id"))
+    left = dict(
+        rows(
+            dsn,
+            "SELECT ti.task_id, count(*) FROM chaos.ti_audit a JOIN task_instance ti "
+            "ON ti.id = a.ti_id WHERE a.op = 'resolved' AND ti.dag_id = 'upgrade' "
+            "GROUP BY ti.task_id",
+        )
+    )
     assert all(left.get(t) == 1 for t in names), {t: left.get(t) for t in names}
 
 
@@ -173,8 +197,9 @@ def previous_command(site: Path) -> Path:
 
 
 def old_instance(stack: AirflowStack, site: Path, name: str) -> Component:
-    component = stack.start_smart_triggerer(name, env={"PYTHONPATH": str(site)},
-                                            command=previous_command(site))
+    component = stack.start_smart_triggerer(
+        name, env={"PYTHONPATH": str(site)}, command=previous_command(site)
+    )
     component.wait_for_log("smart triggerer started", timeout=120)
     return component
 
@@ -191,24 +216,33 @@ def applied(dsn: str) -> int:
 
 def owners(dsn: str) -> set[int]:
     """Jobs that own a live shard lease now."""
-    return {r[0] for r in rows(dsn, "SELECT DISTINCT owner_job_id FROM smart_triggerer.shard_lease "
-                                    "WHERE expires_at > now()")}
+    return {
+        r[0]
+        for r in rows(
+            dsn, "SELECT DISTINCT owner_job_id FROM smart_triggerer.shard_lease WHERE expires_at > now()"
+        )
+    }
 
 
 # a scenario of many steps, each with its own limit: 200-290 s on a slow 2-core machine with the
 # parallel phase's other tests, over the suite's default limit of five minutes
 @pytest.mark.timeout(600)
 def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
-        airflow_stack: AirflowStack, pg_db: str, previous_release: Path) -> None:
+    airflow_stack: AirflowStack, pg_db: str, previous_release: Path
+) -> None:
     config = airflow_stack.config
     dsn = config.database_dsn
     _execute(pg_db, STATUS_DDL)
     rows(dsn, AUDIT_DDL + "; SELECT 1")  # every write of a task instance leaving DEFERRED, audited
     config.extra["AIRFLOW_CONN_WAREHOUSE"] = pg_db
     (config.dags_folder / "upgrade.py").write_text(textwrap.dedent(DAG))
-    out = subprocess.run([previous_command(previous_release), "--version"],
-                         capture_output=True, text=True, check=False,
-                         env={**config.env(), "PYTHONPATH": str(previous_release)})
+    out = subprocess.run(
+        [previous_command(previous_release), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**config.env(), "PYTHONPATH": str(previous_release)},
+    )
     assert out.stdout.strip() == "smart-triggerer 0.1.0", out.stdout + out.stderr
 
     airflow_stack.start_core()
@@ -217,9 +251,12 @@ def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
     airflow_stack.wait_for_dags(["upgrade"])
     airflow_stack.unpause("upgrade")
     run_id = airflow_stack.trigger("upgrade")
-    wait_for(lambda: states(dsn),
-             lambda s: len(s) == 2 * TABLES and {v[0] for v in s.values()} == {"deferred"},
-             180, "every sensor to defer")
+    wait_for(
+        lambda: states(dsn),
+        lambda s: len(s) == 2 * TABLES and {v[0] for v in s.values()} == {"deferred"},
+        180,
+        "every sensor to defer",
+    )
     land(pg_db, range(0, 3))
     resumed(dsn, range(0, 3))  # the old release alone
 
@@ -243,8 +280,12 @@ def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
     for component in new:
         airflow_stack.retire(component)
     rolled_back = old_instance(airflow_stack, previous_release, "old-3")
-    wait_for(lambda: owners(dsn), lambda o: o == {job_of(rolled_back)}, 60,
-             "the old release alone to own the shards")
+    wait_for(
+        lambda: owners(dsn),
+        lambda o: o == {job_of(rolled_back)},
+        60,
+        "the old release alone to own the shards",
+    )
     land(pg_db, range(9, TABLES))
     resumed(dsn, range(9, TABLES))
     assert airflow_stack.wait_for_run("upgrade", run_id, timeout=120) == "success"
@@ -254,15 +295,21 @@ def test_a_rolling_upgrade_and_a_rollback_lose_and_double_no_wait(
 
 
 def test_the_previous_release_refuses_an_airflow_below_its_range(
-        airflow_config: AirflowConfig, previous_build: Path) -> None:
+    airflow_config: AirflowConfig, previous_build: Path
+) -> None:
     """Where the Airflow under test is outside the previous release's declared range, that release's
     ``smart-triggerer run`` refuses it at start: one line and exit code 7, never a half-started instance."""
     supported, why = supports_this_airflow(previous_build)
     if supported:
         pytest.skip(f"{why}: the rolling upgrade above runs it instead")
-    out = subprocess.run([previous_command(previous_build), "run"], capture_output=True,
-                         text=True, timeout=120, check=False,
-                         env={**airflow_config.env(), "PYTHONPATH": str(previous_build)})
+    out = subprocess.run(
+        [previous_command(previous_build), "run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**airflow_config.env(), "PYTHONPATH": str(previous_build)},
+    )
     assert out.returncode == 7, out.stdout[-2000:] + out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     refusal = f"Apache Airflow {metadata.version('apache-airflow')} is installed"

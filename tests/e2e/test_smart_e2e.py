@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 ENV = {"AIRFLOW__SMART_TRIGGERER__SHARDS": "16", "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": "6"}
 
-SENSORS_DAG = '''
+SENSORS_DAG = """
 import pendulum
 from airflow.sdk import DAG
 from airflow.providers.standard.sensors.date_time import DateTimeSensorAsync
@@ -27,7 +27,7 @@ with DAG(dag_id={dag_id!r}, schedule=None, start_date=pendulum.datetime(2024, 1,
     for j in range(10):
         DateTimeSensorAsync(task_id=f"wait_{{j}}", target_time=TARGETS[j % len(TARGETS)],
                             start_from_trigger={start_from_trigger})
-'''
+"""
 
 
 def write_dag(folder: Path, dag_id: str, targets: list[str], start_from_trigger: bool = False) -> None:
@@ -73,8 +73,9 @@ def test_thirty_sensors_on_four_targets_share_four_groups(airflow_stack: Airflow
     assert sum(i["healthy"] for i in status["instances"]) == 2
 
     for dag_id, run_id in runs.items():
-        assert airflow_stack.wait_for_run(dag_id, run_id, timeout=180) == "success", \
+        assert airflow_stack.wait_for_run(dag_id, run_id, timeout=180) == "success", (
             airflow_stack.task_states(dag_id, run_id)
+        )
     totals = airflow_stack.smart_status()["totals"]
     assert totals["events_total"] == 4 and totals["resumed_total"] == 30 and totals["failures_total"] == 0
 
@@ -102,8 +103,9 @@ def test_bundled_example_and_triggers_that_fire_at_once(airflow_stack: AirflowSt
         airflow_stack.unpause(dag_id)
         runs[dag_id] = airflow_stack.trigger(dag_id)
     for dag_id, run_id in runs.items():
-        assert airflow_stack.wait_for_run(dag_id, run_id, timeout=180) == "success", \
+        assert airflow_stack.wait_for_run(dag_id, run_id, timeout=180) == "success", (
             airflow_stack.task_states(dag_id, run_id)
+        )
     assert airflow_stack.task_states(example, runs[example]) == {"wait": "success", "finish": "success"}
     assert set(airflow_stack.task_states("fire_at_once", runs["fire_at_once"]).values()) == {"success"}
     # the example's sensor defers only when its worker starts it within its 30 s (a busy host may not)
@@ -113,8 +115,12 @@ def test_bundled_example_and_triggers_that_fire_at_once(airflow_stack: AirflowSt
 
 def deferred(stack: AirflowStack, dag_id: str, task_id: str) -> bool:
     """The task's own log (complete once its run finished) says it deferred."""
-    logs = [path for path in (stack.config.home / "logs").rglob("*.log")
-            if f"dag_id={dag_id}" in str(path) and f"task_id={task_id}" in str(path)
-            and ".trigger." not in path.name]
+    logs = [
+        path
+        for path in (stack.config.home / "logs").rglob("*.log")
+        if f"dag_id={dag_id}" in str(path)
+        and f"task_id={task_id}" in str(path)
+        and ".trigger." not in path.name
+    ]
     assert logs, f"no task log for {dag_id}.{task_id}"
     return any("Pausing task as DEFERRED" in path.read_text(errors="replace") for path in logs)

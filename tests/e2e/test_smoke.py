@@ -10,7 +10,7 @@ from devkit.devstack import AirflowStack, group_alive
 
 pytestmark = pytest.mark.e2e
 
-SMOKE_DAG = '''
+SMOKE_DAG = """
 import pendulum
 from airflow.sdk import DAG
 from airflow.providers.standard.sensors.date_time import DateTimeSensorAsync
@@ -22,7 +22,7 @@ with DAG(dag_id="smoke_deferral", schedule=None, start_date=pendulum.datetime(20
     DateTimeSensorAsync(
         task_id="wait", target_time="{{ macros.datetime.utcnow() + macros.timedelta(seconds=8) }}"
     )
-'''
+"""
 
 
 def test_stock_deferrable_sensor_succeeds_and_stack_leaves_nothing(airflow_stack: AirflowStack) -> None:

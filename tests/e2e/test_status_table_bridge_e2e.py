@@ -18,7 +18,7 @@ from tests.helpers.waiting import db_now, rows, scheduler_looped_since, wait_for
 
 pytestmark = pytest.mark.e2e
 
-DAGS = '''
+DAGS = """
 import pendulum
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Asset, AssetWatcher
@@ -34,7 +34,7 @@ def loaded(table):
 with DAG(dag_id="user_mart", schedule=(loaded("dds.h_user") & loaded("dds.s_user")),
          start_date=pendulum.datetime(2024, 1, 1), catchup=False):
     EmptyOperator(task_id="build")
-'''
+"""
 
 STATUS_DDL = """
 CREATE SCHEMA meta;
@@ -52,19 +52,26 @@ def _sql(dsn: str, *statements: str) -> None:
                 await conn.execute(statement)
         finally:
             await conn.close()
+
     asyncio.run(run())
 
 
 def _status(dsn: str, table: str | None, status: str) -> None:
     value = "NULL" if table is None else f"'{table}'"
-    _sql(dsn, "INSERT INTO meta.detail_process_table_status (table_name, status) "
-              f"VALUES ({value}, '{status}')")
+    _sql(
+        dsn, f"INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ({value}, '{status}')"
+    )
 
 
 def _events(airflow_dsn: str) -> list[tuple[str, str]]:
-    return [(r[0], r[1]) for r in rows(
-        airflow_dsn, "SELECT a.uri, CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' "
-                     "FROM asset_event e JOIN asset a ON a.id = e.asset_id ORDER BY e.id")]
+    return [
+        (r[0], r[1])
+        for r in rows(
+            airflow_dsn,
+            "SELECT a.uri, CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' "
+            "FROM asset_event e JOIN asset a ON a.id = e.asset_id ORDER BY e.id",
+        )
+    ]
 
 
 def _runs(airflow_dsn: str) -> int:
@@ -73,9 +80,14 @@ def _runs(airflow_dsn: str) -> int:
 
 def _last_rows(dsn: str) -> dict[str, int]:
     """Each watched table's last SUCCESS row: a watermark there has read everything."""
-    return {r[0]: int(r[1]) for r in rows(
-        dsn, "SELECT table_name, max(id) FROM meta.detail_process_table_status "
-             "WHERE status = 'SUCCESS' AND table_name IN ('dds.h_user', 'dds.s_user') GROUP BY table_name")}
+    return {
+        r[0]: int(r[1])
+        for r in rows(
+            dsn,
+            "SELECT table_name, max(id) FROM meta.detail_process_table_status "
+            "WHERE status = 'SUCCESS' AND table_name IN ('dds.h_user', 'dds.s_user') GROUP BY table_name",
+        )
+    }
 
 
 def _watermarks(dsn: str) -> dict[str, int]:
@@ -94,12 +106,17 @@ def _prepare(stack: AirflowStack, pg_db: str) -> None:
 
 
 def _wait_watching(pg_db: str) -> None:
-    wait_for(lambda: _watermarks(pg_db), lambda w: set(w) == {"dds.h_user", "dds.s_user"}, 120,
-             "both watchers to start (their watermarks)")
+    wait_for(
+        lambda: _watermarks(pg_db),
+        lambda w: set(w) == {"dds.h_user", "dds.s_user"},
+        120,
+        "both watchers to start (their watermarks)",
+    )
 
 
 def test_status_rows_make_one_event_each_and_the_and_consumer_runs_once(
-        airflow_stack: AirflowStack, pg_db: str) -> None:
+    airflow_stack: AirflowStack, pg_db: str
+) -> None:
     _prepare(airflow_stack, pg_db)
     smart = airflow_stack.start_smart(["user_mart"], env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "8"})
     airflow_dsn = airflow_stack.config.database_dsn
@@ -124,14 +141,20 @@ def test_status_rows_make_one_event_each_and_the_and_consumer_runs_once(
     # A crash between "event stored" and "watermark written": the stored state is exactly this one.
     smart.signal(signal.SIGKILL)
     wait_for(smart.running, lambda alive: not alive, 30, "the smart triggerer to die")
-    _sql(pg_db, "UPDATE dataset_bridge.status_watermark SET last_id = last_id - 1 "
-                "WHERE table_name = 'dds.s_user'")
+    _sql(
+        pg_db,
+        "UPDATE dataset_bridge.status_watermark SET last_id = last_id - 1 WHERE table_name = 'dds.s_user'",
+    )
     # and a load that happens while no triggerer runs
     _status(pg_db, "dds.h_user", "SUCCESS")
     airflow_stack.start_smart_triggerer("smart-triggerer-2", env={"AIRFLOW__SMART_TRIGGERER__SHARDS": "8"})
     wait_for(lambda: _events(airflow_dsn), lambda e: len(e) >= 3, 120, "the load made while down")
-    wait_for(lambda: _watermarks(pg_db), lambda w: w == _last_rows(pg_db), 60,
-             "every row to be acknowledged (the re-read one again)")
+    wait_for(
+        lambda: _watermarks(pg_db),
+        lambda w: w == _last_rows(pg_db),
+        60,
+        "every row to be acknowledged (the re-read one again)",
+    )
     scheduler_looped_since(airflow_dsn, db_now(airflow_dsn))  # and acted on since
     events = _events(airflow_dsn)
     assert len(events) == 3, f"expected no loss and no duplicate, got {events}"
@@ -150,8 +173,14 @@ def test_the_watcher_runs_under_the_stock_triggerer(airflow_stack: AirflowStack,
     _status(pg_db, "dds.s_user", "SUCCESS")
     _status(pg_db, "dds.h_user", "SUCCESS")
     wait_for(lambda: _runs(airflow_dsn), lambda n: n == 1, 90, "one consumer run")
-    assert sorted(uri for uri, _key in _events(airflow_dsn)) == ["warehouse://dds/h_user",
-                                                                 "warehouse://dds/s_user"]
+    assert sorted(uri for uri, _key in _events(airflow_dsn)) == [
+        "warehouse://dds/h_user",
+        "warehouse://dds/s_user",
+    ]
     # rows 2 and 3; advanced only after Airflow confirmed the events stored (ack mode, stock runner)
-    wait_for(lambda: _watermarks(pg_db), lambda w: w == {"dds.s_user": 2, "dds.h_user": 3}, 60,
-             "watermarks to advance")
+    wait_for(
+        lambda: _watermarks(pg_db),
+        lambda w: w == {"dds.s_user": 2, "dds.h_user": 3},
+        60,
+        "watermarks to advance",
+    )

@@ -17,7 +17,7 @@ from tests.helpers.waiting import db_now, queried_since, rows, scheduler_looped_
 
 pytestmark = pytest.mark.e2e
 
-PRODUCER = '''
+PRODUCER = """
 import pendulum
 from airflow.sdk import DAG, task
 
@@ -28,9 +28,9 @@ with DAG(dag_id="etl_orders", schedule=None, start_date=pendulum.datetime(2024, 
         return "loaded"
 
     load_orders()
-'''
+"""
 
-CONSUMERS = '''
+CONSUMERS = """
 import pendulum
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Asset
@@ -42,7 +42,7 @@ with DAG(dag_id="orders_report", schedule=[Asset("warehouse://dds/orders")],
 with DAG(dag_id="race_consumer", schedule=[Asset(name="race", uri="warehouse://dds/race")],
          start_date=pendulum.datetime(2024, 1, 1), catchup=False):
     EmptyOperator(task_id="consume")
-'''
+"""
 
 REPO = Path(__file__).parents[2]
 
@@ -52,8 +52,11 @@ def _count(dsn: str, query: str, *params: object) -> int:
 
 
 def _orders_events(dsn: str) -> int:
-    return _count(dsn, "SELECT count(*) FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                       "WHERE a.uri = 'warehouse://dds/orders'")
+    return _count(
+        dsn,
+        "SELECT count(*) FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+        "WHERE a.uri = 'warehouse://dds/orders'",
+    )
 
 
 def _runs(dsn: str, dag_id: str) -> int:
@@ -74,7 +77,8 @@ def _bridge_args(mapping: Path) -> list[str]:
 
 
 def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
-        airflow_stack: AirflowStack, tmp_path: Path) -> None:
+    airflow_stack: AirflowStack, tmp_path: Path
+) -> None:
     config = airflow_stack.config
     dsn = config.database_dsn
     (config.dags_folder / "etl_orders.py").write_text(textwrap.dedent(PRODUCER))
@@ -91,8 +95,9 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     _bridges_passed_since(dsn, bridges, db_now(dsn))
     assert _orders_events(dsn) == 1
     assert _runs(dsn, "orders_report") == 1
-    (key, source_dag), = rows(dsn, "SELECT CAST(extra AS jsonb) ->> 'idempotency_key', source_dag_id "
-                                   "FROM asset_event")
+    ((key, source_dag),) = rows(
+        dsn, "SELECT CAST(extra AS jsonb) ->> 'idempotency_key', source_dag_id FROM asset_event"
+    )
     assert key == f"task/etl_orders/load_orders/{run_1}/-1/1" and source_dag == "etl_orders"
 
     # the bridge dies after creating the event, before committing it
@@ -101,9 +106,15 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
     run_2 = airflow_stack.trigger("etl_orders", logical_date=later)
     assert airflow_stack.wait_for_run("etl_orders", run_2, timeout=120) == "success"
-    crashed = subprocess.run([sys.executable, "-m", "tests.helpers.crashing_bridge", str(mapping)],
-                             env=config.env(), cwd=REPO, capture_output=True, text=True, timeout=120,
-                             check=False)
+    crashed = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.crashing_bridge", str(mapping)],
+        env=config.env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
     assert "crashing before commit" in crashed.stdout
     assert _orders_events(dsn) == 1  # the crashed transaction left nothing behind
@@ -125,17 +136,30 @@ def test_task_success_becomes_exactly_one_event_through_crashes_and_races(
     assert len(race_events) == 2
 
     def consumed() -> set[int]:
-        query = ("SELECT c.event_id FROM dagrun_asset_event c JOIN dag_run d ON d.id = c.dag_run_id "
-                 "WHERE d.dag_id = 'race_consumer'")
+        query = (
+            "SELECT c.event_id FROM dagrun_asset_event c JOIN dag_run d ON d.id = c.dag_run_id "
+            "WHERE d.dag_id = 'race_consumer'"
+        )
         return {r[0] for r in rows(dsn, query)}
 
     wait_for(consumed, lambda found: found == set(race_events), 90, "both events to be consumed")
     requeued = _count(dsn, "SELECT count(*) FROM dataset_bridge.reconciled")
     print(f"race consumer runs: {_runs(dsn, 'race_consumer')}, held-back events re-queued: {requeued}")
 
-    status = subprocess.run([str(Path(sys.executable).with_name("dataset-bridge")), "status", "--json",
-                             "--mapping", str(mapping)], env=config.env(), capture_output=True, text=True,
-                            timeout=120, check=True)
+    status = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("dataset-bridge")),
+            "status",
+            "--json",
+            "--mapping",
+            str(mapping),
+        ],
+        env=config.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     report = json.loads(status.stdout.strip().splitlines()[-1])
     assert report["emitted"] == {"task_success": 2}
     assert report["backlog"] == 0 and report["held_back"] == 0

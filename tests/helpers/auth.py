@@ -17,12 +17,18 @@ class LimitedAuthManager(SimpleAuthManager):
     def is_authorized_view(self, *, access_view: Any, user: Any) -> bool:
         return user.get_name() != OUTSIDER and super().is_authorized_view(access_view=access_view, user=user)
 
-    def is_authorized_dag(self, *, method: Any, user: Any, access_entity: Any = None,
-                          details: Any = None) -> bool:
+    def is_authorized_dag(
+        self, *, method: Any, user: Any, access_entity: Any = None, details: Any = None
+    ) -> bool:
         if user.get_name() == OUTSIDER:
             return False
-        if (user.get_name() == LIMITED_USER and details is not None and details.id
-                and details.id.startswith(HIDDEN_PREFIX)):
+        if (
+            user.get_name() == LIMITED_USER
+            and details is not None
+            and details.id
+            and details.id.startswith(HIDDEN_PREFIX)
+        ):
             return False
-        return super().is_authorized_dag(method=method, user=user, access_entity=access_entity,
-                                         details=details)
+        return super().is_authorized_dag(
+            method=method, user=user, access_entity=access_entity, details=details
+        )

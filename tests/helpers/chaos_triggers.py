@@ -46,8 +46,10 @@ class SourcePollTrigger(DedupableTrigger, BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         # the class's own name: a subclass (TeamSourcePollTrigger) serializes as itself
-        return (f"{__name__}.{type(self).__name__}",
-                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.{type(self).__name__}",
+            {"url": self.url, "key": self.key, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         yield TriggerEvent(await poll_until_ready(self.url, self.key, self.poll_interval))
@@ -90,8 +92,10 @@ class QueueTakeTrigger(BaseTrigger):
         self.conn_id, self.key, self.poll_interval = conn_id, key, poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.QueueTakeTrigger",
-                {"conn_id": self.conn_id, "key": self.key, "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.QueueTakeTrigger",
+            {"conn_id": self.conn_id, "key": self.key, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # the connection is looked up before any take: a cancel there takes nothing
@@ -143,8 +147,10 @@ class SourceWatchTrigger(BaseEventTrigger):
         self.url, self.key, self.poll_interval = url, key, poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.SourceWatchTrigger",
-                {"url": self.url, "key": self.key, "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.SourceWatchTrigger",
+            {"url": self.url, "key": self.key, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         yield TriggerEvent(await poll_until_ready(self.url, self.key, self.poll_interval))

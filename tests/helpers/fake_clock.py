@@ -59,8 +59,14 @@ class FakeClockPostgres(EmbeddedPostgres):
         return self._offset_file
 
     def start(self, timeout: float = 30.0) -> None:
-        with _environment({"LD_PRELOAD": self.library, "FAKETIME_TIMESTAMP_FILE": str(self.offset_file),
-                           "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}):
+        with _environment(
+            {
+                "LD_PRELOAD": self.library,
+                "FAKETIME_TIMESTAMP_FILE": str(self.offset_file),
+                "FAKETIME_NO_CACHE": "1",
+                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            }
+        ):
             super().start(timeout)
 
     def step(self, seconds: float) -> ClockStep:
@@ -104,4 +110,3 @@ def continuous(moment: dt.datetime, steps: Sequence[ClockStep]) -> dt.datetime:
         else:
             break
     return moment - shift
-

@@ -98,9 +98,14 @@ def _create_run(dag_id: str, session: Any) -> tuple[str, list[str]]:
         raise RuntimeError(f"seed DAG {dag_id} was not serialised")
     now = dt.datetime.now(dt.UTC)
     run = dag.create_dagrun(
-        run_id=f"seed__{uuid.uuid4().hex[:12]}", logical_date=now, data_interval=(now, now),
-        run_after=now, run_type=DagRunType.MANUAL, triggered_by=DagRunTriggeredByType.TEST,
-        state=DagRunState.RUNNING, session=session,
+        run_id=f"seed__{uuid.uuid4().hex[:12]}",
+        logical_date=now,
+        data_interval=(now, now),
+        run_after=now,
+        run_type=DagRunType.MANUAL,
+        triggered_by=DagRunTriggeredByType.TEST,
+        state=DagRunState.RUNNING,
+        session=session,
     )
     session.flush()
     ti_ids = session.scalars(

@@ -59,11 +59,14 @@ class Proxy:
             self.connections.add(upstream_writer)
             if self.doomed > 0:
                 self.doomed -= 1
-                await asyncio.gather(self._pipe(client_reader, upstream_writer),
-                                     self._end_after_startup(upstream_reader, client_writer))
+                await asyncio.gather(
+                    self._pipe(client_reader, upstream_writer),
+                    self._end_after_startup(upstream_reader, client_writer),
+                )
                 return
-            await asyncio.gather(self._pipe(client_reader, upstream_writer),
-                                 self._pipe(upstream_reader, client_writer))
+            await asyncio.gather(
+                self._pipe(client_reader, upstream_writer), self._pipe(upstream_reader, client_writer)
+            )
         except OSError:
             pass  # the server is down (restarting): the client sees its connection close
         finally:
@@ -163,8 +166,10 @@ class Proxies:
 
     def doom(self, name: str, connections: int) -> None:
         """``connections`` more connections through ``name`` die right after their start-up."""
+
         def set_count() -> None:
             self.by_name[name].doomed += connections
+
         self.loop.call_soon_threadsafe(set_count)
 
     def close(self) -> None:

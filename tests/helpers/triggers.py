@@ -45,8 +45,10 @@ class FlagFileTrigger(DedupableTrigger, BaseTrigger):
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.FlagFileTrigger",
-                {"key": self.key, "flag": self.flag, "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.FlagFileTrigger",
+            {"key": self.key, "flag": self.flag, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from pathlib import Path
@@ -126,8 +128,10 @@ class ConsumeOnceTrigger(DedupableTrigger, BaseTrigger):
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.ConsumeOnceTrigger",
-                {"dsn": self.dsn, "key": self.key, "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.ConsumeOnceTrigger",
+            {"dsn": self.dsn, "key": self.key, "poll_interval": self.poll_interval},
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         import asyncpg
@@ -136,8 +140,9 @@ class ConsumeOnceTrigger(DedupableTrigger, BaseTrigger):
         try:
             await conn.execute("INSERT INTO consume_start (key) VALUES ($1)", self.key)
             while True:
-                taken = await conn.fetchval("DELETE FROM consumable WHERE key = $1 RETURNING payload",
-                                            self.key)
+                taken = await conn.fetchval(
+                    "DELETE FROM consumable WHERE key = $1 RETURNING payload", self.key
+                )
                 if taken is not None:
                     # yielded before any other await: a cancel (a handover, a stop) can no longer come
                     # between the take and the event, as a trigger of a consuming source must be written
@@ -173,9 +178,15 @@ class PollTrailTrigger(DedupableTrigger, BaseTrigger):
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{__name__}.PollTrailTrigger", {"dsn": self.dsn, "key": self.key,
-                                                  "block_flag": self.block_flag,
-                                                  "poll_interval": self.poll_interval})
+        return (
+            f"{__name__}.PollTrailTrigger",
+            {
+                "dsn": self.dsn,
+                "key": self.key,
+                "block_flag": self.block_flag,
+                "poll_interval": self.poll_interval,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         import os

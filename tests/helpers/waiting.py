@@ -26,8 +26,9 @@ def execute(dsn: str, statement: str, *params: object) -> None:
     conn.close()
 
 
-def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, what: str,
-             interval: float = 0.2) -> T:
+def wait_for(
+    probe: Callable[[], T], done: Callable[[T], bool], timeout: float, what: str, interval: float = 0.2
+) -> T:
     deadline = time.monotonic() + timeout
     value = probe()
     while not done(value):
@@ -39,14 +40,20 @@ def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, 
 
 
 def ti_states(dsn: str, dag_id: str) -> dict[int, str]:
-    return {r[0]: r[1] for r in rows(dsn, "SELECT map_index, state FROM task_instance WHERE dag_id = %s",
-                                      dag_id)}
+    return {
+        r[0]: r[1] for r in rows(dsn, "SELECT map_index, state FROM task_instance WHERE dag_id = %s", dag_id)
+    }
 
 
 def lease_owners(dsn: str) -> dict[int, int | None]:
-    return {r[0]: r[1] for r in rows(
-        dsn, "SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END "
-             "FROM smart_triggerer.shard_lease WHERE queues = '' ORDER BY shard")}
+    return {
+        r[0]: r[1]
+        for r in rows(
+            dsn,
+            "SELECT shard, CASE WHEN expires_at > clock_timestamp() THEN owner_job_id END "
+            "FROM smart_triggerer.shard_lease WHERE queues = '' ORDER BY shard",
+        )
+    }
 
 
 def settled_owners(dsn: str, quiet: float = 10.0, timeout: float = 120.0) -> dict[int, int | None]:
@@ -71,9 +78,11 @@ def db_now(dsn: str) -> Any:
 def scheduler_looped_since(dsn: str, since: Any, timeout: float = 60) -> None:
     """Two scheduler heartbeats after ``since``: at least one whole scheduling loop ran after it (the
     scheduler heartbeats at the end of its loop)."""
+
     def heartbeat() -> Any:
-        return rows(dsn, "SELECT max(latest_heartbeat) FROM job WHERE job_type = 'SchedulerJob' "
-                         "AND state = 'running'")[0][0]
+        return rows(
+            dsn, "SELECT max(latest_heartbeat) FROM job WHERE job_type = 'SchedulerJob' AND state = 'running'"
+        )[0][0]
 
     first = wait_for(heartbeat, lambda hb: hb is not None and hb > since, timeout, "a scheduler heartbeat")
     wait_for(heartbeat, lambda hb: hb > first, timeout, "the scheduler's next heartbeat")
@@ -91,5 +100,11 @@ def queried_since(dsn: str, pids: list[int], since: Any) -> bool:
             continue
     if not ports:
         return False
-    return bool(rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY(%s) "
-                          "AND query_start > %s", ports, since)[0][0])
+    return bool(
+        rows(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY(%s) AND query_start > %s",
+            ports,
+            since,
+        )[0][0]
+    )

@@ -34,8 +34,9 @@ def test_waits_for_an_event_newer_than_since(airflow_db: str, monkeypatch: pytes
     monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", reader_dsn(airflow_db))
     since = dt.datetime.now(dt.UTC)
     add_event(airflow_db, "warehouse://dds/h_user", since - dt.timedelta(hours=1))  # too old
-    sensor = AssetEventSensor(task_id="wait", asset="warehouse://dds/h_user", since=since.isoformat(),
-                              poke_interval=0.2)
+    sensor = AssetEventSensor(
+        task_id="wait", asset="warehouse://dds/h_user", since=since.isoformat(), poke_interval=0.2
+    )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
     trigger = deferred.value.trigger
@@ -69,8 +70,13 @@ def test_external_latest_run_is_read_from_the_metadata_db(
     from tests.helpers.seeding import seed_deferred
 
     monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", reader_dsn(airflow_config.database_dsn))
-    seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=1,
-                           classpath="x.Y", kwargs_for=lambda i: {})
+    seeded = seed_deferred(
+        airflow_config.database_dsn,
+        airflow_config.dags_folder,
+        count=1,
+        classpath="x.Y",
+        kwargs_for=lambda i: {},
+    )
     assert asyncio.run(latest_run_id("airflow_db", seeded.dag_id)) == seeded.run_id
     assert asyncio.run(latest_run_id("airflow_db", "no_such_dag")) is None
     sensor = ExternalDagSensor(task_id="wait", external_dag_id="no_such_dag", latest_run=True)
@@ -79,7 +85,8 @@ def test_external_latest_run_is_read_from_the_metadata_db(
 
 
 async def test_a_metadata_connection_that_can_write_is_refused(
-        airflow_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """airflow_db with the owner's credentials: the sensor fails with the reason, naming the
     read-only role of docs/guides/sensors.md; the reader role (its GRANTs) is accepted."""
     import asyncpg
@@ -88,8 +95,9 @@ async def test_a_metadata_connection_that_can_write_is_refused(
     from triggers.pg import SourceError, refuse_writable_role
 
     monkeypatch.setenv("AIRFLOW_CONN_AIRFLOW_DB", airflow_db)
-    sensor = AssetEventSensor(task_id="wait", asset="warehouse://dds/h_user",
-                              since="2026-01-01T00:00:00+00:00")
+    sensor = AssetEventSensor(
+        task_id="wait", asset="warehouse://dds/h_user", since="2026-01-01T00:00:00+00:00"
+    )
     refused = await sensor.check()
     assert refused is not None and refused["status"] == "error" and "read-only role" in refused["message"]
     # started in the triggerer (start_from_trigger): no worker step, the trigger refuses it itself

@@ -65,8 +65,9 @@ ORDER BY 1
 def earlier_release(commit: str, folder: Path) -> Path:
     """The earlier release's source tree, from git (``git archive``)."""
     archive = folder / "source.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), commit],
-                   check=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), commit], check=True
+    )
     source = folder / "source"
     with tarfile.open(archive) as tar:
         tar.extractall(source, filter="data")
@@ -87,12 +88,20 @@ def migrate(dsn: str) -> list[int]:
 
 @pytest.mark.parametrize("release", sorted(EARLIER))
 def test_a_database_an_earlier_release_made_upgrades_in_place(
-        release: str, airflow_config: AirflowConfig, pg_db: str, tmp_path: Path) -> None:
+    release: str, airflow_config: AirflowConfig, pg_db: str, tmp_path: Path
+) -> None:
     dsn = airflow_config.database_dsn
     source = earlier_release(EARLIER[release], tmp_path)
     env = {**airflow_config.env(), "PYTHONPATH": str(source)}  # its code first, before this clone's
-    made = subprocess.run([sys.executable, "-c", EARLIER_START, dsn], cwd=source, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    made = subprocess.run(
+        [sys.executable, "-c", EARLIER_START, dsn],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert made.returncode == 0, made.stderr[-4000:]
     with Session(create_engine(dsn)) as session:
         assert session.execute(text("SELECT to_regclass('dataset_bridge.migration')")).scalar() is None

@@ -32,8 +32,14 @@ from tests.integration.test_supervisor_faults import (
 
 
 def seed(config: AirflowConfig, count: int, **kw: Any) -> Seeded:
-    return seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
-                         kwargs_for=lambda i: {"moment": LATER}, **kw)
+    return seed_deferred(
+        config.database_dsn,
+        config.dags_folder,
+        count=count,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": LATER},
+        **kw,
+    )
 
 
 class Reads:
@@ -71,8 +77,9 @@ def statements() -> Iterator[list[str]]:
     event.remove(Engine, "after_cursor_execute", after)
 
 
-def test_a_loop_in_which_nothing_changed_reads_no_waiter(env: AirflowConfig, monkeypatch: pytest.MonkeyPatch,
-                                                          statements: list[str]) -> None:
+def test_a_loop_in_which_nothing_changed_reads_no_waiter(
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch, statements: list[str]
+) -> None:
     supervisor = make_supervisor()
     seeded = seed(env, 30)
     reads = Reads(monkeypatch)
@@ -96,13 +103,19 @@ def catch_up(supervisor: Any, reads: Reads) -> None:
     """Load until a load reads no waiter: the feed positions have passed the first load's own writes. Alone,
     one load does it; a transaction open in another database of the cluster (a test beside this one)
     holds back every snapshot's xmin, and so the positions, and loads read those rows again until it ends."""
+
     def read_by_a_load() -> tuple[int, int]:
         reads.full = reads.changed = 0
         load(supervisor)
         return reads.full, reads.changed
 
-    wait_for(read_by_a_load, lambda read: read == (0, 0), 60,
-             "the feed positions to pass the first load's writes", interval=0.1)
+    wait_for(
+        read_by_a_load,
+        lambda read: read == (0, 0),
+        60,
+        "the feed positions to pass the first load's writes",
+        interval=0.1,
+    )
 
 
 def test_a_departure_is_read_from_the_feed(env: AirflowConfig) -> None:
@@ -143,7 +156,8 @@ def test_a_hasher_that_dies_holding_new_rows_loses_none(env: AirflowConfig) -> N
 
 
 def test_a_sweep_reads_on_from_its_last_batch_and_a_later_pass_hashes_what_a_peer_held(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A start's sweep (rows the feed does not cover) reads in id order, each batch from where the last
     one ended, never from the first row again; rows a peer held locked meanwhile and then let go unhashed
     (it died) are hashed by the next pass, which starts from the first row."""
@@ -171,12 +185,13 @@ def test_a_sweep_reads_on_from_its_last_batch_and_a_later_pass_hashes_what_a_pee
     other = psycopg2.connect(dsn)
     try:
         other.cursor().execute("SELECT id FROM trigger WHERE id = ANY(%s) FOR UPDATE", (held,))
-        wait_for(lambda: hashed(ours), lambda n: n == len(ours), 60, "the rows no peer holds hashed",
-                 interval=0.0)
+        wait_for(
+            lambda: hashed(ours), lambda n: n == len(ours), 60, "the rows no peer holds hashed", interval=0.0
+        )
         assert hashed(held) == 0
     finally:
         other.close()  # dies: its transaction rolls back, nothing was hashed
-    first_pass = batches[:next(n for n, (_after, ids) in enumerate(batches) if len(ids) < 4) + 1]
+    first_pass = batches[: next(n for n, (_after, ids) in enumerate(batches) if len(ids) < 4) + 1]
     for (after, ids), (_, before) in zip(first_pass[1:], first_pass, strict=False):
         assert after == before[-1] and all(i > after for i in ids)  # on from the last row, never back
     assert set(ours) <= {i for _after, ids in first_pass for i in ids}
@@ -222,8 +237,11 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
     supervisor.deadlines.timeout_members()
     # read after the check: the deadline still ahead by the database clock (6 s: a busy host's seed and
     # load took most of the 2 s this test once had)
-    assert rows(dsn, "SELECT bool_and(trigger_timeout > clock_timestamp()) FROM task_instance "
-                     "WHERE dag_id = %s", seeded.dag_id) == [(True,)]
+    assert rows(
+        dsn,
+        "SELECT bool_and(trigger_timeout > clock_timestamp()) FROM task_instance WHERE dag_id = %s",
+        seeded.dag_id,
+    ) == [(True,)]
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
 
     def timed_out() -> dict[int, str]:
@@ -234,9 +252,13 @@ def test_a_member_times_out_when_its_deadline_comes(env: AirflowConfig) -> None:
     wait_for(timed_out, lambda s: set(s.values()) == {"scheduled"}, 30, "the tasks timed out", interval=0.2)
     # timed out when due: the write (scheduled_dttm, its transaction's start) came within a loop (a look
     # just before the deadline by the database clock is taken again a loop later) and this test's looks
-    late = rows(dsn, "SELECT min(extract(epoch FROM scheduled_dttm - trigger_timeout)), "
-                     "max(extract(epoch FROM scheduled_dttm - trigger_timeout)) FROM task_instance "
-                     "WHERE dag_id = %s", seeded.dag_id)[0]
+    late = rows(
+        dsn,
+        "SELECT min(extract(epoch FROM scheduled_dttm - trigger_timeout)), "
+        "max(extract(epoch FROM scheduled_dttm - trigger_timeout)) FROM task_instance "
+        "WHERE dag_id = %s",
+        seeded.dag_id,
+    )[0]
     assert float(late[0]) > -0.5 and float(late[1]) < 3.0, late
     assert supervisor.member_info == {}
 
@@ -253,15 +275,21 @@ def test_an_instance_that_lost_track_of_the_feed_reads_everything_again(env: Air
     load(paused)
     # while it sleeps: one waiter leaves, three arrive, its membership lapses, and a live instance (of
     # another queue set, so that it takes none of these shards) that has read everything prunes the feed
-    rows(dsn, "UPDATE task_instance SET state = 'success' WHERE trigger_id = %s RETURNING 1",
-         seeded.trigger_ids[0])
+    rows(
+        dsn,
+        "UPDATE task_instance SET state = 'success' WHERE trigger_id = %s RETURNING 1",
+        seeded.trigger_ids[0],
+    )
     Trigger.clean_unused()
     arrived = seed(env, 3)
     lapse(dsn, paused.job_id)
     # its position past every transaction begun so far (xmax, not xmin: the snapshot's xmin is the
     # cluster's, held back by any transaction open in another database, e.g. a test running beside this one)
-    rows(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, feed_xmin) "
-              "VALUES (-1, 'other', 1, 'elsewhere', pg_snapshot_xmax(pg_current_snapshot())) RETURNING 1")
+    rows(
+        dsn,
+        "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues, feed_xmin) "
+        "VALUES (-1, 'other', 1, 'elsewhere', pg_snapshot_xmax(pg_current_snapshot())) RETURNING 1",
+    )
     with _session() as session:
         assert Store(session).prune_feed(6.0) > 0
     assert rows(dsn, "SELECT count(*) FROM smart_triggerer.trigger_change")[0][0] == 0
@@ -278,6 +306,7 @@ def test_pruning_keeps_what_a_live_instance_has_not_read(env: AirflowConfig) -> 
         assert Store(session).prune_feed(6.0) == 0  # its published position is before the new rows
     load(supervisor)
     load(supervisor)  # hashed, loaded, and the position published with the next heartbeat
+
     # once its published position passes the new rows: its position is a snapshot's xmin, the cluster's,
     # which a transaction open in another database (a test running beside this one) holds back a while
     def pruned_after_a_load() -> int:
@@ -307,9 +336,18 @@ def test_the_feed_triggers_are_put_back_when_missing(env: AirflowConfig) -> None
 def lapse(dsn: str, job_id: int, lease_seconds: float = 6.0) -> None:
     """The instance renews nothing (paused: no loop runs) until its membership lapses by the database
     clock: a real lapse, waited for, not a row written back in time."""
-    wait_for(lambda: rows(dsn, "SELECT heartbeat_at < now() - make_interval(secs => %s) FROM "
-                               "smart_triggerer.instance WHERE job_id = %s", lease_seconds, job_id),
-             lambda r: r == [(True,)], 3 * lease_seconds, "its membership lapsed")
+    wait_for(
+        lambda: rows(
+            dsn,
+            "SELECT heartbeat_at < now() - make_interval(secs => %s) FROM "
+            "smart_triggerer.instance WHERE job_id = %s",
+            lease_seconds,
+            job_id,
+        ),
+        lambda r: r == [(True,)],
+        3 * lease_seconds,
+        "its membership lapsed",
+    )
 
 
 def feed_triggers(dsn: str) -> int:
@@ -323,8 +361,11 @@ def test_the_last_instance_to_stop_takes_the_feed_off_airflows_tables(env: Airfl
     load(first)
     load(second)
     # an instance of an older version, live, that neither reads nor prunes the feed: it does not count
-    rows(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues) "
-              "VALUES (-2, 'old-version', 1, 'elsewhere') RETURNING 1")
+    rows(
+        dsn,
+        "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, queues) "
+        "VALUES (-2, 'old-version', 1, 'elsewhere') RETURNING 1",
+    )
     first.release_all()
     assert feed_triggers(dsn) == 3  # another instance still reads it
     second.release_all()
@@ -420,20 +461,34 @@ def _session() -> Any:
 
 def feed_functions(dsn: str) -> dict[str, str]:
     """Each feed trigger's function name."""
-    found = rows(dsn, "SELECT t.tgname, p.proname FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
-                      "WHERE t.tgname LIKE 'smart_triggerer_feed_%%'")
+    found = rows(
+        dsn,
+        "SELECT t.tgname, p.proname FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
+        "WHERE t.tgname LIKE 'smart_triggerer_feed_%%'",
+    )
     return {name: function for name, function in found}
 
 
 def changes(dsn: str, trigger_ids: list[int]) -> list[tuple[int, bool]]:
-    return [(r[0], r[1]) for r in rows(
-        dsn, "SELECT trigger_id, created FROM smart_triggerer.trigger_change WHERE trigger_id = ANY(%s) "
-             "ORDER BY xid, trigger_id", trigger_ids)]
+    return [
+        (r[0], r[1])
+        for r in rows(
+            dsn,
+            "SELECT trigger_id, created FROM smart_triggerer.trigger_change WHERE trigger_id = ANY(%s) "
+            "ORDER BY xid, trigger_id",
+            trigger_ids,
+        )
+    ]
 
 
 def delete_triggers(dsn: str, trigger_ids: list[int]) -> None:
-    rows(dsn, "UPDATE task_instance SET trigger_id = NULL WHERE trigger_id = ANY(%s); "
-              "DELETE FROM trigger WHERE id = ANY(%s) RETURNING id", trigger_ids, trigger_ids)
+    rows(
+        dsn,
+        "UPDATE task_instance SET trigger_id = NULL WHERE trigger_id = ANY(%s); "
+        "DELETE FROM trigger WHERE id = ANY(%s) RETURNING id",
+        trigger_ids,
+        trigger_ids,
+    )
 
 
 @pytest.mark.parametrize("installed_by", ["this version", "the version before"])
@@ -444,14 +499,17 @@ def test_one_function_feeds_every_change(env: AirflowConfig, installed_by: str) 
     load(make_supervisor())
     assert set(feed_functions(dsn).values()) == {"feed_change"}
     if installed_by == "the version before":
-        rows(dsn, "DROP TRIGGER smart_triggerer_feed_created ON trigger; "
-                  "CREATE TRIGGER smart_triggerer_feed_created AFTER INSERT ON public.trigger "
-                  "REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT "
-                  "EXECUTE FUNCTION smart_triggerer.feed_created(); "
-                  "DROP TRIGGER smart_triggerer_feed_deleted ON trigger; "
-                  "CREATE TRIGGER smart_triggerer_feed_deleted AFTER DELETE ON public.trigger "
-                  "REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT "
-                  "EXECUTE FUNCTION smart_triggerer.feed_deleted(); SELECT 1")
+        rows(
+            dsn,
+            "DROP TRIGGER smart_triggerer_feed_created ON trigger; "
+            "CREATE TRIGGER smart_triggerer_feed_created AFTER INSERT ON public.trigger "
+            "REFERENCING NEW TABLE AS changed_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION smart_triggerer.feed_created(); "
+            "DROP TRIGGER smart_triggerer_feed_deleted ON trigger; "
+            "CREATE TRIGGER smart_triggerer_feed_deleted AFTER DELETE ON public.trigger "
+            "REFERENCING OLD TABLE AS changed_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION smart_triggerer.feed_deleted(); SELECT 1",
+        )
         assert feed_functions(dsn)["smart_triggerer_feed_created"] == "feed_created"
     ids = sorted(seed(env, 2).trigger_ids)
     delete_triggers(dsn, ids[:1])

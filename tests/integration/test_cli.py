@@ -29,8 +29,12 @@ def test_version_and_help() -> None:
     assert "SMART_TRIGGERER_DSN is read only by the demo and the tests of a clone" in helped.stdout
     dev = run([sys.executable, str(Path(__file__).parents[2] / "dev.py"), "--help"])
     assert dev.returncode == 0
-    for job in ("demo [--quick] [--json] [--keep-running]", "test [--airflow VERSION] [PYTEST ARGS...]",
-                "--airflow lowest", "SMART_TRIGGERER_DSN"):
+    for job in (
+        "demo [--quick] [--json] [--keep-running]",
+        "test [--airflow VERSION] [PYTEST ARGS...]",
+        "--airflow lowest",
+        "SMART_TRIGGERER_DSN",
+    ):
         assert job in dev.stdout, dev.stdout
 
 
@@ -49,8 +53,9 @@ def test_airflow_lists_the_provider_and_runs_status_through_it(airflow_config: A
     result = json.loads(status.stdout.strip().splitlines()[-1])
     assert result["instances"] == [] and result["dedup_ratio"] is None
     # Airflow knows our settings' defaults (the provider declares them)
-    listed = run([airflow_config.airflow_bin(), "config", "list", "--section", "smart_triggerer",
-                  "--show-values"], env)
+    listed = run(
+        [airflow_config.airflow_bin(), "config", "list", "--section", "smart_triggerer", "--show-values"], env
+    )
     for line in ("shards = 64", "lease_seconds = 8", "health_host = 127.0.0.1", "resume_hold_seconds = 10"):
         assert line in listed.stdout.splitlines(), listed.stdout
 

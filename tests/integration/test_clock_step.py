@@ -27,9 +27,12 @@ def stepping_db(tmp_path: Path) -> Iterator[tuple[FakeClockPostgres, AirflowConf
     server = FakeClockPostgres(tmp_path / "pgdata", library=ensure_libfaketime())
     server.start()
     try:
-        config = AirflowConfig(home=tmp_path / "airflow", database_dsn=create_database(server.dsn, "clock"),
-                               dags_folder=tmp_path / "dags",
-                               fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"])
+        config = AirflowConfig(
+            home=tmp_path / "airflow",
+            database_dsn=create_database(server.dsn, "clock"),
+            dags_folder=tmp_path / "dags",
+            fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+        )
         migrate(config)
         use_airflow_db(config.database_dsn)
         yield server, config
@@ -38,18 +41,29 @@ def stepping_db(tmp_path: Path) -> Iterator[tuple[FakeClockPostgres, AirflowConf
 
 
 def test_members_time_out_on_the_database_clock_after_it_steps_forward(
-        stepping_db: tuple[FakeClockPostgres, AirflowConfig]) -> None:
+    stepping_db: tuple[FakeClockPostgres, AirflowConfig],
+) -> None:
     server, config = stepping_db
     dsn = config.database_dsn
     moment = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)).isoformat()
-    seeded = seed_deferred(dsn, config.dags_folder, count=2, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": moment}, trigger_timeout=dt.timedelta(seconds=60))
+    seeded = seed_deferred(
+        dsn,
+        config.dags_folder,
+        count=2,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": moment},
+        trigger_timeout=dt.timedelta(seconds=60),
+    )
     supervisor = make_supervisor()
     load(supervisor)
     assert set(seeded.trigger_ids) <= set(supervisor.member_info)
     server.step(90.0)  # the database's clock: every deadline now lies 30 s in its past
     supervisor._db_step("load", supervisor.load_triggers)  # one loop: renews, reads the clock, times out
-    failed = rows(dsn, "SELECT next_kwargs::text FROM task_instance WHERE dag_id = %s "
-                       "AND state = 'scheduled' AND next_method = '__fail__'", seeded.dag_id)
+    failed = rows(
+        dsn,
+        "SELECT next_kwargs::text FROM task_instance WHERE dag_id = %s "
+        "AND state = 'scheduled' AND next_method = '__fail__'",
+        seeded.dag_id,
+    )
     print(f"\ntimed out after one loop: {len(failed)} of 2; last error: {supervisor.last_error}")
     assert len(failed) == 2 and all("Trigger timeout" in text for (text,) in failed)

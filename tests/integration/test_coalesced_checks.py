@@ -77,8 +77,9 @@ def _dsn(server: EmbeddedPostgres, dbname: str) -> str:
 async def record(dsn: str, rows: list[tuple[str, str]], notify: str | None = None) -> None:
     conn = await asyncpg.connect(dsn)
     if rows:
-        await conn.executemany("INSERT INTO meta.detail_process_table_status (table_name, status) "
-                               "VALUES ($1, $2)", rows)
+        await conn.executemany(
+            "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ($1, $2)", rows
+        )
     if notify:
         await conn.execute(f"NOTIFY {notify}")
     await conn.close()
@@ -90,7 +91,8 @@ async def status_statements(dsn: str, relation: str = "meta.detail_process_table
     calls = await conn.fetchval(
         "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
         "WHERE d.datname = current_database() AND s.query LIKE '%DISTINCT ON%' AND s.query LIKE $1",
-        f"%FROM {'.'.join(f'{chr(34)}{p}{chr(34)}' for p in relation.split('.'))} %")
+        f"%FROM {'.'.join(f'{chr(34)}{p}{chr(34)}' for p in relation.split('.'))} %",
+    )
     await conn.close()
     return int(calls)
 
@@ -157,8 +159,9 @@ async def test_each_wait_judges_its_own_since_failure_and_soft_fail_inside_one_b
     loaded_at = await conn.fetchval("SELECT max(created_dttm) FROM meta.detail_process_table_status")
     await conn.close()
     plain = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["x"], poll_interval=0.3)))
-    newer = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["x"], poll_interval=0.3,
-                                                              since=loaded_at.isoformat())))
+    newer = asyncio.create_task(
+        first_event(TableLoadTrigger("warehouse", ["x"], poll_interval=0.3, since=loaded_at.isoformat()))
+    )
     failed = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["y", "x"], poll_interval=0.3)))
     loading = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["z"], poll_interval=0.3)))
     assert (await asyncio.wait_for(plain, 30))["status"] == "success"
@@ -166,11 +169,13 @@ async def test_each_wait_judges_its_own_since_failure_and_soft_fail_inside_one_b
     assert event["status"] == "failed" and "FAILED for y" in event["message"]
     # each task applies its own soft_fail to the event its wait got from the batch
     with pytest.raises(AirflowSkipException):
-        TableLoadSensor(task_id="soft", conn_id="warehouse", required_tables=["x", "y"],
-                        soft_fail=True).execute_complete({}, event)
+        TableLoadSensor(
+            task_id="soft", conn_id="warehouse", required_tables=["x", "y"], soft_fail=True
+        ).execute_complete({}, event)
     with pytest.raises(AirflowException, match="FAILED for y"):
         TableLoadSensor(task_id="hard", conn_id="warehouse", required_tables=["x", "y"]).execute_complete(
-            {}, event)
+            {}, event
+        )
     batch = await until(lambda: the_batch(2), "the batch of the two still waiting")
     await ticks_after(batch, 2)
     assert not newer.done() and not loading.done()  # x's load is not newer than since; z is mid-load
@@ -180,10 +185,13 @@ async def test_each_wait_judges_its_own_since_failure_and_soft_fail_inside_one_b
 
 
 async def test_a_key_the_source_refuses_fails_only_its_own_waits(source: str) -> None:
-    good = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"ok{i}"], poll_interval=0.3)))
-            for i in range(40)]
-    bad = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["ok3", "bad\x00name"],
-                                                            poll_interval=0.3)))
+    good = [
+        asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"ok{i}"], poll_interval=0.3)))
+        for i in range(40)
+    ]
+    bad = asyncio.create_task(
+        first_event(TableLoadTrigger("warehouse", ["ok3", "bad\x00name"], poll_interval=0.3))
+    )
     event = await asyncio.wait_for(bad, 30)
     assert event["status"] == "error" and "CharacterNotInRepertoireError" in event["message"]
     batch = await until(lambda: the_batch(40), "the good waits still in their batch")
@@ -196,8 +204,12 @@ async def test_a_key_the_source_refuses_fails_only_its_own_waits(source: str) ->
 
 async def test_a_wrong_column_fails_every_wait_without_splitting(source: str) -> None:
     sent, split = totals.statements, totals.splits
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], time_column="loaded_at",
-                                                              poll_interval=0.3))) for i in range(50)]
+    tasks = [
+        asyncio.create_task(
+            first_event(TableLoadTrigger("warehouse", [f"t{i}"], time_column="loaded_at", poll_interval=0.3))
+        )
+        for i in range(50)
+    ]
     events = await asyncio.wait_for(asyncio.gather(*tasks), 30)
     assert all(e["status"] == "error" and "loaded_at" in e["message"] for e in events)
     # no halving of the keys: the statement and one probe without keys in each tick that had members (a
@@ -206,8 +218,12 @@ async def test_a_wrong_column_fails_every_wait_without_splitting(source: str) ->
 
 
 async def test_a_notify_wakes_the_batch_at_once(source: str) -> None:
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=300,
-                                                              notify_channel="loads"))) for i in range(20)]
+    tasks = [
+        asyncio.create_task(
+            first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=300, notify_channel="loads"))
+        )
+        for i in range(20)
+    ]
     batch = await until(lambda: the_batch(20), "20 members")
     await until(lambda: all(m.checked for m in batch.members), "the first check of every member")
     started = time.monotonic()
@@ -220,8 +236,9 @@ async def test_a_notify_wakes_the_batch_at_once(source: str) -> None:
 async def test_a_notify_during_a_tick_runs_another_tick_at_once(source: str) -> None:
     """A load that commits while a tick's statement runs is not in that tick's answer: its NOTIFY must
     start the next tick at once, not after the interval (300 s)."""
-    wait = TableLoadTrigger("warehouse", ["late"], status_table="meta.busy_status", poll_interval=300,
-                            notify_channel="loads")
+    wait = TableLoadTrigger(
+        "warehouse", ["late"], status_table="meta.busy_status", poll_interval=300, notify_channel="loads"
+    )
     task = asyncio.create_task(first_event(wait))
     batch = await until(lambda: the_batch(1, "meta.busy_status"), "the batch")
     await until(lambda: batch.stats.answered >= 1, "its first answer")
@@ -235,15 +252,19 @@ async def test_a_notify_during_a_tick_runs_another_tick_at_once(source: str) -> 
 async def busy_statement_running(dsn: str) -> bool:
     """Is a status query on meta.busy_status executing on the source now (past its snapshot)?"""
     conn = await asyncpg.connect(dsn)
-    running = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
-                                  "AND query LIKE '%busy_status%' AND pid <> pg_backend_pid()")
+    running = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+        "AND query LIKE '%busy_status%' AND pid <> pg_backend_pid()"
+    )
     await conn.close()
     return bool(running)
 
 
 async def test_a_batch_ticks_at_its_shortest_interval(source: str) -> None:
-    slow = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"s{i}"], poll_interval=300)))
-            for i in range(10)]
+    slow = [
+        asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"s{i}"], poll_interval=300)))
+        for i in range(10)
+    ]
     batch = await until(lambda: the_batch(10), "10 slow members")
     await until(lambda: all(m.checked for m in batch.members), "their first check")
     fast = asyncio.create_task(first_event(TableLoadTrigger("warehouse", ["f"], poll_interval=0.3)))
@@ -259,8 +280,14 @@ async def test_a_batch_ticks_at_its_shortest_interval(source: str) -> None:
 async def test_a_batch_over_the_chunk_size_is_split_into_statements(source: str) -> None:
     per_wait = 100
     waits = CHUNK_KEYS * 3 // 2 // per_wait  # 7,500 keys: two statements a tick
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger(
-        "warehouse", [f"w{w}_{k}" for k in range(per_wait)], poll_interval=0.5))) for w in range(waits)]
+    tasks = [
+        asyncio.create_task(
+            first_event(
+                TableLoadTrigger("warehouse", [f"w{w}_{k}" for k in range(per_wait)], poll_interval=0.5)
+            )
+        )
+        for w in range(waits)
+    ]
     batch = await until(lambda: the_batch(waits), f"{waits} members")
     await ticks_after(batch, 3)
     await record(source, [(f"w{w}_{k}", "SUCCESS") for w in range(waits) for k in range(per_wait)])
@@ -288,9 +315,12 @@ async def test_a_slow_source_does_not_delay_another_batch(source: str) -> None:
 
 
 async def test_a_restarted_source_backs_the_batch_off_and_loses_no_wait(
-        source: str, source_server: EmbeddedPostgres) -> None:
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=0.3)))
-             for i in range(30)]
+    source: str, source_server: EmbeddedPostgres
+) -> None:
+    tasks = [
+        asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=0.3)))
+        for i in range(30)
+    ]
     batch = await until(lambda: the_batch(30), "30 members")
     await ticks_after(batch, 2)
     failed = batch.stats.failed
@@ -303,11 +333,16 @@ async def test_a_restarted_source_backs_the_batch_off_and_loses_no_wait(
 
 
 async def test_a_notify_whose_tick_fails_is_answered_when_the_source_is_back(
-        source: str, source_server: EmbeddedPostgres) -> None:
+    source: str, source_server: EmbeddedPostgres
+) -> None:
     """A NOTIFY asks for a full tick; when that tick finds the source away, the retry after the back-off
     must still be a full tick: the members' own next tick is 300 s away."""
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=300,
-                                                              notify_channel="loads"))) for i in range(10)]
+    tasks = [
+        asyncio.create_task(
+            first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=300, notify_channel="loads"))
+        )
+        for i in range(10)
+    ]
     batch = await until(lambda: the_batch(10), "10 members")
     await until(lambda: all(m.checked for m in batch.members), "the first check of every member")
     await record(source, [(f"t{i}", "SUCCESS") for i in range(10)])  # no NOTIFY: nothing ticks
@@ -325,8 +360,10 @@ async def test_a_notify_whose_tick_fails_is_answered_when_the_source_is_back(
 
 async def test_off_makes_one_statement_per_wait(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS", "False")
-    tasks = [asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=60)))
-             for i in range(30)]
+    tasks = [
+        asyncio.create_task(first_event(TableLoadTrigger("warehouse", [f"t{i}"], poll_interval=60)))
+        for i in range(30)
+    ]
     await until(lambda: status_statements(source), "the first checks", timeout=30)
     await until(lambda: _at_least(status_statements(source), 30), "one statement per wait", timeout=30)
     assert not batches()

@@ -29,8 +29,11 @@ def trigger_rows(dsn: str, trigger_ids: list[int]) -> int:
 
 def left_index_plan(dsn: str) -> dict[str, Any]:
     """The plan of release_left_waits' read, on the current statistics."""
-    found = rows(dsn, "EXPLAIN (FORMAT JSON) SELECT id, trigger_id FROM task_instance "
-                      "WHERE trigger_id IS NOT NULL AND state IS DISTINCT FROM 'deferred' ORDER BY id")[0][0]
+    found = rows(
+        dsn,
+        "EXPLAIN (FORMAT JSON) SELECT id, trigger_id FROM task_instance "
+        "WHERE trigger_id IS NOT NULL AND state IS DISTINCT FROM 'deferred' ORDER BY id",
+    )[0][0]
     plan: dict[str, Any] = (json.loads(found) if isinstance(found, str) else found)[0]["Plan"]
     return plan
 
@@ -96,8 +99,7 @@ def test_the_cleanup_reads_the_partial_index_not_the_waiting_tasks(env: AirflowC
     assert "smart_triggerer_ti_left" in index_names(left_index_plan(dsn))
 
 
-def test_without_the_index_and_once_a_sweep_airflow_cleans_up(env: AirflowConfig,
-                                                               monkeypatch: Any) -> None:
+def test_without_the_index_and_once_a_sweep_airflow_cleans_up(env: AirflowConfig, monkeypatch: Any) -> None:
     """Until the index is there, and once every SWEEP_SECONDS, Airflow's own clean_unused runs: it also
     catches what the targeted path cannot see (a task row deleted with its run)."""
     supervisor = make_supervisor()

@@ -42,11 +42,13 @@ def event_of(next_kwargs: Any) -> Any:
 
 
 def test_an_event_held_through_a_graceful_stop_resumes_its_tasks_once_on_the_next_owner(
-        env: AirflowConfig) -> None:
+    env: AirflowConfig,
+) -> None:
     dsn = env.database_dsn
     leaving = make_supervisor(resume_hold_seconds=3.0)
-    seeded = seed_deferred(dsn, env.dags_folder, count=2, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": LATER})
+    seeded = seed_deferred(
+        dsn, env.dags_folder, count=2, classpath=AT_TIME, kwargs_for=lambda i: {"moment": LATER}
+    )
     load(leaving)
     runner = runner_of(leaving, seeded)
     leaving.events.append(event_entry(runner, {"fired": "once"}, seq=11))
@@ -78,8 +80,9 @@ def test_a_held_event_moves_with_its_shard_when_a_peer_joins(env: AirflowConfig)
     """A join hands shards over during the hold: the shard's new owner resumes from the stored event."""
     dsn = env.database_dsn
     first = make_supervisor(resume_hold_seconds=2.0)
-    seeded = seed_deferred(dsn, env.dags_folder, count=40, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": f"{LATER}#{i}"})
+    seeded = seed_deferred(
+        dsn, env.dags_folder, count=40, classpath=AT_TIME, kwargs_for=lambda i: {"moment": f"{LATER}#{i}"}
+    )
     load(first)
     for trigger_id in seeded.trigger_ids:
         group = first.groups.by_hash[first.groups.hash_of_member[trigger_id]]
@@ -106,14 +109,19 @@ def test_a_held_event_moves_with_its_shard_when_a_peer_joins(env: AirflowConfig)
         return set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
 
     wait_for(all_resumed, bool, timeout=20, what="every held event resumed once, by the shard's owner")
-    resumed_with = {ti: event_of(kw) for ti, kw in rows(
-        dsn, "SELECT ti.id, ti.next_kwargs FROM task_instance ti WHERE ti.dag_id = %s", seeded.dag_id)}
+    resumed_with = {
+        ti: event_of(kw)
+        for ti, kw in rows(
+            dsn, "SELECT ti.id, ti.next_kwargs FROM task_instance ti WHERE ti.dag_id = %s", seeded.dag_id
+        )
+    }
     expected = dict(zip(seeded.ti_ids, ({"n": t} for t in seeded.trigger_ids), strict=True))
     assert {str(k): v for k, v in resumed_with.items()} == {str(k): v for k, v in expected.items()}
 
 
 def test_an_event_that_came_before_the_timeout_is_not_failed_as_a_timeout_while_held(
-        env: AirflowConfig) -> None:
+    env: AirflowConfig,
+) -> None:
     """Held for 30 s, but the task's trigger_timeout is 4 s away: released a second before the deadline,
     before the scheduler's and our own time-out checks fail it (Airflow's own check is run here too)."""
     from airflow.jobs.job import Job
@@ -121,8 +129,14 @@ def test_an_event_that_came_before_the_timeout_is_not_failed_as_a_timeout_while_
 
     dsn = env.database_dsn
     supervisor = make_supervisor(resume_hold_seconds=30.0)
-    seeded = seed_deferred(dsn, env.dags_folder, count=1, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": LATER}, trigger_timeout=dt.timedelta(seconds=4))
+    seeded = seed_deferred(
+        dsn,
+        env.dags_folder,
+        count=1,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": LATER},
+        trigger_timeout=dt.timedelta(seconds=4),
+    )
     load(supervisor)
     runner = runner_of(supervisor, seeded)
     supervisor.events.append(event_entry(runner, {"in": "time"}))
@@ -148,8 +162,9 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
     once) resumes the task; only then is the shard released to the joiner."""
     dsn = env.database_dsn
     first = make_supervisor()
-    seeded = seed_deferred(dsn, env.dags_folder, count=40, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": f"{LATER}#{i}"})
+    seeded = seed_deferred(
+        dsn, env.dags_folder, count=40, classpath=AT_TIME, kwargs_for=lambda i: {"moment": f"{LATER}#{i}"}
+    )
     load(first)
     for trigger_id in seeded.trigger_ids:
         first.groups.start(first.groups.by_hash[first.groups.hash_of_member[trigger_id]])
@@ -178,8 +193,11 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
 
     wait_for(joiner_has_them, bool, timeout=15, what="the joiner takes the drained shards")
     states = ti_states(dsn, seeded.dag_id)
-    resumed = {t for t, state in zip(seeded.trigger_ids, [states[i] for i in sorted(states)], strict=True)
-               if state == "scheduled"}
+    resumed = {
+        t
+        for t, state in zip(seeded.trigger_ids, [states[i] for i in sorted(states)], strict=True)
+        if state == "scheduled"
+    }
     assert resumed == leaving, "every event sent before its coroutine ended is stored"
     assert sorted(first.persisted_event_seqs) == sorted(leaving)  # acknowledged once stored
     assert not second.groups.runners & leaving

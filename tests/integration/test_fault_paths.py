@@ -79,6 +79,7 @@ def mixed_and_healthy(env: AirflowConfig, supervisor: Any, asset: str) -> tuple[
 
 # --- 1. a refusal while failing members blocks every failure / event behind it --------------------------
 
+
 def test_a_failure_whose_traceback_jsonb_refuses_never_blocks_later_failures(env: AirflowConfig) -> None:
     """A trigger raised an exception whose message holds a NUL (or an unpaired surrogate): fanout.fail's
     CAST(... AS jsonb) refuses the traceback. Expected (25.6): that group fails with some cause, the next
@@ -90,19 +91,27 @@ def test_a_failure_whose_traceback_jsonb_refuses_never_blocks_later_failures(env
     load(supervisor)
     bad_runner, good_runner = runner_of(supervisor, bad), runner_of(supervisor, good)
     supervisor.failed_triggers.append(
-        (bad_runner, ["Traceback (most recent call last):\n", "ValueError: unexpected reply 'ok\x00'\n"]))
+        (bad_runner, ["Traceback (most recent call last):\n", "ValueError: unexpected reply 'ok\x00'\n"])
+    )
     supervisor.failed_triggers.append((good_runner, ["ValueError: the warehouse said no\n"]))
     for _ in range(3):  # three loops
         supervisor._db_step("failures", supervisor.handle_failed_triggers)
-    print("\nfailed_triggers left:", len(supervisor.failed_triggers), "| db_ok:", supervisor.db_ok,
-          "| last_error:", supervisor.last_error)
+    print(
+        "\nfailed_triggers left:",
+        len(supervisor.failed_triggers),
+        "| db_ok:",
+        supervisor.db_ok,
+        "| last_error:",
+        supervisor.last_error,
+    )
     print("bad group TIs:", ti_states(dsn, bad.dag_id), "| good group TIs:", ti_states(dsn, good.dag_id))
     assert set(ti_states(dsn, good.dag_id).values()) == {"scheduled"}, "the next failure is blocked"
     assert not supervisor.failed_triggers
 
 
 def test_a_poison_event_whose_cause_jsonb_refuses_never_blocks_other_events(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A mixed group (tasks + an asset watcher on one identity); the asset manager raises with the value it
     could not store in its message (a NUL). _poisoned -> _group_failed -> fanout.fail(cause) is refused by
     jsonb, raised out of the except block: handle_events stops, the events stay queued for ever."""
@@ -121,8 +130,14 @@ def test_a_poison_event_whose_cause_jsonb_refuses_never_blocks_other_events(
     supervisor.events.append(event_entry(healthy_runner, {"moment": other}))
     for _ in range(3):
         supervisor._db_step("events", supervisor.handle_events)
-    print("\nevents left:", len(supervisor.events), "| db_ok:", supervisor.db_ok, "| last_error:",
-          supervisor.last_error)
+    print(
+        "\nevents left:",
+        len(supervisor.events),
+        "| db_ok:",
+        supervisor.db_ok,
+        "| last_error:",
+        supervisor.last_error,
+    )
     print("mixed TIs:", ti_states(dsn, mixed_tasks.dag_id), "| healthy TIs:", ti_states(dsn, healthy.dag_id))
     assert set(ti_states(dsn, healthy.dag_id).values()) == {"scheduled"}, "an unrelated event is blocked"
     assert not supervisor.events
@@ -152,7 +167,8 @@ conn.commit()
 
 @pytest.mark.alone  # asserts a time bound: runs with no other test beside it (dev.py)
 def test_a_frozen_holder_with_a_result_in_flight_is_taken_over_within_lease_plus_3s(
-        env: AirflowConfig) -> None:
+    env: AirflowConfig,
+) -> None:
     dsn = env.database_dsn
     lease = 6.0
     holder = make_supervisor(lease_seconds=lease)
@@ -160,20 +176,33 @@ def test_a_frozen_holder_with_a_result_in_flight_is_taken_over_within_lease_plus
     assert holder.owned == set()
     load(holder)
     assert holder.owned == {0, 1, 2, 3}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, dsn, str(holder_job), str(lease)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, dsn, str(holder_job), str(lease)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         deadline = time.monotonic() + 30
-        while not rows(dsn, "SELECT 1 FROM pg_stat_activity WHERE state = 'active' "
-                            "AND query LIKE 'SELECT ''probe-big-result''%%'"):
+        while not rows(
+            dsn,
+            "SELECT 1 FROM pg_stat_activity WHERE state = 'active' "
+            "AND query LIKE 'SELECT ''probe-big-result''%%'",
+        ):
             assert time.monotonic() < deadline and child.poll() is None, child.communicate()
             time.sleep(0.005)
         child.send_signal(signal.SIGSTOP)  # the host stops while the server is sending the result
         frozen_at = time.monotonic()
         time.sleep(1.0)
-        print("\n1 s after SIGSTOP:", rows(dsn, "SELECT state, wait_event FROM pg_stat_activity "
-                                              "WHERE query LIKE 'SELECT ''probe-big-result''%%'"))
+        print(
+            "\n1 s after SIGSTOP:",
+            rows(
+                dsn,
+                "SELECT state, wait_event FROM pg_stat_activity "
+                "WHERE query LIKE 'SELECT ''probe-big-result''%%'",
+            ),
+        )
         taker = make_supervisor(lease_seconds=lease)
         while time.monotonic() - frozen_at < lease + 6:
             taker._db_step("load", taker.read_changes)
@@ -181,8 +210,11 @@ def test_a_frozen_holder_with_a_result_in_flight_is_taken_over_within_lease_plus
                 break
             time.sleep(0.25)
         took = time.monotonic() - frozen_at
-        backend = rows(dsn, "SELECT state, wait_event_type, wait_event, now() - state_change "
-                            "FROM pg_stat_activity WHERE query LIKE 'SELECT ''probe-big-result''%%'")
+        backend = rows(
+            dsn,
+            "SELECT state, wait_event_type, wait_event, now() - state_change "
+            "FROM pg_stat_activity WHERE query LIKE 'SELECT ''probe-big-result''%%'",
+        )
         print(f"\nafter {took:.1f}s: taker owns {sorted(taker.owned)}; frozen backend: {backend}")
         assert taker.owned == {0, 1, 2, 3} and took <= lease + 3
     finally:
@@ -193,8 +225,10 @@ def test_a_frozen_holder_with_a_result_in_flight_is_taken_over_within_lease_plus
 
 # --- 3. a pending migration queues every instance's renewal behind it -----------------------------------
 
+
 def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
-        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A new release starts (its migration alters smart_triggerer.instance, as 0008 does) while something
     holds an ordinary read lock on that table (pg_dump, a long status/BI query, an old-release instance
     stopped inside a transaction). Its ALTER waited up to 60 s, and every running instance's heartbeat
@@ -214,8 +248,14 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
     reader = psycopg2.connect(dsn)
     reader.cursor().execute("SELECT count(*) FROM smart_triggerer.instance")  # AccessShareLock, kept
     shipped = store_module.migrations()
-    monkeypatch.setattr(store_module, "migrations", lambda: [
-        *shipped, (99, "next_release", "ALTER TABLE smart_triggerer.instance ADD COLUMN probe integer")])
+    monkeypatch.setattr(
+        store_module,
+        "migrations",
+        lambda: [
+            *shipped,
+            (99, "next_release", "ALTER TABLE smart_triggerer.instance ADD COLUMN probe integer"),
+        ],
+    )
     outcome: list[str] = []
 
     def new_release_starts() -> None:
@@ -229,16 +269,25 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
     starter.start()
     try:
         alter = "ALTER TABLE smart_triggerer.instance ADD COLUMN probe%"
-        wait_for(lambda: rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                   "AND query LIKE %s", alter),
-                 lambda found: found[0][0] > 0, 30, "the new release's ALTER to queue behind the reader",
-                 interval=0.02)
+        wait_for(
+            lambda: rows(
+                dsn,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                alter,
+            ),
+            lambda found: found[0][0] > 0,
+            30,
+            "the new release's ALTER to queue behind the reader",
+            interval=0.02,
+        )
         running.last_renewal -= lease * 0.65  # one ordinary slow loop later the running instance renews
         with capture_logs() as logs:
             running._guard_leases()
         stopped = [e for e in logs if "stopping all shards" in e["event"]]
-        print(f"\nrunning instance owns {sorted(running.owned)}, {len(running.member_info)} waiters; "
-              f"log: {stopped}")
+        print(
+            f"\nrunning instance owns {sorted(running.owned)}, {len(running.member_info)} waiters; "
+            f"log: {stopped}"
+        )
         assert running.owned == {0, 1, 2, 3}, "a pending migration made a healthy instance drop every shard"
         assert not outcome, "the new release gave up while the reader was there"
     finally:
@@ -247,14 +296,19 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
         starter.join(70)
     print("new release's migration:", outcome)
     assert outcome == ["migrated"]
-    assert rows(dsn, "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'smart_triggerer' "
-                     "AND table_name = 'instance' AND column_name = 'probe'") == [(1,)]
+    assert rows(
+        dsn,
+        "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'smart_triggerer' "
+        "AND table_name = 'instance' AND column_name = 'probe'",
+    ) == [(1,)]
 
 
 # --- 4. idle_in_transaction_session_timeout on Airflow's own transactions -------------------------------
 
+
 def test_a_slow_workload_build_still_starts_the_group(
-        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Airflow's build_trigger_workloads keeps one transaction open while it deserializes each DAG. A DAG
     whose deserialization takes longer than half a lease on this host (a big DAG, a busy host) gets the
     session killed, every loop, deterministically: the group never starts and the log says 'database
@@ -274,15 +328,17 @@ def test_a_slow_workload_build_still_starts_the_group(
     monkeypatch.setattr(DagSerialization, "from_dict", classmethod(slow))
     for _ in range(3):
         supervisor._db_step("load", supervisor.load_triggers)
-    print(f"\ncreating: {[w.id for w in supervisor.creating_triggers]}; db_ok={supervisor.db_ok}; "
-          f"last_error={supervisor.last_error}")
+    print(
+        f"\ncreating: {[w.id for w in supervisor.creating_triggers]}; db_ok={supervisor.db_ok}; "
+        f"last_error={supervisor.last_error}"
+    )
     assert {w.id for w in supervisor.creating_triggers} & set(seeded.trigger_ids)
 
 
 @pytest.mark.parametrize("builder", ["one statement per batch", "airflow's"])
 def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
-        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch,
-        builder: str) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch, builder: str
+) -> None:
     """A host frozen while it deserializes a DAG for a workload (between two statements of the build):
     its session must hold no lock on ``trigger`` or ``task_instance`` meanwhile (a migration's ALTER, and
     every statement behind it, would queue behind the share lock of a transaction left open) and must not
@@ -311,14 +367,24 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
     build.start()
     try:
         assert frozen.wait(60), "the build never reached a DAG to deserialize"
-        ours = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                "AND pid <> pg_backend_pid()")
-        held = rows(dsn, f"SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
-                         f"WHERE l.pid IN ({ours}) AND c.relname IN ('trigger', 'task_instance')")
-        idle_in_transaction = rows(dsn, f"SELECT count(*) FROM pg_stat_activity WHERE pid IN ({ours}) "
-                                        "AND starts_with(state, 'idle in transaction')")
-        alter_waits = rows(dsn, "SET lock_timeout = '500ms'; "
-                                "LOCK TABLE task_instance, trigger IN ACCESS EXCLUSIVE MODE; SELECT 1")
+        ours = (
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        held = rows(
+            dsn,
+            f"SELECT c.relname, l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            f"WHERE l.pid IN ({ours}) AND c.relname IN ('trigger', 'task_instance')",
+        )
+        idle_in_transaction = rows(
+            dsn,
+            f"SELECT count(*) FROM pg_stat_activity WHERE pid IN ({ours}) "
+            "AND starts_with(state, 'idle in transaction')",
+        )
+        alter_waits = rows(
+            dsn,
+            "SET lock_timeout = '500ms'; "
+            "LOCK TABLE task_instance, trigger IN ACCESS EXCLUSIVE MODE; SELECT 1",
+        )
     finally:
         thawed.set()
         build.join(60)
@@ -328,15 +394,18 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
 
 
 def test_the_connection_limits_reach_airflows_engine_only(
-        env: AirflowConfig, bounded: Callable[[float], float]) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float]
+) -> None:
     """bound_waits listens on the Engine class: a trigger's or hook's own SQLAlchemy engine (to a user's
     warehouse) in this process, and in the forked runner subprocess, gets the lease's limits too."""
     from sqlalchemy import create_engine, text
 
     user_db = create_engine(env.database_dsn.replace("postgresql://", "postgresql+psycopg2://", 1))
     with user_db.connect() as conn:
-        got = {name: conn.execute(text(f"SHOW {name}")).scalar()
-               for name in ("lock_timeout", "idle_in_transaction_session_timeout")}
+        got = {
+            name: conn.execute(text(f"SHOW {name}")).scalar()
+            for name in ("lock_timeout", "idle_in_transaction_session_timeout")
+        }
     user_db.dispose()
     print("\na user's engine in the triggerer process:", got)
     assert got == {"lock_timeout": "0", "idle_in_transaction_session_timeout": "0"}
@@ -344,8 +413,10 @@ def test_the_connection_limits_reach_airflows_engine_only(
 
 # --- 5. a lock held on one task row --------------------------------------------------------------------
 
-def test_one_locked_task_row_holds_back_only_its_own_event(env: AirflowConfig,
-                                                            bounded: Callable[[float], float]) -> None:
+
+def test_one_locked_task_row_holds_back_only_its_own_event(
+    env: AirflowConfig, bounded: Callable[[float], float]
+) -> None:
     """lock_deferred waits lease/4 on a row another transaction holds, which is an 'outage': the whole
     events step stops and the next loop retries the same chunk first."""
     dsn = env.database_dsn
@@ -363,8 +434,14 @@ def test_one_locked_task_row_holds_back_only_its_own_event(env: AirflowConfig,
         supervisor.events.append(event_entry(free_runner, {"moment": other}))
         for _ in range(3):
             supervisor._db_step("events", supervisor.handle_events)
-        print("\nevents left:", len(supervisor.events), "| last_error:", supervisor.last_error,
-              "| free TIs:", ti_states(dsn, free.dag_id))
+        print(
+            "\nevents left:",
+            len(supervisor.events),
+            "| last_error:",
+            supervisor.last_error,
+            "| free TIs:",
+            ti_states(dsn, free.dag_id),
+        )
         assert set(ti_states(dsn, free.dag_id).values()) == {"scheduled"}
     finally:
         holder.close()
@@ -372,8 +449,10 @@ def test_one_locked_task_row_holds_back_only_its_own_event(env: AirflowConfig,
 
 # --- 6. a non-database exception building one workload ------------------------------------------------
 
+
 def test_a_workload_that_cannot_be_built_never_kills_the_instance(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A DAG that cannot be deserialized on the triggerer host (a timetable or class not installed there):
     the exception left load_triggers, _db_step did not catch it, run_once ended, the instance exited; the
     shard's next owner built the same workload. Now that row cannot lead here, and the others start."""
@@ -408,6 +487,7 @@ def test_a_workload_that_cannot_be_built_never_kills_the_instance(
 
 # --- 7. a deterministic refusal psycopg2 files under OperationalError ----------------------------------
 
+
 def test_an_idempotency_key_too_big_for_its_index_is_no_outage(env: AirflowConfig) -> None:
     """asset_event_key's primary key is a btree over (asset_id, idempotency_key): a key over ~2.7 kB
     (incompressible) is refused with SQLSTATE 54000 (program_limit_exceeded), which psycopg2 maps to
@@ -424,17 +504,25 @@ def test_an_idempotency_key_too_big_for_its_index_is_no_outage(env: AirflowConfi
     watcher_runner = watcher_group(supervisor, watcher).runner_id
     healthy_runner = runner_of(supervisor, healthy)
     supervisor.running_triggers.update({watcher_runner, healthy_runner})
-    supervisor.events.append(event_entry(watcher_runner, {"moment": LATER,
-                                                          "idempotency_key": secrets.token_hex(2000)}))
+    supervisor.events.append(
+        event_entry(watcher_runner, {"moment": LATER, "idempotency_key": secrets.token_hex(2000)})
+    )
     supervisor.events.append(event_entry(healthy_runner, {"moment": other}))
     for _ in range(3):
         supervisor._db_step("events", supervisor.handle_events)
-    print("\nevents left:", len(supervisor.events), "| last_error:", supervisor.last_error,
-          "| healthy TIs:", ti_states(dsn, healthy.dag_id))
+    print(
+        "\nevents left:",
+        len(supervisor.events),
+        "| last_error:",
+        supervisor.last_error,
+        "| healthy TIs:",
+        ti_states(dsn, healthy.dag_id),
+    )
     assert set(ti_states(dsn, healthy.dag_id).values()) == {"scheduled"}
 
 
 # --- 8. groups no member can start stay at the head of `unstarted` -------------------------------------
+
 
 def test_unstartable_groups_never_starve_later_groups(env: AirflowConfig) -> None:
     """_create_workload returns None for a task instance without dag_version_id (deferred before a 2->3
@@ -455,12 +543,19 @@ def test_unstartable_groups_never_starve_later_groups(env: AirflowConfig) -> Non
         supervisor.groups.version += 1  # as if something changed every loop
         supervisor._start_groups()
     started = {w.id for w in supervisor.creating_triggers}
-    print("\nstarted:", started, "| later group's trigger:", later.trigger_ids,
-          "| unstarted:", len(supervisor.groups.unstarted))
+    print(
+        "\nstarted:",
+        started,
+        "| later group's trigger:",
+        later.trigger_ids,
+        "| unstarted:",
+        len(supervisor.groups.unstarted),
+    )
     assert set(later.trigger_ids) <= started
 
 
 # --- 9. its own lease row still share-locked by its own lingering backend ------------------------------
+
 
 def test_a_lingering_session_of_its_own_never_makes_it_drop_valid_shards(env: AirflowConfig) -> None:
     """After a network blip the client gave up on its fenced transaction, but the server's backend still
@@ -478,14 +573,22 @@ def test_a_lingering_session_of_its_own_never_makes_it_drop_valid_shards(env: Ai
     before = set(supervisor.member_info)
     lingering = psycopg2.connect(dsn)  # stands for the backend of the transaction the client gave up on
     try:
-        lingering.cursor().execute(re.sub(r"(?<!:):(\w+)", r"%(\1)s", queries()["fence_shards"]),
-                                   {"job_id": supervisor.job_id, "shards": [0, 1, 2, 3], "queues": ""})
+        lingering.cursor().execute(
+            re.sub(r"(?<!:):(\w+)", r"%(\1)s", queries()["fence_shards"]),
+            {"job_id": supervisor.job_id, "shards": [0, 1, 2, 3], "queues": ""},
+        )
         supervisor._db_step("load", supervisor.read_changes)
-        valid = rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s "
-                          "AND expires_at > clock_timestamp()", supervisor.job_id)[0][0]
-        print(f"\nowned after renewal: {sorted(supervisor.owned)}; "
-              f"leases still valid in the database: {valid}; "
-              f"waiters kept: {len(set(supervisor.member_info) & before)}/{len(before)}")
+        valid = rows(
+            dsn,
+            "SELECT count(*) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s "
+            "AND expires_at > clock_timestamp()",
+            supervisor.job_id,
+        )[0][0]
+        print(
+            f"\nowned after renewal: {sorted(supervisor.owned)}; "
+            f"leases still valid in the database: {valid}; "
+            f"waiters kept: {len(set(supervisor.member_info) & before)}/{len(before)}"
+        )
         assert set(seeded.trigger_ids) <= set(supervisor.member_info)
     finally:
         lingering.close()
@@ -493,8 +596,10 @@ def test_a_lingering_session_of_its_own_never_makes_it_drop_valid_shards(env: Ai
 
 # --- 10. a renewal that succeeds slowly -----------------------------------------------------------------
 
+
 def test_a_slow_but_successful_renewal_keeps_the_shards(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 25.11 on a busy host: the overdue renewal itself takes longer than 0.6 of a lease (the process
     is descheduled, the database is slow) and succeeds. last_renewal is the time it *started*, so the check
     right after it still finds it overdue and stops every shard, with whatever last_error was."""
@@ -523,6 +628,7 @@ def test_a_slow_but_successful_renewal_keeps_the_shards(
 
 # --- 11. the second review: what is the event's fault, and what is the database's -----------------------
 
+
 def set_read_only(dsn: str, on: bool) -> None:
     """The database refuses every writer from the next session on (SQLSTATE 25006), as a primary demoted
     by a failover does behind a stale DNS name; Airflow's pool is emptied so its next session sees it."""
@@ -541,13 +647,18 @@ def set_read_only(dsn: str, on: bool) -> None:
 
 def failed_with(dsn: str, dag_id: str) -> dict[int, str | None]:
     """map index -> the failure's text for task instances failed through the __fail__ path."""
-    found = rows(dsn, "SELECT map_index, next_kwargs::text FROM task_instance "
-                      "WHERE dag_id = %s AND next_method = '__fail__'", dag_id)
+    found = rows(
+        dsn,
+        "SELECT map_index, next_kwargs::text FROM task_instance "
+        "WHERE dag_id = %s AND next_method = '__fail__'",
+        dag_id,
+    )
     return {r[0]: r[1] for r in found}
 
 
 def test_a_database_refusing_every_writer_keeps_every_event_and_failure_and_fails_no_task(
-        env: AirflowConfig) -> None:
+    env: AirflowConfig,
+) -> None:
     """Read-only (25006) is no event's fault: the events were taken one by one as poison, their tasks'
     failure refused too, and the groups ended with every member forgotten, left deferred with no
     coroutine. Every event and failure must stay queued, its group kept, and be stored once writable."""
@@ -577,15 +688,19 @@ def test_a_database_refusing_every_writer_keeps_every_event_and_failure_and_fail
         set_read_only(dsn, False)
     supervisor._db_step("events", supervisor.handle_events)
     supervisor._db_step("failures", supervisor.handle_failed_triggers)
-    assert set(ti_states(dsn, first.dag_id).values()) == set(ti_states(dsn, second.dag_id).values()) == {
-        "scheduled"}
+    assert (
+        set(ti_states(dsn, first.dag_id).values())
+        == set(ti_states(dsn, second.dag_id).values())
+        == {"scheduled"}
+    )
     assert not failed_with(dsn, first.dag_id) and not failed_with(dsn, second.dag_id)
     assert all("the warehouse said no" in (text or "") for text in failed_with(dsn, broken.dag_id).values())
     assert len(failed_with(dsn, broken.dag_id)) == 2
 
 
 def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them(
-        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One by one, the first event meets a row lock (kept for the next loop in a local list) and the
     second finds the database refusing every writer: raising out of the loop lost the list, so the first
     event was neither stored, queued nor acknowledged."""
@@ -632,12 +747,16 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
         set_read_only(dsn, False)
     monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", original)
     supervisor._db_step("events", supervisor.handle_events)
-    assert set(ti_states(dsn, locked.dag_id).values()) == set(ti_states(dsn, free.dag_id).values()) == {
-        "scheduled"}
+    assert (
+        set(ti_states(dsn, locked.dag_id).values())
+        == set(ti_states(dsn, free.dag_id).values())
+        == {"scheduled"}
+    )
 
 
 def test_an_event_whose_listener_outlasts_the_idle_limit_fails_alone_and_the_rest_flow(
-        env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A listener slower than half a lease: the server ends the event's transaction (idle in transaction),
     the loop took it for an outage and kept retrying the same head chunk for ever, everything behind it
     stuck. Now the database is asked right after: it answers, so the events are stored one by one; the
@@ -647,8 +766,9 @@ def test_an_event_whose_listener_outlasts_the_idle_limit_fails_alone_and_the_res
     dsn = env.database_dsn
     lease = bounded(3.0)
     supervisor = make_supervisor(lease_seconds=lease)
-    slow_tasks, slow_runner, healthy, healthy_runner, other = mixed_and_healthy(env, supervisor,
-                                                                                "slow-listener")
+    slow_tasks, slow_runner, healthy, healthy_runner, other = mixed_and_healthy(
+        env, supervisor, "slow-listener"
+    )
 
     class Slow:
         def register_asset_change(self, **kw: Any) -> None:
@@ -670,7 +790,8 @@ def test_an_event_whose_listener_outlasts_the_idle_limit_fails_alone_and_the_res
 
 
 def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A deterministic database error building one row's workload (here a real DataError in the build's
     transaction) was re-raised like an outage: the load step failed on it every loop and no group started
     on that instance again. The batch's one statement refused (workloads.py) is read again row by row,
@@ -709,7 +830,8 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
 
 
 def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewal(
-        env: AirflowConfig, bounded: Callable[[float], float]) -> None:
+    env: AirflowConfig, bounded: Callable[[float], float]
+) -> None:
     """A peer joins while a session of this instance that lost its client still share-locks its lease rows:
     releasing the peer's share waited lock_timeout on them and aborted the whole renewal (every loop until
     that session died: past 0.6 of a lease every shard was dropped). The release skips them instead."""
@@ -732,8 +854,10 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
     assert first.owned == {0, 1, 2, 3}
     lingering = psycopg2.connect(dsn)
     try:
-        lingering.cursor().execute(re.sub(r"(?<!:):(\w+)", r"%(\1)s", queries()["fence_shards"]),
-                                   {"job_id": first.job_id, "shards": [0, 1, 2, 3], "queues": ""})
+        lingering.cursor().execute(
+            re.sub(r"(?<!:):(\w+)", r"%(\1)s", queries()["fence_shards"]),
+            {"job_id": first.job_id, "shards": [0, 1, 2, 3], "queues": ""},
+        )
         make_supervisor(lease_seconds=lease)  # a peer joins: rendezvous gives it a share
         first.failed_step = None
         first._db_step("load", first.read_changes)
@@ -747,7 +871,8 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
 
 
 def test_sessions_ended_from_outside_again_and_again_fail_no_event(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The chaos run's db_error fault (every session of the instance terminated again and again for a
     second) failed two innocent tasks: each attempt lost its session at once while a fresh connection
     still answered, which was counted as the event's own slow listener three times. Only an attempt that
@@ -775,8 +900,16 @@ def test_sessions_ended_from_outside_again_and_again_fail_no_event(
     supervisor.events.append(event_entry(runner, {"moment": LATER}))
     for _ in range(3):
         supervisor._db_step("events", supervisor.handle_events)
-    print("\nsessions ended:", len(ended), "| queued:", len(supervisor.events), "| failed:",
-          failed_with(dsn, seeded.dag_id), "| last error:", supervisor.last_error)
+    print(
+        "\nsessions ended:",
+        len(ended),
+        "| queued:",
+        len(supervisor.events),
+        "| failed:",
+        failed_with(dsn, seeded.dag_id),
+        "| last error:",
+        supervisor.last_error,
+    )
     assert len(ended) == 6
     assert not failed_with(dsn, seeded.dag_id)
     assert [e.trigger_id for e in supervisor.events] == [runner]

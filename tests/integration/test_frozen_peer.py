@@ -48,14 +48,19 @@ def session_state(dsn: str, pid: int) -> list[tuple[str]]:
 
 def lock_one_task_of(dsn: str, job_id: int) -> tuple[psycopg2.extensions.connection, str]:
     """A row lock on one deferred task of a group whose shard the instance ``job_id`` owns."""
-    found = rows(dsn, "SELECT ti.id::text FROM task_instance ti "
-                      "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
-                      "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
-                      "WHERE ti.state = 'deferred' AND l.owner_job_id = %s ORDER BY ti.id LIMIT 1", job_id)
+    found = rows(
+        dsn,
+        "SELECT ti.id::text FROM task_instance ti "
+        "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
+        "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
+        "WHERE ti.state = 'deferred' AND l.owner_job_id = %s ORDER BY ti.id LIMIT 1",
+        job_id,
+    )
     assert found, f"instance {job_id} owns no shard with a waiter"
     conn = psycopg2.connect(dsn)
-    conn.cursor().execute("SELECT 1 FROM task_instance WHERE id = %s AND state = 'deferred' FOR UPDATE",
-                          (found[0][0],))
+    conn.cursor().execute(
+        "SELECT 1 FROM task_instance WHERE id = %s AND state = 'deferred' FOR UPDATE", (found[0][0],)
+    )
     return conn, found[0][0]
 
 
@@ -65,24 +70,44 @@ def test_a_peer_frozen_inside_its_transaction_is_taken_over_and_fenced(audited: 
     with ControlledServer().running() as source:
         frozen, survivor = start(audited, "smart-a"), start(audited, "smart-b")
         frozen_job, survivor_job = _job_of(health_url(frozen)), _job_of(health_url(survivor))
-        wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {frozen_job, survivor_job}, 60,
-                 "both instances to own shards")
+        wait_for(
+            lambda: lease_owners(dsn),
+            lambda o: set(o.values()) == {frozen_job, survivor_job},
+            60,
+            "both instances to own shards",
+        )
         keys = keys_on_both(source.url, lease_owners(dsn), frozen_job)
-        seeded = seed(audited, 2 * GROUPS, SOURCE_POLL,
-                      lambda i: {"url": source.url, "key": keys[i % GROUPS], "poll_interval": 0.05})
+        seeded = seed(
+            audited,
+            2 * GROUPS,
+            SOURCE_POLL,
+            lambda i: {"url": source.url, "key": keys[i % GROUPS], "poll_interval": 0.05},
+        )
         urls = [health_url(frozen), health_url(survivor)]
-        wait_for(lambda: [metrics(u) for u in urls],
-                 lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 2 * GROUPS, 30,
-                 "every waiter running")
+        wait_for(
+            lambda: [metrics(u) for u in urls],
+            lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 2 * GROUPS,
+            30,
+            "every waiter running",
+        )
         held_ti, frozen_pid, frozen_at = freeze_inside_event_transaction(
-            audited, source, frozen, frozen_job, (seeded.dag_id, keys))
+            audited, source, frozen, frozen_job, (seeded.dag_id, keys)
+        )
         # its events stored before the freeze resumed their tasks; those of its open transaction did not
-        stuck = {i for i, state in ti_states(dsn, seeded.dag_id).items()
-                 if state == "deferred" and keys[i % GROUPS] in source.answered_ready}
+        stuck = {
+            i
+            for i, state in ti_states(dsn, seeded.dag_id).items()
+            if state == "deferred" and keys[i % GROUPS] in source.answered_ready
+        }
         assert stuck
         try:
-            wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {survivor_job}, LEASE + 10,
-                     "the survivor to own every shard", interval=0.05)
+            wait_for(
+                lambda: lease_owners(dsn),
+                lambda o: set(o.values()) == {survivor_job},
+                LEASE + 10,
+                "the survivor to own every shard",
+                interval=0.05,
+            )
             took = time.monotonic() - frozen_at
             print(f"takeover from a frozen holder: {took:.2f}s")
             assert took <= LEASE + 3, f"takeover took {took:.1f}s (limit lease + 3 s = {LEASE + 3:.0f}s)"
@@ -91,23 +116,43 @@ def test_a_peer_frozen_inside_its_transaction_is_taken_over_and_fenced(audited: 
             # "ready" once, to the frozen instance)
             stuck_keys = {keys[i % GROUPS] for i in stuck}
             polled = {k: source.polls.get(k, 0) for k in stuck_keys}
-            wait_for(lambda: {k for k in stuck_keys if source.polls.get(k, 0) > polled[k]},
-                     lambda seen: seen == stuck_keys, LEASE + 10, "the survivor to poll the frozen waits")
+            wait_for(
+                lambda: {k for k in stuck_keys if source.polls.get(k, 0) > polled[k]},
+                lambda seen: seen == stuck_keys,
+                LEASE + 10,
+                "the survivor to poll the frozen waits",
+            )
             waiting = sum(1 for state in ti_states(dsn, seeded.dag_id).values() if state == "deferred")
-            wait_for(lambda: metrics(health_url(survivor)), lambda m: m["smart_triggerer_waiters"] == waiting,
-                     LEASE + 10, "the survivor to run every wait still deferred")
+            wait_for(
+                lambda: metrics(health_url(survivor)),
+                lambda m: m["smart_triggerer_waiters"] == waiting,
+                LEASE + 10,
+                "the survivor to run every wait still deferred",
+            )
         finally:
             frozen.signal(signal.SIGCONT)
         # awake again with events in hand for tasks still deferred: fencing alone keeps it from writing
-        wait_for(lambda: frozen.log_tail(20_000), lambda t: "handing over shards" in t or "lapsed" in t, 30,
-                 "the woken instance to give up its shards")
-        wait_for(lambda: metrics(health_url(frozen)), lambda m: m["smart_triggerer_shards_owned"] == 0, 30,
-                 "the woken instance to run nothing")
+        wait_for(
+            lambda: frozen.log_tail(20_000),
+            lambda t: "handing over shards" in t or "lapsed" in t,
+            30,
+            "the woken instance to give up its shards",
+        )
+        wait_for(
+            lambda: metrics(health_url(frozen)),
+            lambda m: m["smart_triggerer_shards_owned"] == 0,
+            30,
+            "the woken instance to run nothing",
+        )
         states = ti_states(dsn, seeded.dag_id)
         assert {i for i in stuck if states[i] != "deferred"} == set(), "the woken instance wrote"
         source.ready.update(keys)  # now the survivor's polls find them ready
-        wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"},
-                 LEASE + 10, "every waiter resumed by the survivor")
+        wait_for(
+            lambda: ti_states(dsn, seeded.dag_id),
+            lambda s: set(s.values()) == {"scheduled"},
+            LEASE + 10,
+            "every waiter resumed by the survivor",
+        )
     assert_each_resolved_once(dsn, seeded.dag_id, held_ti)
     assert frozen.running() and survivor.running()
 
@@ -121,8 +166,11 @@ def keys_on_both(url: str, owners: dict[int, int | None], frozen_job: int) -> li
     theirs: list[str] = []
     for n in range(10_000):
         key = f"key-{n}"
-        side = mine if owners[shard_of(identity_hash(SOURCE_POLL, {"url": url, "key": key}), SHARDS)] == \
-            frozen_job else theirs
+        side = (
+            mine
+            if owners[shard_of(identity_hash(SOURCE_POLL, {"url": url, "key": key}), SHARDS)] == frozen_job
+            else theirs
+        )
         if len(side) < GROUPS // 2:
             side.append(key)
         if len(mine) + len(theirs) == GROUPS:
@@ -130,8 +178,9 @@ def keys_on_both(url: str, owners: dict[int, int | None], frozen_job: int) -> li
     raise AssertionError("no keys found on both instances' shards")
 
 
-def freeze_inside_event_transaction(stack: AirflowStack, source: ControlledServer, frozen: Any,
-                                    frozen_job: int, waits: tuple[str, list[str]]) -> tuple[str, int, float]:
+def freeze_inside_event_transaction(
+    stack: AirflowStack, source: ControlledServer, frozen: Any, frozen_job: int, waits: tuple[str, list[str]]
+) -> tuple[str, int, float]:
     """Make the frozen instance's waits ready once (its polls only), wait until its event transaction
     queues behind a task row we lock, SIGSTOP it there and let its statement finish: its session sits idle
     in its transaction, its process stopped. Returns the locked task, the frozen backend's pid and the
@@ -144,8 +193,13 @@ def freeze_inside_event_transaction(stack: AirflowStack, source: ControlledServe
     try:
         holder_pid = holder.get_backend_pid()
         source.ready_once.update(frozen_keys)
-        blocked = wait_for(lambda: backend_blocked_by(dsn, holder_pid), bool, 60,
-                           "the instance's event transaction to wait on the locked task", interval=0.02)
+        blocked = wait_for(
+            lambda: backend_blocked_by(dsn, holder_pid),
+            bool,
+            60,
+            "the instance's event transaction to wait on the locked task",
+            interval=0.02,
+        )
         frozen.signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
     finally:
@@ -153,25 +207,38 @@ def freeze_inside_event_transaction(stack: AirflowStack, source: ControlledServe
         holder.close()
     frozen_pid = blocked[0][0]
     # it got the row and finished the statement; its process stopped before it could commit
-    wait_for(lambda: session_state(dsn, frozen_pid), lambda s: s == [("idle in transaction",)], 5,
-             "the frozen session to sit inside its transaction", interval=0.02)
+    wait_for(
+        lambda: session_state(dsn, frozen_pid),
+        lambda s: s == [("idle in transaction",)],
+        5,
+        "the frozen session to sit inside its transaction",
+        interval=0.02,
+    )
     assert source.answered_ready <= frozen_keys
     return held_ti, frozen_pid, frozen_at
 
 
 def frozen_waits(dsn: str, job_id: int, dag_id: str, keys: list[str]) -> list[str]:
     """The keys of the waits whose shard ``job_id`` owns (waiter i waits on keys[i % len(keys)])."""
-    found = rows(dsn, "SELECT DISTINCT ti.map_index FROM task_instance ti "
-                      "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
-                      "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
-                      "WHERE ti.dag_id = %s AND ti.state = 'deferred' AND l.owner_job_id = %s",
-                 dag_id, job_id)
+    found = rows(
+        dsn,
+        "SELECT DISTINCT ti.map_index FROM task_instance ti "
+        "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
+        "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
+        "WHERE ti.dag_id = %s AND ti.state = 'deferred' AND l.owner_job_id = %s",
+        dag_id,
+        job_id,
+    )
     return sorted({keys[r[0] % len(keys)] for r in found})
 
 
 def assert_each_resolved_once(dsn: str, dag_id: str, held_ti: str) -> None:
-    audit = rows(dsn, "SELECT a.ti_id::text, a.op, a.next_method FROM chaos.ti_audit a "
-                      "JOIN task_instance ti ON ti.id = a.ti_id WHERE ti.dag_id = %s ORDER BY a.seq", dag_id)
+    audit = rows(
+        dsn,
+        "SELECT a.ti_id::text, a.op, a.next_method FROM chaos.ti_audit a "
+        "JOIN task_instance ti ON ti.id = a.ti_id WHERE ti.dag_id = %s ORDER BY a.seq",
+        dag_id,
+    )
     resolved = Counter(ti for ti, op, _method in audit if op == "resolved")
     assert len(resolved) == 2 * GROUPS and set(resolved.values()) == {1}, audit
     assert not [a for a in audit if a[1] in ("rewritten", "deleted")], audit

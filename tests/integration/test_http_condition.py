@@ -39,8 +39,9 @@ async def first_event(trigger: HttpConditionTrigger, timeout: float = 10) -> dic
 
 
 async def test_waits_for_the_json_value_with_basic_auth(server: ControlledServer) -> None:
-    trigger = HttpConditionTrigger("jobs", "/api/job", json_path="job.state", expected_value="done",
-                                   poll_interval=0.1)
+    trigger = HttpConditionTrigger(
+        "jobs", "/api/job", json_path="job.state", expected_value="done", poll_interval=0.1
+    )
     waiting = asyncio.create_task(first_event(trigger))
     await asyncio.sleep(0.4)
     assert not waiting.done() and server.requests >= 2
@@ -66,10 +67,15 @@ async def test_an_unexpected_4xx_fails_with_the_cause(server: ControlledServer) 
     assert "s3cret" not in event["message"]
 
 
-@pytest.mark.parametrize("connection", ['{"conn_type": "http", "host": "127.0.0.1", "port": 99999}',
-                                        '{"conn_type": "http", "host": "http://[::1"}',
-                                        '{"conn_type": "http", "host": "jobs api.example.com"}',
-                                        '{"conn_type": "http", "host": "http://"}'])
+@pytest.mark.parametrize(
+    "connection",
+    [
+        '{"conn_type": "http", "host": "127.0.0.1", "port": 99999}',
+        '{"conn_type": "http", "host": "http://[::1"}',
+        '{"conn_type": "http", "host": "jobs api.example.com"}',
+        '{"conn_type": "http", "host": "http://"}',
+    ],
+)
 async def test_an_invalid_url_fails_with_the_cause(monkeypatch: pytest.MonkeyPatch, connection: str) -> None:
     """aiohttp builds a request lazily: the invalid URL is raised entering it, and must end the wait."""
     monkeypatch.setenv("AIRFLOW_CONN_BROKEN", connection)
@@ -86,8 +92,12 @@ async def test_an_unreachable_host_backs_off_instead_of_failing(monkeypatch: pyt
 
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
-    [({"method": "DELETE"}, "method"), ({"expected_statuses": [99]}, "expected_statuses"),
-     ({"json_path": "a..b"}, "json_path"), ({"endpoint": 5}, "endpoint")],
+    [
+        ({"method": "DELETE"}, "method"),
+        ({"expected_statuses": [99]}, "expected_statuses"),
+        ({"json_path": "a..b"}, "json_path"),
+        ({"endpoint": 5}, "endpoint"),
+    ],
 )
 def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
@@ -95,8 +105,14 @@ def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str)
 
 
 def test_sensor_checks_in_the_worker_then_defers(server: ControlledServer) -> None:
-    sensor = HttpConditionSensor(task_id="wait", http_conn_id="jobs", endpoint="/api/job",
-                                 json_path="job.state", expected_value="done", poke_interval=30)
+    sensor = HttpConditionSensor(
+        task_id="wait",
+        http_conn_id="jobs",
+        endpoint="/api/job",
+        json_path="job.state",
+        expected_value="done",
+        poke_interval=30,
+    )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
     assert deferred.value.trigger.serialize()[1]["verify_ssl"] is True
@@ -107,7 +123,8 @@ def test_sensor_checks_in_the_worker_then_defers(server: ControlledServer) -> No
 
 
 async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A takeover makes thousands of first polls at once. ``shared_request`` makes a request only once the
     session has a free connection: requests queued inside aiohttp's connector cost more CPU. Seen
     through aiohttp's own trace of each request's start, while a server holds every connection."""
@@ -129,8 +146,9 @@ async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
     trace = aiohttp.TraceConfig()
     trace.on_request_start.append(on_start)
     loop_key = id(asyncio.get_running_loop())
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=http.CONNECTIONS),
-                                    trace_configs=[trace])
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=http.CONNECTIONS), trace_configs=[trace]
+    )
     monkeypatch.setitem(http._sessions, loop_key, session)
     monkeypatch.setitem(http._slots, loop_key, asyncio.Semaphore(http.CONNECTIONS))
 
@@ -154,7 +172,8 @@ async def test_a_flood_of_requests_waits_for_a_connection_outside_aiohttp(
 
 
 async def test_a_cookie_one_connection_earned_never_goes_with_another_connections_poll(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every HTTP trigger of the triggerer shares one session: a cookie the server set for one DAG's
     credentials must not be sent with another DAG's request to the same host (nor with the next poll)."""
     seen: list[tuple[str | None, str | None]] = []
@@ -171,12 +190,15 @@ async def test_a_cookie_one_connection_earned_never_goes_with_another_connection
     monkeypatch.setenv("AIRFLOW_CONN_BOB", f"http://bob:b-secret@localhost:{port}")
     try:
         for conn_id in ("alice", "bob", "alice"):
-            trigger = HttpConditionTrigger(conn_id, "/api/job", json_path="state", expected_value="done",
-                                           poll_interval=0.05)
+            trigger = HttpConditionTrigger(
+                conn_id, "/api/job", json_path="state", expected_value="done", poll_interval=0.05
+            )
             with pytest.raises(TimeoutError):  # never done: one poll at least, then given up
                 await first_event(trigger, timeout=0.3)
     finally:
         await runner.cleanup()
-    assert {auth for auth, _ in seen} == {aiohttp.BasicAuth("alice", "a-secret").encode(),
-                                          aiohttp.BasicAuth("bob", "b-secret").encode()}
+    assert {auth for auth, _ in seen} == {
+        aiohttp.BasicAuth("alice", "a-secret").encode(),
+        aiohttp.BasicAuth("bob", "b-secret").encode(),
+    }
     assert len(seen) >= 3 and [cookie for _, cookie in seen] == [None] * len(seen)

@@ -33,16 +33,32 @@ def metadata(airflow_db: str) -> str:
         for dag_id, paused in (("by_asset", False), ("by_name", False), ("paused", True)):
             session.add(DagModel(dag_id=dag_id, bundle_name="dags-folder", is_paused=paused, is_stale=False))
         session.flush()
-        session.add_all([ByAsset(dag_id="by_asset", asset_id=asset.id),
-                         ByAsset(dag_id="paused", asset_id=asset.id),
-                         DagScheduleAssetNameReference(name="h_user", dag_id="by_name")])
+        session.add_all(
+            [
+                ByAsset(dag_id="by_asset", asset_id=asset.id),
+                ByAsset(dag_id="paused", asset_id=asset.id),
+                DagScheduleAssetNameReference(name="h_user", dag_id="by_name"),
+            ]
+        )
     return airflow_db
 
 
 def _batch(*ids: int, uri: str = URI) -> InboxBatch:
-    return InboxBatch.model_validate({"source": "deployment_a", "events": [
-        {"id": i, "uri": uri, "name": "h_user", "extra": {"n": i}, "timestamp": dt.datetime.now(dt.UTC)}
-        for i in ids]})
+    return InboxBatch.model_validate(
+        {
+            "source": "deployment_a",
+            "events": [
+                {
+                    "id": i,
+                    "uri": uri,
+                    "name": "h_user",
+                    "extra": {"n": i},
+                    "timestamp": dt.datetime.now(dt.UTC),
+                }
+                for i in ids
+            ],
+        }
+    )
 
 
 def _all(query: str) -> list[Any]:
@@ -55,9 +71,15 @@ def _all(query: str) -> list[Any]:
 def test_a_batch_creates_each_new_event_once_in_order_and_queues_its_consumers(metadata: str) -> None:
     results = receive(_batch(3, 1, 2, 1))  # id 1 twice in one batch
     assert [(r["id"], r["status"]) for r in results] == [
-        (3, "created"), (1, "created"), (2, "created"), (1, "duplicate")]
-    events = _all("SELECT id, CAST(extra AS jsonb) ->> 'source_event_id', source_dag_id, timestamp "
-                  "FROM asset_event ORDER BY id")
+        (3, "created"),
+        (1, "created"),
+        (2, "created"),
+        (1, "duplicate"),
+    ]
+    events = _all(
+        "SELECT id, CAST(extra AS jsonb) ->> 'source_event_id', source_dag_id, timestamp "
+        "FROM asset_event ORDER BY id"
+    )
     assert [e[1] for e in events] == ["3", "1", "2"]  # batch order
     assert all(e[2] is None and e[3] is not None for e in events)
     assert _all("SELECT target_dag_id FROM asset_dag_run_queue ORDER BY 1") == [("by_asset",), ("by_name",)]
@@ -70,9 +92,22 @@ def test_a_batch_creates_each_new_event_once_in_order_and_queues_its_consumers(m
 
 
 def test_unknown_assets_are_reported_and_the_rest_created(metadata: str) -> None:
-    results = receive(InboxBatch.model_validate({"source": "deployment_a", "events": [
-        {"id": 1, "uri": "warehouse://nowhere", "name": "nowhere", "timestamp": dt.datetime.now(dt.UTC)},
-        {"id": 2, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)}]}))
+    results = receive(
+        InboxBatch.model_validate(
+            {
+                "source": "deployment_a",
+                "events": [
+                    {
+                        "id": 1,
+                        "uri": "warehouse://nowhere",
+                        "name": "nowhere",
+                        "timestamp": dt.datetime.now(dt.UTC),
+                    },
+                    {"id": 2, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
+                ],
+            }
+        )
+    )
     assert [r["status"] for r in results] == ["unknown_asset", "created"]
     assert _all("SELECT source_event_id FROM dataset_bridge.inbox") == [(2,)]  # an unknown one is not claimed
 
@@ -82,12 +117,27 @@ def test_an_event_the_source_may_not_use_is_refused_alone(metadata: str) -> None
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        session.add_all([AssetModel(name="payroll", uri="warehouse://dds/payroll"),
-                         AssetActive(name="payroll", uri="warehouse://dds/payroll")])
-    batch = InboxBatch.model_validate({"source": "deployment_a", "events": [
-        {"id": 1, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
-        {"id": 2, "uri": "warehouse://dds/payroll", "name": "payroll", "timestamp": dt.datetime.now(dt.UTC)},
-        {"id": 3, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)}]})
+        session.add_all(
+            [
+                AssetModel(name="payroll", uri="warehouse://dds/payroll"),
+                AssetActive(name="payroll", uri="warehouse://dds/payroll"),
+            ]
+        )
+    batch = InboxBatch.model_validate(
+        {
+            "source": "deployment_a",
+            "events": [
+                {"id": 1, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
+                {
+                    "id": 2,
+                    "uri": "warehouse://dds/payroll",
+                    "name": "payroll",
+                    "timestamp": dt.datetime.now(dt.UTC),
+                },
+                {"id": 3, "uri": URI, "name": "h_user", "timestamp": dt.datetime.now(dt.UTC)},
+            ],
+        }
+    )
     results = receive(batch, frozenset({f"uri:{URI}"}))
     assert [r["status"] for r in results] == ["created", "forbidden", "created"]
     assert "may not create events for 'warehouse://dds/payroll'" in results[1]["error"]

@@ -31,8 +31,9 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     settings = ({"deployment_a": SECRET}, {"deployment_a": frozenset("*")})
     monkeypatch.setattr(inbox, "_settings", lambda: settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(inbox.app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(inbox.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, bool, 30, "the inbox to listen")
@@ -46,8 +47,13 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 def _raw_request(port: int, headers: dict[str, str], length: int, body: bytes = b"") -> socket.socket:
     """A POST whose headers are sent and whose body is not (or only ``body`` of it)."""
     conn = socket.create_connection(("127.0.0.1", port), timeout=30)
-    lines = ["POST /inbox HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
-             f"Content-Length: {length}", *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [
+        "POST /inbox HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {length}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
     return conn
 
@@ -64,15 +70,22 @@ def _status_of(conn: socket.socket) -> tuple[int, bytes]:
 
 def _current_headers() -> dict[str, str]:
     """Headers any caller can write: a source name, the current time, a signature that is not one."""
-    return {signing.SOURCE_HEADER: "deployment_a", signing.TIMESTAMP_HEADER: str(int(time.time())),
-            signing.SIGNATURE_HEADER: "sha256=" + "0" * 64}
+    return {
+        signing.SOURCE_HEADER: "deployment_a",
+        signing.TIMESTAMP_HEADER: str(int(time.time())),
+        signing.SIGNATURE_HEADER: "sha256=" + "0" * 64,
+    }
 
 
 def test_a_caller_anyone_can_be_holds_a_bounded_number_of_bodies(served: int) -> None:
     held = [_raw_request(served, _current_headers(), inbox.MAX_BODY) for _ in range(inbox.MAX_UNREAD_BODIES)]
     try:
-        wait_for(lambda: inbox.BodySlots.reading, lambda n: n == inbox.MAX_UNREAD_BODIES, 30,
-                 "every slot taken by a body that does not come")
+        wait_for(
+            lambda: inbox.BodySlots.reading,
+            lambda n: n == inbox.MAX_UNREAD_BODIES,
+            30,
+            "every slot taken by a body that does not come",
+        )
         extra = _raw_request(served, _current_headers(), 100)
         status, answer = _status_of(extra)
         extra.close()
@@ -90,8 +103,9 @@ def test_a_caller_anyone_can_be_holds_a_bounded_number_of_bodies(served: int) ->
     wait_for(lambda: inbox.BodySlots.reading, lambda n: n == 0, 30, "every slot freed once the callers left")
 
 
-def test_a_body_trickled_in_too_slowly_is_a_408_and_frees_its_slot(served: int,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_body_trickled_in_too_slowly_is_a_408_and_frees_its_slot(
+    served: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(inbox, "BODY_READ_SECONDS", 1)
     slow = _raw_request(served, _current_headers(), 1000, b"{")
     try:
@@ -103,8 +117,9 @@ def test_a_body_trickled_in_too_slowly_is_a_408_and_frees_its_slot(served: int,
 
 
 @pytest.mark.parametrize("offset", [-3600, 3600])
-def test_a_clock_off_is_said_apart_from_a_bad_signature_before_the_body_is_read(served: int,
-                                                                                offset: int) -> None:
+def test_a_clock_off_is_said_apart_from_a_bad_signature_before_the_body_is_read(
+    served: int, offset: int
+) -> None:
     headers = _current_headers()
     headers[signing.TIMESTAMP_HEADER] = str(int(time.time()) + offset)
     conn = _raw_request(served, headers, inbox.MAX_BODY)  # the body never comes: refused from the headers
@@ -120,7 +135,8 @@ def test_a_clock_off_is_said_apart_from_a_bad_signature_before_the_body_is_read(
 
 
 async def test_the_relay_retries_a_clock_off_without_dead_lettering_and_says_why(
-        pg_db: str, served: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    pg_db: str, served: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The relay host's clock is an hour behind: its events stay pending past ``max_attempts`` (a refusal
     would have dead-lettered them) and the row says why."""
     monkeypatch.setenv("BRIDGE_SECRET_SKEW_TEST", SECRET)
@@ -131,9 +147,19 @@ async def test_the_relay_retries_a_clock_off_without_dead_lettering_and_says_why
         return real_sign(source, secret, body, now=time.time() + skew["seconds"])
 
     monkeypatch.setattr(signing, "sign", sign_with_the_hosts_clock)
-    routes = Routes.parse({"source": "deployment_a", "targets": {"b": {
-        "url": f"http://127.0.0.1:{served}/inbox", "secret_env": "BRIDGE_SECRET_SKEW_TEST", "assets": ["x"],
-        "max_attempts": 2}}})
+    routes = Routes.parse(
+        {
+            "source": "deployment_a",
+            "targets": {
+                "b": {
+                    "url": f"http://127.0.0.1:{served}/inbox",
+                    "secret_env": "BRIDGE_SECRET_SKEW_TEST",
+                    "assets": ["x"],
+                    "max_attempts": 2,
+                }
+            },
+        }
+    )
     pool = await asyncpg.create_pool(pg_db, min_size=1, max_size=2)
     try:
         async with pool.acquire() as conn:
@@ -141,7 +167,9 @@ async def test_the_relay_retries_a_clock_off_without_dead_lettering_and_says_why
                 await conn.execute(sql)
         await pool.execute(
             "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, "
-            "event_timestamp, attempts) VALUES ('b', 1, 'x', 'x', $1, 5)", dt.datetime.now(dt.UTC))
+            "event_timestamp, attempts) VALUES ('b', 1, 'x', 'x', $1, 5)",
+            dt.datetime.now(dt.UTC),
+        )
         async with aiohttp.ClientSession() as session:
             relay = Relay(pool, routes, RelaySettings())
             assert await relay.deliver_target(session, routes.targets[0]) == 0

@@ -20,16 +20,27 @@ CHANNELS = 200
 
 def target_of(dsn: str) -> pg.PgTarget:
     url = urlsplit(dsn)
-    return pg.PgTarget(host=url.hostname or "127.0.0.1", port=url.port or 5432, user=url.username,
-                       password=url.password, database=url.path.lstrip("/"), ssl="disable")
+    return pg.PgTarget(
+        host=url.hostname or "127.0.0.1",
+        port=url.port or 5432,
+        user=url.username,
+        password=url.password,
+        database=url.path.lstrip("/"),
+        ssl="disable",
+    )
 
 
 async def ours(dsn: str) -> int:
     """Our listening sessions on the source, as its DBA sees them."""
     conn = await asyncpg.connect(dsn)
     try:
-        return int(await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
-                                       "AND datname = current_database()", pg.LISTENER_NAME))
+        return int(
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                "AND datname = current_database()",
+                pg.LISTENER_NAME,
+            )
+        )
     finally:
         await conn.close()
 
@@ -53,7 +64,8 @@ async def notify(dsn: str, channel: str) -> None:
 
 
 async def test_two_hundred_channels_share_one_connection_closed_after_the_last_leaves(
-        pg_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pg_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(pg, "LISTEN_GRACE_SECONDS", 0.3)
     target = target_of(pg_db)
     channels = [f"loads_{i}" for i in range(CHANNELS)]
@@ -71,9 +83,10 @@ async def test_two_hundred_channels_share_one_connection_closed_after_the_last_l
 
         await first_half.aclose()  # half the waits leave: their channels are unlistened after the grace
         source = pg.shared_listener(target, channels[-1]).source
-        kept = set(channels[CHANNELS // 2:])
-        await eventually(lambda: asyncio.sleep(0, source.listening), lambda ls: ls == kept,
-                         "the left channels unlistened")
+        kept = set(channels[CHANNELS // 2 :])
+        await eventually(
+            lambda: asyncio.sleep(0, source.listening), lambda ls: ls == kept, "the left channels unlistened"
+        )
         assert source.conn is not None
         listened = {r[0] for r in await source.conn.fetch("SELECT pg_listening_channels()")}
         assert listened == kept
@@ -83,7 +96,8 @@ async def test_two_hundred_channels_share_one_connection_closed_after_the_last_l
 
 
 async def test_a_wait_that_comes_back_within_the_grace_finds_the_listener_open(
-        pg_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pg_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(pg, "LISTEN_GRACE_SECONDS", 60)
     target = target_of(pg_db)
     async with listening(target, "loads_a") as hint:

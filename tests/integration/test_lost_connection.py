@@ -39,7 +39,8 @@ def end_its_connection(session: Session, dsn: str) -> None:
 
 
 def test_a_connection_lost_inside_a_caught_savepoint_is_an_outage_at_the_next_statement(
-        session: Session, pg_db: str) -> None:
+    session: Session, pg_db: str
+) -> None:
     with pytest.raises(OperationalError), session.begin_nested():
         end_its_connection(session, pg_db)
         session.execute(sa.text("SELECT 2"))
@@ -50,7 +51,8 @@ def test_a_connection_lost_inside_a_caught_savepoint_is_an_outage_at_the_next_st
 
 
 def test_unused_trigger_rows_raise_the_outage_instead_of_leaving_a_dead_transaction(
-        session: Session, pg_db: str) -> None:
+    session: Session, pg_db: str
+) -> None:
     """The fan-out deletes trigger rows in a savepoint whose other errors it leaves to the sweep; a lost
     connection is raised, so the event's transaction fails as an outage and its event is stored again."""
     end_its_connection(session, pg_db)

@@ -39,14 +39,23 @@ def test_joins_and_graceful_stops_are_acted_on_at_once(airflow_stack: AirflowSta
     dsn = airflow_stack.config.database_dsn
     first = start(airflow_stack, "smart-first", **SLOW)
     first_job = _job_of(health_url(first))
-    wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {first_job}, 60,
-             "the first instance to own every shard")
+    wait_for(
+        lambda: lease_owners(dsn),
+        lambda o: set(o.values()) == {first_job},
+        60,
+        "the first instance to own every shard",
+    )
 
     second = start(airflow_stack, "smart-second", **SLOW)
     second_job = _job_of(health_url(second))  # registered: its join's notice is out
     joined = time.monotonic()
-    wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {first_job, second_job},
-             40, "the newcomer to get its share", interval=0.1)
+    wait_for(
+        lambda: lease_owners(dsn),
+        lambda o: set(o.values()) == {first_job, second_job},
+        40,
+        "the newcomer to get its share",
+        interval=0.1,
+    )
     split = time.monotonic() - joined
     # the join's notice made the first hand shards over at once, the handover's notice the newcomer
     # claim them at once: without either, up to a loop (20 s)
@@ -59,19 +68,28 @@ def test_joins_and_graceful_stops_are_acted_on_at_once(airflow_stack: AirflowSta
     stopped_at = time.time()
     stopped = time.monotonic()
     first.signal(signal.SIGTERM)
-    wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {second_job}, 40,
-             "the survivor to own every shard", interval=0.05)
+    wait_for(
+        lambda: lease_owners(dsn),
+        lambda o: set(o.values()) == {second_job},
+        40,
+        "the survivor to own every shard",
+        interval=0.05,
+    )
     taken = time.monotonic() - stopped
-    print(f"\nshare of a newcomer after {split:.2f}s; shards of a stopped instance taken after {taken:.2f}s; "
-          "renewals every 20 s")
-    wait_for(lambda: notices_since(second, stopped_at), lambda n: n > 0, 5,
-             "the survivor to log the stop's notice")
+    print(
+        f"\nshare of a newcomer after {split:.2f}s; shards of a stopped instance taken after {taken:.2f}s; "
+        "renewals every 20 s"
+    )
+    wait_for(
+        lambda: notices_since(second, stopped_at), lambda n: n > 0, 5, "the survivor to log the stop's notice"
+    )
     assert taken <= NOTICE_BOUND, f"the stopped instance's shards were taken after {taken:.1f}s"
     assert first.process is not None and first.process.wait(15) == 0
 
 
 def test_a_listener_hears_peers_not_itself_and_listens_again_after_its_connection_broke(
-        airflow_config: AirflowConfig) -> None:
+    airflow_config: AirflowConfig,
+) -> None:
     from smart_triggerer.db import notices as module
     from tests.helpers.airflow_orm import use_airflow_db
 

@@ -19,8 +19,9 @@ targets:
 """
 
 
-def routed_deployment(airflow_db: str, tmp_path: Path, uris: tuple[str, ...],
-                      schema: bool = True) -> tuple[Any, Path]:
+def routed_deployment(
+    airflow_db: str, tmp_path: Path, uris: tuple[str, ...], schema: bool = True
+) -> tuple[Any, Path]:
     """Airflow's ORM on this database, the routes file, an outbox asset manager and these assets (active);
     ``schema``: the outbox schema made up front (else the manager or the sweep makes it)."""
     from airflow.models.asset import AssetActive, AssetModel
@@ -41,7 +42,8 @@ def routed_deployment(airflow_db: str, tmp_path: Path, uris: tuple[str, ...],
 
 
 def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_adds_missed_ones(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     from airflow.assets.manager import AssetManager
     from airflow.models.asset import AssetModel
     from airflow.utils.session import create_session
@@ -49,8 +51,9 @@ def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_ad
     from dataset_bridge import outbox
     from dataset_bridge.routes import Routes
 
-    manager, routes_file = routed_deployment(airflow_db, tmp_path, ("warehouse://dds/h_user",
-                                                                   "warehouse://dds/other"))
+    manager, routes_file = routed_deployment(
+        airflow_db, tmp_path, ("warehouse://dds/h_user", "warehouse://dds/other")
+    )
     with create_session() as session:
         routed = session.query(AssetModel).filter_by(uri="warehouse://dds/h_user").one().to_serialized()
         other = session.query(AssetModel).filter_by(uri="warehouse://dds/other").one().to_serialized()
@@ -80,7 +83,8 @@ def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_ad
 
 
 def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """Routing configured, the relay never started yet: an event made through the asset manager gets its
     outbox row (the manager creates the schema), and a watcher event made after it (no manager) is swept
     when the relay finally starts: the window opens when routing was first seen, not at the first sweep."""
@@ -98,8 +102,9 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
         routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
         by_manager = manager.register_asset_change(asset=routed, extra={}, session=session)
     with create_session() as session:
-        by_watcher = AssetManager.register_asset_change(asset=routed, extra={"watcher": True},
-                                                        session=session)
+        by_watcher = AssetManager.register_asset_change(
+            asset=routed, extra={"watcher": True}, session=session
+        )
     # the relay starts only now
     with create_session() as session:
         assert outbox.sweep(session, Routes.load(routes_file)) == 1
@@ -110,7 +115,8 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
 
 
 def test_an_extra_jsonb_cannot_hold_never_fails_its_producer_and_is_dead_lettered_alone(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """Airflow stores ``extra`` as json, which takes a NUL character or an unpaired surrogate; jsonb, the
     outbox's type, refuses both. The producer's transaction still commits, the event is dead-lettered
     alone with the reason (by the sweep, for events made through the manager and without it alike) and
@@ -137,11 +143,17 @@ def test_an_extra_jsonb_cannot_hold_never_fails_its_producer_and_is_dead_lettere
     with create_session() as session:
         outbox.sweep(session, Routes.load(routes_file))
     with create_session() as session:
-        rows = {r[0]: r[1:] for r in session.execute(text(
-            "SELECT asset_event_id, status, extra, last_error FROM dataset_bridge.outbox"))}
+        rows = {
+            r[0]: r[1:]
+            for r in session.execute(
+                text("SELECT asset_event_id, status, extra, last_error FROM dataset_bridge.outbox")
+            )
+        }
     assert {i: rows[i][:2] for i in (first.id, last.id, watcher_ok.id)} == {
-        first.id: ("pending", {"n": 1}), last.id: ("pending", {"n": 2}),
-        watcher_ok.id: ("pending", {"ok": True})}
+        first.id: ("pending", {"n": 1}),
+        last.id: ("pending", {"n": 2}),
+        watcher_ok.id: ("pending", {"ok": True}),
+    }
     for bad in (nul, nul_key, watcher_nul):
         status, extra, error = rows[bad.id]
         assert (status, extra) == ("dead", None)
@@ -180,7 +192,8 @@ def _swept() -> list[int]:
 
 
 def test_the_sweeper_does_not_read_the_clock_of_the_host_that_made_the_event(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """Airflow stamps an event with its host's clock: a watcher's event from a triggerer host 6 minutes
     behind the database is swept all the same."""
     from airflow.assets.manager import AssetManager
@@ -192,15 +205,18 @@ def test_the_sweeper_does_not_read_the_clock_of_the_host_that_made_the_event(
     with create_session() as session:
         event = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
         # what a host whose clock is 6 minutes behind writes
-        session.execute(text("UPDATE asset_event SET timestamp = now() - interval '6 minutes' WHERE id = :i"),
-                        {"i": event.id})
+        session.execute(
+            text("UPDATE asset_event SET timestamp = now() - interval '6 minutes' WHERE id = :i"),
+            {"i": event.id},
+        )
     with create_session() as session:
         assert outbox.sweep(session, routes) == 1
     assert _swept() == [event.id]
 
 
 def test_the_sweeper_never_skips_an_event_whose_transaction_commits_late(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """A lower event id committed after a higher one was swept (a second writer's transaction still
     open): the sweep that follows its commit adds it."""
     from airflow import settings
@@ -229,7 +245,8 @@ def test_the_sweeper_never_skips_an_event_whose_transaction_commits_late(
 
 
 def test_a_target_registered_by_an_earlier_version_is_swept_from_an_hour_before_its_last_sweep(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """An earlier version kept no cursor (only when it last swept, by the clock): the first sweep after the
     upgrade starts an hour before that, so nothing its clock-based window missed lately is lost."""
     from airflow.assets.manager import AssetManager
@@ -242,18 +259,25 @@ def test_a_target_registered_by_an_earlier_version_is_swept_from_an_hour_before_
     with create_session() as session:
         for age in ("3 hours", "20 minutes", "0 minutes"):
             event = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
-            session.execute(text("UPDATE asset_event SET timestamp = now() - CAST(:age AS interval) "
-                                 "WHERE id = :i"), {"age": age, "i": event.id})
+            session.execute(
+                text("UPDATE asset_event SET timestamp = now() - CAST(:age AS interval) WHERE id = :i"),
+                {"age": age, "i": event.id},
+            )
             made.append(event.id)
-        session.execute(text("UPDATE dataset_bridge.relay_target SET swept_id = NULL, "
-                             "since = now() - interval '1 day', swept_until = now() - interval '10 minutes'"))
+        session.execute(
+            text(
+                "UPDATE dataset_bridge.relay_target SET swept_id = NULL, "
+                "since = now() - interval '1 day', swept_until = now() - interval '10 minutes'"
+            )
+        )
     with create_session() as session:
         assert outbox.sweep(session, routes) == 2
     assert _swept() == made[1:]
 
 
 def test_the_first_routed_event_with_an_extra_jsonb_cannot_hold_is_still_dead_lettered(
-        airflow_db: str, tmp_path: Path) -> None:
+    airflow_db: str, tmp_path: Path
+) -> None:
     """The manager's first event creates the outbox and registers the target in the producer's
     transaction; when jsonb cannot hold that very event's extra, the sweep still finds it (the target's
     cursor starts before its registering transaction's own events)."""
@@ -273,7 +297,8 @@ def test_the_first_routed_event_with_an_extra_jsonb_cannot_hold_is_still_dead_le
     with create_session() as session:
         routed = session.query(AssetModel).filter_by(uri=uri).one().to_serialized()
         event = OutboxAssetManager(routes=str(routes_file)).register_asset_change(
-            asset=routed, extra={"note": "\x00"}, session=session)
+            asset=routed, extra={"note": "\x00"}, session=session
+        )
     with create_session() as session:
         assert outbox.sweep(session, Routes.load(routes_file)) == 1
         found = session.execute(text("SELECT asset_event_id, status FROM dataset_bridge.outbox")).all()

@@ -35,8 +35,14 @@ def viewer(dag_ids: set[str]) -> page.Viewer:
 
 
 def seed(env: AirflowConfig, dag_id: str, days: list[int]) -> list[int]:
-    return seed_deferred(env.database_dsn, env.dags_folder, count=len(days), classpath=AT_TIME, dag_id=dag_id,
-                         kwargs_for=lambda i: {"moment": f"2099-01-0{days[i]}T00:00:00+00:00"}).trigger_ids
+    return seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=len(days),
+        classpath=AT_TIME,
+        dag_id=dag_id,
+        kwargs_for=lambda i: {"moment": f"2099-01-0{days[i]}T00:00:00+00:00"},
+    ).trigger_ids
 
 
 def test_groups_are_the_supervisors_counted_over_readable_dags_biggest_first(env: AirflowConfig) -> None:
@@ -69,14 +75,17 @@ def test_the_chart_sums_the_instances_latest_sample_of_each_minute(env: AirflowC
 
     make_supervisor()  # the schema
     dsn = env.database_dsn
-    rows(dsn, """
+    rows(
+        dsn,
+        """
         WITH m AS (SELECT date_trunc('minute', now() - interval '5 minutes') AS m)
         INSERT INTO smart_triggerer.sample (job_id, at, waiters, groups, polls_saved_per_minute)
         SELECT job_id, m.m + make_interval(secs => s), w, g, p FROM m, (VALUES
             (1, 10, 10, 4, 72.0), (1, 20, 12, 4, 96.0), (2, 30, 5, 5, 0.0),  -- one minute, two instances
             (1, -300, 7, 7, 0.0),                                              -- five minutes earlier
             (1, -10800, 99, 1, 1.0)) AS v(job_id, s, w, g, p)                -- older than the hour
-        RETURNING 1""")
+        RETURNING 1""",
+    )
     chart = page.overview(may_read_assets=False)["chart"]
     points = [(p["waiters"], p["groups"], p["polls_saved_per_minute"]) for p in chart]
     assert points == [(7, 7, 0), (17, 9, 96)]
@@ -91,10 +100,13 @@ def test_the_bridge_panel_shows_what_exists_and_only_with_asset_access(env: Airf
     make_supervisor()
     assert page.overview(may_read_assets=True)["bridge"] is None  # no bridge tables in this deployment
     dsn = env.database_dsn
-    rows(dsn, "CREATE SCHEMA dataset_bridge; CREATE TABLE dataset_bridge.status_watermark ("
-              "status_table text, table_name text, last_id bigint, updated_at timestamptz DEFAULT now()); "
-              "INSERT INTO dataset_bridge.status_watermark VALUES ('etl.load_status', 'dds.h_user', 42) "
-              "RETURNING 1")
+    rows(
+        dsn,
+        "CREATE SCHEMA dataset_bridge; CREATE TABLE dataset_bridge.status_watermark ("
+        "status_table text, table_name text, last_id bigint, updated_at timestamptz DEFAULT now()); "
+        "INSERT INTO dataset_bridge.status_watermark VALUES ('etl.load_status', 'dds.h_user', 42) "
+        "RETURNING 1",
+    )
     bridge = page.overview(may_read_assets=True)["bridge"]
     assert [(w["table_name"], w["last_id"]) for w in bridge["watermarks"]] == [("dds.h_user", 42)]
     assert bridge["targets"] == [] and bridge["requeued"] is None
@@ -103,12 +115,15 @@ def test_the_bridge_panel_shows_what_exists_and_only_with_asset_access(env: Airf
 
 def test_an_instance_sampling_late_in_a_minute_does_not_make_the_chart_dip(env: AirflowConfig) -> None:
     make_supervisor()
-    rows(env.database_dsn, """
+    rows(
+        env.database_dsn,
+        """
         WITH m AS (SELECT date_trunc('minute', now() - interval '10 minutes') AS m)
         INSERT INTO smart_triggerer.sample (job_id, at, waiters, groups, polls_saved_per_minute)
         SELECT job_id, m.m + make_interval(secs => s), w, 1, 0 FROM m, (VALUES
             (1, 50, 10), (2, 70, 5), (1, 110, 10), (1, 170, 10), (2, 190, 5)) AS v(job_id, s, w)
-        RETURNING 1""")
+        RETURNING 1""",
+    )
     points = [p["waiters"] for p in page.overview(may_read_assets=False)["chart"]]
     # job 2 first sampled in the second minute, then skipped the third: carried, never a dip
     assert points == [10, 15, 15, 15]
@@ -175,7 +190,9 @@ def test_the_bridge_panel_over_the_bridges_own_tables(env: AirflowConfig) -> Non
     with create_session() as session:
         for schema in (outbox.SCHEMA_DDL, task_success.SCHEMA_DDL, status_table.WATERMARK_DDL):
             ddl.apply(session, schema)
-    rows(env.database_dsn, """
+    rows(
+        env.database_dsn,
+        """
         INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, event_timestamp,
                                            status, attempts, last_error)
         VALUES ('b', 1, 'u1', 'orders', now(), 'pending', 0, NULL),
@@ -187,10 +204,13 @@ def test_the_bridge_panel_over_the_bridges_own_tables(env: AirflowConfig) -> Non
                (3, 'consumer', 'cleared', now());
         INSERT INTO dataset_bridge.status_watermark (status_table, table_name, last_id)
         VALUES ('etl.load_status', 'dds.h_user', 7)
-        RETURNING 1""")
+        RETURNING 1""",
+    )
     bridge = page.overview(may_read_assets=True)["bridge"]
     assert [(t["target"], t["backlog"], t["dead"], t["delivered"]) for t in bridge["targets"]] == [
-        ("b", 2, 1, 0), ("c", 0, 0, 1)]
+        ("b", 2, 1, 0),
+        ("c", 0, 0, 1),
+    ]
     dead = [(d["target"], d["asset_name"], d["attempts"], d["last_error"]) for d in bridge["dead_letters"]]
     assert dead == [("b", "users", 8, "inbox said unknown_asset")]
     assert bridge["requeued"] == {"total": 2, "last_hour": 1}
@@ -203,9 +223,16 @@ def test_a_stopped_instance_is_not_carried_into_its_successors_minutes(env: Airf
     make_supervisor()
     # the samples are placed by the minute of the insert, the chart by the minute of its read: both in one
     # minute (a minute turning between the two shifted the hour's first point)
-    wait_for(lambda: float(rows(env.database_dsn, "SELECT extract(second FROM clock_timestamp())")[0][0]),
-             lambda second: second < 45, 20, "a minute with 15 s left", interval=0.5)
-    rows(env.database_dsn, """
+    wait_for(
+        lambda: float(rows(env.database_dsn, "SELECT extract(second FROM clock_timestamp())")[0][0]),
+        lambda second: second < 45,
+        20,
+        "a minute with 15 s left",
+        interval=0.5,
+    )
+    rows(
+        env.database_dsn,
+        """
         WITH m AS (SELECT date_trunc('minute', now() - interval '20 minutes') AS m)
         INSERT INTO smart_triggerer.instance (job_id, hostname, capacity, stopped_at)
         SELECT 901, 'old', 1, m.m + interval '70 seconds' FROM m;
@@ -214,7 +241,8 @@ def test_a_stopped_instance_is_not_carried_into_its_successors_minutes(env: Airf
         SELECT job_id, m.m + make_interval(secs => s), w, 1, 0 FROM m, (VALUES
             (901, 10, 10), (902, 80, 10), (902, 140, 10),
             (903, -2380, 4), (904, -2320, 4)) AS v(job_id, s, w)   -- before the hour, and its edge
-        RETURNING 1""")
+        RETURNING 1""",
+    )
     points = [p["waiters"] for p in page.overview(may_read_assets=False)["chart"]]
     assert points[-3:] == [10, 10, 10]  # job 901 until it stopped, then 902 alone: never 20
     assert points[0] == 8  # the hour's first minute carries job 903's sample from just before it
@@ -237,8 +265,14 @@ def test_a_sql_conditions_text_is_neither_stored_nor_served(env: AirflowConfig) 
     """The SQL may hold a rendered secret: the page describes the wait by its connection (and a fingerprint);
     descriptions stored in clear by the release before are forgotten when this one migrates."""
     supervisor = make_supervisor()
-    seed_deferred(env.database_dsn, env.dags_folder, count=2, classpath=SQL_CONDITION, dag_id="dag_sql",
-                  kwargs_for=lambda i: {"conn_id": "dwh", "sql": f"SELECT api_key = '{SECRET}' FROM k"})
+    seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=2,
+        classpath=SQL_CONDITION,
+        dag_id="dag_sql",
+        kwargs_for=lambda i: {"conn_id": "dwh", "sql": f"SELECT api_key = '{SECRET}' FROM k"},
+    )
     load(supervisor)
     stored = rows(env.database_dsn, "SELECT description FROM smart_triggerer.trigger_identity")
     assert stored and all(SECRET not in (d or "") for (d,) in stored)
@@ -247,24 +281,38 @@ def test_a_sql_conditions_text_is_neither_stored_nor_served(env: AirflowConfig) 
     assert SECRET not in json.dumps(group) and "SELECT" not in json.dumps(group)
 
     # what the release before stored, then this release's migrations
-    rows(env.database_dsn, "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
-         f"a true answer from dwh: SELECT api_key = '{SECRET}' FROM k")
+    rows(
+        env.database_dsn,
+        "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
+        f"a true answer from dwh: SELECT api_key = '{SECRET}' FROM k",
+    )
     remigrate(env, PAGE_MIGRATION)
     assert SECRET not in json.dumps(page.groups_page(viewer({"dag_sql"}), limit=10, offset=0))
-    assert all(SECRET not in (d or "") for (d,) in rows(
-        env.database_dsn, "SELECT description FROM smart_triggerer.trigger_identity"))
+    assert all(
+        SECRET not in (d or "")
+        for (d,) in rows(env.database_dsn, "SELECT description FROM smart_triggerer.trigger_identity")
+    )
 
 
 def test_a_stored_loaded_since_dash_is_rewritten_without_the_dash(env: AirflowConfig) -> None:
     supervisor = make_supervisor()
     wait = {"conn_id": "dwh", "required_tables": ["dds.h_user"], "status_table": "meta.status"}  # no since
-    seed_deferred(env.database_dsn, env.dags_folder, count=1, dag_id="dag_load",
-                  classpath="triggers.table_load.TableLoadTrigger", kwargs_for=lambda i: wait)
+    seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=1,
+        dag_id="dag_load",
+        classpath="triggers.table_load.TableLoadTrigger",
+        kwargs_for=lambda i: wait,
+    )
     load(supervisor)
     [group] = page.groups_page(viewer({"dag_load"}), limit=10, offset=0)["groups"]
     assert group["waits_on"] == "dds.h_user loaded (meta.status on dwh)"
-    rows(env.database_dsn, "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
-         "dds.h_user loaded since - (meta.status on dwh)")  # as the release before stored it
+    rows(
+        env.database_dsn,
+        "UPDATE smart_triggerer.trigger_identity SET description = %s RETURNING 1",
+        "dds.h_user loaded since - (meta.status on dwh)",
+    )  # as the release before stored it
     remigrate(env, PAGE_MIGRATION)
     [group] = page.groups_page(viewer({"dag_load"}), limit=10, offset=0)["groups"]
     assert group["waits_on"] == "dds.h_user loaded (meta.status on dwh)"
@@ -273,9 +321,14 @@ def test_a_stored_loaded_since_dash_is_rewritten_without_the_dash(env: AirflowCo
 def test_polls_saved_count_groups_of_airflows_own_polling_triggers(env: AirflowConfig) -> None:
     """FileTrigger is deduplicated by all its kwargs, its poke interval among them: its groups save polls."""
     supervisor = make_supervisor()
-    seed_deferred(env.database_dsn, env.dags_folder, count=3, dag_id="dag_file",
-                  classpath="airflow.providers.standard.triggers.file.FileTrigger",
-                  kwargs_for=lambda i: {"filepath": "/data/ready.flag", "poke_interval": 5.0})
+    seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=3,
+        dag_id="dag_file",
+        classpath="airflow.providers.standard.triggers.file.FileTrigger",
+        kwargs_for=lambda i: {"filepath": "/data/ready.flag", "poke_interval": 5.0},
+    )
     load(supervisor)
     supervisor._heartbeat_counters()
     record_sample_now(supervisor)
@@ -285,7 +338,8 @@ def test_polls_saved_count_groups_of_airflows_own_polling_triggers(env: AirflowC
 
 
 def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An instance sampled before its waiters came (the first sample is 10 s after start): the card must
     not say 0 polls saved next to groups that wait until the next minute's sample."""
     import types
@@ -329,7 +383,8 @@ def remigrate(env: AirflowConfig, version: int) -> None:
 
 
 def test_hosts_and_task_ids_need_the_triggers_view_or_task_instance_read(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Counts for every DAG a user may read; the serving host and the tasks only with the Triggers view, or
     for the tasks of DAGs whose task instances the user may read."""
     from fastapi.testclient import TestClient
@@ -341,8 +396,9 @@ def test_hosts_and_task_ids_need_the_triggers_view_or_task_instance_read(
     monkeypatch.setattr(page, "_readable_dag_ids", lambda user: {"dag_a", "dag_b"})
     access = {"triggers": False, "task_dags": set()}
     monkeypatch.setattr(page, "_may_view_triggers", lambda user: access["triggers"])
-    monkeypatch.setattr(page, "_task_instance_dag_ids", lambda user, dag_ids: access["task_dags"] & dag_ids,
-                        raising=False)
+    monkeypatch.setattr(
+        page, "_task_instance_dag_ids", lambda user, dag_ids: access["task_dags"] & dag_ids, raising=False
+    )
     page.app.dependency_overrides[page._user] = object
     try:
         client = TestClient(page.app)
@@ -392,8 +448,11 @@ def _plan_rows(node: dict[str, Any], relation: str) -> int:
     """Rows a plan read from ``relation``: each scan's rows (and those its filter removed) times its loops."""
     own = 0
     if node.get("Relation Name") == relation:
-        own = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
-               + node.get("Rows Removed by Index Recheck", 0)) * node["Actual Loops"]
+        own = (
+            node["Actual Rows"]
+            + node.get("Rows Removed by Filter", 0)
+            + node.get("Rows Removed by Index Recheck", 0)
+        ) * node["Actual Loops"]
     return own + sum(_plan_rows(child, relation) for child in node.get("Plans", []))
 
 
@@ -413,13 +472,22 @@ def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: Air
     for table in tables:  # autovacuum must not analyse them while the test runs
         rows(dsn, f"ALTER TABLE {table} SET (autovacuum_enabled = false); SELECT 1")
     moments = [f"2099-01-01T00:{g // 60:02d}:{g % 60:02d}+00:00" for g in range(400)]
-    seed_deferred(dsn, env.dags_folder, count=10_000, classpath=AT_TIME, dag_id="dag_big",
-                  kwargs_for=lambda i: {"moment": moments[i % 400]})
+    seed_deferred(
+        dsn,
+        env.dags_folder,
+        count=10_000,
+        classpath=AT_TIME,
+        dag_id="dag_big",
+        kwargs_for=lambda i: {"moment": moments[i % 400]},
+    )
     supervisor = make_supervisor()
     while unhashed(supervisor):  # a step hashes a few thousand
         load(supervisor)
-    known = rows(dsn, "SELECT relname, reltuples FROM pg_class "  # what the planner believes they hold
-                      "WHERE relname IN ('trigger', 'task_instance', 'trigger_identity')")
+    known = rows(
+        dsn,
+        "SELECT relname, reltuples FROM pg_class "  # what the planner believes they hold
+        "WHERE relname IN ('trigger', 'task_instance', 'trigger_identity')",
+    )
     assert len(known) == 3 and all(tuples < 10_000 for _, tuples in known), known
 
     with create_session() as session:
@@ -434,24 +502,34 @@ def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: Air
         assert indexes == [indexes[0] + 400 * k for k in range(page.MEMBERS_SHOWN)], indexes
     # of the triggers and tasks, the members shown and the first again for its class; of the identities,
     # the same rows (not the page's groups whole: 25 each)
-    shown_rows = {"task_instance": 50 * page.MEMBERS_SHOWN, "trigger": 50 * (page.MEMBERS_SHOWN + 1),
-                  "trigger_identity": 50 * (page.MEMBERS_SHOWN + 1)}
+    shown_rows = {
+        "task_instance": 50 * page.MEMBERS_SHOWN,
+        "trigger": 50 * (page.MEMBERS_SHOWN + 1),
+        "trigger_identity": 50 * (page.MEMBERS_SHOWN + 1),
+    }
     # a user who may list no DAG's tasks: the first member for the class only, no task read
     none_listed = {"task_instance": 0, "trigger": 50, "trigger_identity": 50}
     # members in no DAG the user may list: a group is read up to its first `scanned` members, not whole
     scanned = 7
-    unlisted = {"task_instance": 50 * scanned, "trigger": 50 * (scanned + 1),
-                "trigger_identity": 50 * (scanned + 1)}
+    unlisted = {
+        "task_instance": 50 * scanned,
+        "trigger": 50 * (scanned + 1),
+        "trigger_identity": 50 * (scanned + 1),
+    }
     for moment in ("unanalysed", "analysed"):
         if moment == "analysed":
             rows(dsn, f"ANALYZE {', '.join(tables)}; SELECT 1")
-        cases = ((["dag_big"], page.MEMBERS_SCANNED, shown_rows), ([], page.MEMBERS_SCANNED, none_listed),
-                 (["another_dag"], scanned, unlisted))
+        cases = (
+            (["dag_big"], page.MEMBERS_SCANNED, shown_rows),
+            ([], page.MEMBERS_SCANNED, none_listed),
+            (["another_dag"], scanned, unlisted),
+        )
         for dag_ids, limit, bound in cases:
             plan = _explain_page(groups, dag_ids, limit)
             read = {table: _plan_rows(plan, table) for table in bound}
             assert all(read[t] <= bound[t] for t in bound), (
-                f"{moment}, {dag_ids}: read {read}: {json.dumps(plan)[:3000]}")
+                f"{moment}, {dag_ids}: read {read}: {json.dumps(plan)[:3000]}"
+            )
 
 
 def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: int) -> dict[str, Any]:
@@ -460,9 +538,15 @@ def _explain_page(groups: list[tuple[Any, ...]], dag_ids: list[str], scanned: in
 
     from smart_triggerer.db.store import PAGE_GROUPS_PLANNER, queries
 
-    params = {"hashes": [g[0] for g in groups], "alone": [g[1] for g in groups],
-              "queues": [g[2] for g in groups], "dag_ids": dag_ids, "members": page.MEMBERS_SHOWN,
-              "scanned": scanned, "multi_team": False}
+    params = {
+        "hashes": [g[0] for g in groups],
+        "alone": [g[1] for g in groups],
+        "queues": [g[2] for g in groups],
+        "dag_ids": dag_ids,
+        "members": page.MEMBERS_SHOWN,
+        "scanned": scanned,
+        "multi_team": False,
+    }
     with create_session() as session:
         session.execute(text(PAGE_GROUPS_PLANNER))  # as Store.page_groups runs it
         result = session.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + queries()["page_groups"]), params)

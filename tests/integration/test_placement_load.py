@@ -38,8 +38,13 @@ def seed_flag_waits(stack: AirflowStack, flag: Path, count: int) -> Seeded:
     """``count`` waits, each its own group, all firing once ``flag`` exists; every write of a task leaving
     DEFERRED is audited (a double resume shows in the trail, not only in a counter)."""
     execute(stack.config.database_dsn, AUDIT_DDL)
-    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
-                         classpath=FLAG_FILE, kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)})
+    return seed_deferred(
+        stack.config.database_dsn,
+        stack.config.dags_folder,
+        count=count,
+        classpath=FLAG_FILE,
+        kwargs_for=lambda i: {"key": f"k{i}", "flag": str(flag)},
+    )
 
 
 def seed_even_flag_waits(stack: AirflowStack, flag: Path, per_shard: int) -> Seeded:
@@ -47,8 +52,13 @@ def seed_even_flag_waits(stack: AirflowStack, flag: Path, per_shard: int) -> See
     ``seed_flag_waits``): equal shards, so that where placement puts them depends on no chance."""
     keys = keys_per_shard(lambda key: FlagFileTrigger(key, str(flag)), SHARDS, per_shard)
     execute(stack.config.database_dsn, AUDIT_DDL)
-    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=len(keys),
-                         classpath=FLAG_FILE, kwargs_for=lambda i: {"key": keys[i], "flag": str(flag)})
+    return seed_deferred(
+        stack.config.database_dsn,
+        stack.config.dags_folder,
+        count=len(keys),
+        classpath=FLAG_FILE,
+        kwargs_for=lambda i: {"key": keys[i], "flag": str(flag)},
+    )
 
 
 def instances(stack: AirflowStack) -> dict[int, dict[str, object]]:
@@ -60,10 +70,18 @@ def resume_all_once(stack: AirflowStack, flag: Path, seeded: Seeded, urls: list[
     task instances agree)."""
     flag.touch()
     dsn = stack.config.database_dsn
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 120,
-             "every wait resumed")
-    resumed = wait_for(lambda: sum(metrics(u)["smart_triggerer_resumed_total"] for u in urls),
-                       lambda n: n >= len(seeded.ti_ids), 30, "the resumes counted")
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        120,
+        "every wait resumed",
+    )
+    resumed = wait_for(
+        lambda: sum(metrics(u)["smart_triggerer_resumed_total"] for u in urls),
+        lambda n: n >= len(seeded.ti_ids),
+        30,
+        "the resumes counted",
+    )
     assert resumed == len(seeded.ti_ids)
     assert doubled_resumes(dsn) == {}, "task instances written twice as they left DEFERRED"
 
@@ -85,8 +103,11 @@ class CoroutineSampler:
             self.thread.start()
 
     def over_capacity(self) -> dict[str, tuple[float, int]]:
-        return {name: (self.peaks[name], capacity) for name, (_, capacity) in self.urls.items()
-                if self.peaks.get(name, 0) > capacity}
+        return {
+            name: (self.peaks[name], capacity)
+            for name, (_, capacity) in self.urls.items()
+            if self.peaks.get(name, 0) > capacity
+        }
 
     def _sample(self) -> None:
         while not self.done.wait(0.2):
@@ -100,7 +121,8 @@ class CoroutineSampler:
 
 
 def test_a_full_fleet_runs_no_instance_over_capacity_and_a_join_starts_the_rest(
-        stack: AirflowStack, tmp_path: Path) -> None:
+    stack: AirflowStack, tmp_path: Path
+) -> None:
     flag = tmp_path / "go"
     seeded = seed_flag_waits(stack, flag, 60)
     sampler = CoroutineSampler()
@@ -110,10 +132,17 @@ def test_a_full_fleet_runs_no_instance_over_capacity_and_a_join_starts_the_rest(
     try:
         # alone with 60 groups and a capacity of 20: it holds them all (no wait without an instance), runs
         # 20, and the 40 others wait deferred for room; the fleet says it is full
-        wait_for(lambda: metrics(small_url), lambda m: m.get("smart_triggerer_groups") == 60
-                 and m.get("smart_triggerer_coroutines") == 20
-                 and m.get("smart_triggerer_waiting_for_room") == 40
-                 and m.get("smart_triggerer_fleet_full") == 1, 60, "20 of 60 running, the fleet full")
+        wait_for(
+            lambda: metrics(small_url),
+            lambda m: (
+                m.get("smart_triggerer_groups") == 60
+                and m.get("smart_triggerer_coroutines") == 20
+                and m.get("smart_triggerer_waiting_for_room") == 40
+                and m.get("smart_triggerer_fleet_full") == 1
+            ),
+            60,
+            "20 of 60 running, the fleet full",
+        )
         full = wait_for(stack.smart_status, lambda s: s["totals"]["fleet_full"], 30, "fleet full")
         assert full["totals"]["groups"] == 60
         assert small.log_tail(200_000).count("the fleet is full") == 1
@@ -123,11 +152,16 @@ def test_a_full_fleet_runs_no_instance_over_capacity_and_a_join_starts_the_rest(
         big_url = health_url(big)
         sampler.watch("big", big_url, 100)
         # room in the fleet: every group runs once, the small one within its capacity
-        settled = wait_for(lambda: (metrics(small_url), metrics(big_url)),
-                           lambda ms: ms[0]["smart_triggerer_groups"] <= 20 and
-                           ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 60 and
-                           ms[0]["smart_triggerer_coroutines"] + ms[1]["smart_triggerer_coroutines"] == 60,
-                           60, "every group running once, the small one at or under its capacity")
+        settled = wait_for(
+            lambda: (metrics(small_url), metrics(big_url)),
+            lambda ms: (
+                ms[0]["smart_triggerer_groups"] <= 20
+                and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 60
+                and ms[0]["smart_triggerer_coroutines"] + ms[1]["smart_triggerer_coroutines"] == 60
+            ),
+            60,
+            "every group running once, the small one at or under its capacity",
+        )
         assert settled[0]["smart_triggerer_groups"] > 0  # its share (60 x 20/120 = 10), not nothing
         wait_for(stack.smart_status, lambda s: not s["totals"]["fleet_full"], 30, "room again")
         assert "the fleet has room again" in small.log_tail(200_000) + big.log_tail(200_000)
@@ -136,44 +170,67 @@ def test_a_full_fleet_runs_no_instance_over_capacity_and_a_join_starts_the_rest(
         sampler.done.set()
     # sampled all along (how many times depends on the machine's speed): the small one seen at its cap
     # while the fleet was full, the big one once it ran its share
-    assert sampler.peaks.get("small") == 20 and sampler.samples.get("big", 0) >= 3, (sampler.samples,
-                                                                                     sampler.peaks)
+    assert sampler.peaks.get("small") == 20 and sampler.samples.get("big", 0) >= 3, (
+        sampler.samples,
+        sampler.peaks,
+    )
     assert not sampler.over_capacity(), (sampler.samples, sampler.peaks)
 
 
 def test_a_lagging_instance_sheds_shards_and_takes_them_again_once_calm(
-        stack: AirflowStack, tmp_path: Path) -> None:
+    stack: AirflowStack, tmp_path: Path
+) -> None:
     flag = tmp_path / "go"
     seeded = seed_flag_waits(stack, flag, 64)
     limits = {"MAX_LOOP_LAG_MS": "400"}
     slow, other = start(stack, "slow", **limits), start(stack, "other", **limits)
     slow_url, other_url = health_url(slow), health_url(other)
-    both = wait_for(lambda: (metrics(slow_url), metrics(other_url)),
-                    lambda ms: ms[0]["smart_triggerer_groups"] >= 20 and ms[1]["smart_triggerer_groups"] >= 20
-                    and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64,
-                    60, "the groups spread over both")
+    both = wait_for(
+        lambda: (metrics(slow_url), metrics(other_url)),
+        lambda ms: (
+            ms[0]["smart_triggerer_groups"] >= 20
+            and ms[1]["smart_triggerer_groups"] >= 20
+            and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64
+        ),
+        60,
+        "the groups spread over both",
+    )
     before = int(both[0]["smart_triggerer_groups"])
     runner = slow.tree()[1]
 
     with RunnerThrottle(runner, stopped=0.7, period=1.0):
-        shedding = wait_for(lambda: metrics(slow_url), lambda m: m["smart_triggerer_accepting"] == 0, 60,
-                            "the slow instance shedding")
+        shedding = wait_for(
+            lambda: metrics(slow_url),
+            lambda m: m["smart_triggerer_accepting"] == 0,
+            60,
+            "the slow instance shedding",
+        )
         assert shedding["smart_triggerer_loop_lag_p99_ms"] > 400
         # it hands shards over, a step at a time while still over its limit; every group still runs once
-        wait_for(lambda: (metrics(slow_url), metrics(other_url)),
-                 lambda ms: ms[0]["smart_triggerer_groups"] <= before // 2
-                 and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64, 90,
-                 "half of its groups handed over")
+        wait_for(
+            lambda: (metrics(slow_url), metrics(other_url)),
+            lambda ms: (
+                ms[0]["smart_triggerer_groups"] <= before // 2
+                and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64
+            ),
+            90,
+            "half of its groups handed over",
+        )
         status = instances(stack)
         slow_row = next(i for i in status.values() if not i["accepting"])
         assert "event-loop lag" in str(slow_row["shedding"])
 
     # calm again: after the hysteresis it takes shards again, and the groups spread over both once more
     wait_for(lambda: metrics(slow_url), lambda m: m["smart_triggerer_accepting"] == 1, 120, "taking shards")
-    wait_for(lambda: (metrics(slow_url), metrics(other_url)),
-             lambda ms: ms[0]["smart_triggerer_groups"] >= 20
-             and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64, 120,
-             "groups back on the slow one (its limit raised a step every 10 s)")
+    wait_for(
+        lambda: (metrics(slow_url), metrics(other_url)),
+        lambda ms: (
+            ms[0]["smart_triggerer_groups"] >= 20
+            and ms[0]["smart_triggerer_groups"] + ms[1]["smart_triggerer_groups"] == 64
+        ),
+        120,
+        "groups back on the slow one (its limit raised a step every 10 s)",
+    )
     log = slow.log_tail(500_000)
     # one episode: shedding began once and ended once (no flapping between the two)
     assert log.count("over a limit: taking no new shards") == 1, log[-5000:]
@@ -192,10 +249,15 @@ def test_shards_are_spread_by_load_not_by_job_id(stack: AirflowStack, tmp_path: 
     seeded = seed_even_flag_waits(stack, flag, 10)
     components = [start(stack, f"smart-{n}") for n in range(4)]
     urls = [health_url(c) for c in components]
-    spread = wait_for(lambda: [metrics(u) for u in urls],
-                      lambda ms: sorted(m["smart_triggerer_shards_owned"] for m in ms) == [4, 4, 4, 4]
-                      and sum(m["smart_triggerer_coroutines"] for m in ms) == len(seeded.ti_ids), 90,
-                      "4 shards each")
+    spread = wait_for(
+        lambda: [metrics(u) for u in urls],
+        lambda ms: (
+            sorted(m["smart_triggerer_shards_owned"] for m in ms) == [4, 4, 4, 4]
+            and sum(m["smart_triggerer_coroutines"] for m in ms) == len(seeded.ti_ids)
+        ),
+        90,
+        "4 shards each",
+    )
     assert len(spread) == SHARDS // 4
     resume_all_once(stack, flag, seeded, urls)
 
@@ -212,15 +274,25 @@ def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, 
     waits = len(seeded.ti_ids)
     components = [start(stack, f"smart-{n}") for n in range(3)]
     urls = [health_url(c) for c in components]
-    wait_for(lambda: [metrics(u) for u in urls],
-             lambda ms: sum(m["smart_triggerer_coroutines"] for m in ms) == waits, 120, "every group running")
+    wait_for(
+        lambda: [metrics(u) for u in urls],
+        lambda ms: sum(m["smart_triggerer_coroutines"] for m in ms) == waits,
+        120,
+        "every group running",
+    )
     before = settled_owners(dsn)
     handed_before = sum(metrics(u)["smart_triggerer_shards_handed_over_total"] for u in urls)
 
     joiner = start(stack, "joiner")
     joiner_url = health_url(joiner)
-    joiner_job = int(wait_for(lambda: httpx.get(f"{joiner_url}/health", timeout=5).json().get("job_id"),
-                              bool, 60, "the joiner's job id"))
+    joiner_job = int(
+        wait_for(
+            lambda: httpx.get(f"{joiner_url}/health", timeout=5).json().get("job_id"),
+            bool,
+            60,
+            "the joiner's job id",
+        )
+    )
     wait_for(lambda: lease_owners(dsn), lambda o: joiner_job in o.values(), 60, "the joiner owning shards")
     joined = settled_owners(dsn)
     moved = {shard for shard, owner in joined.items() if before[shard] != owner}
@@ -241,12 +313,14 @@ def test_a_join_and_a_leave_move_only_the_shards_they_must(stack: AirflowStack, 
     moved = {shard for shard, owner in left.items() if joined[shard] != owner}
     leavers = {shard for shard, owner in joined.items() if owner == joiner_job}
     assert leavers <= moved and len(moved - leavers) <= 1, (
-        f"a leave moved other shards than the leaver's: {joined} -> {left}")
+        f"a leave moved other shards than the leaver's: {joined} -> {left}"
+    )
     resume_all_once(stack, flag, seeded, urls)
 
 
 def test_while_an_older_release_is_live_every_instance_places_shards_as_it_does(
-        stack: AirflowStack, tmp_path: Path) -> None:
+    stack: AirflowStack, tmp_path: Path
+) -> None:
     """A rolling upgrade: an instance of the previous release (placement 1, rendezvous by capacity) is live,
     so the new one computes that placement too (the fleet agrees on one map); once it has left, the new
     one places by load again."""
@@ -255,29 +329,42 @@ def test_while_an_older_release_is_live_every_instance_places_shards_as_it_does(
     seeded = seed_flag_waits(stack, flag, 16)
     new = start(stack, "new", capacity=1000)
     url = health_url(new)
-    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_shards_owned") == SHARDS, 60,
-             "the new instance alone owning every shard")
+    wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_shards_owned") == SHARDS,
+        60,
+        "the new instance alone owning every shard",
+    )
     job = _job_id(url)
     old_job = job + 1000
     while not 0 < len(shards_of(job, assign(SHARDS, [Member(job, 1000), Member(old_job, 1000)]))) < SHARDS:
         old_job += 1  # a job id that rendezvous gives some shards and not all (almost any)
     # the previous release's register_instance: no placement column, so the default (1)
-    execute(dsn, "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity) VALUES (%s, %s, 1000)",
-            old_job, "old-release")
+    execute(
+        dsn,
+        "INSERT INTO smart_triggerer.instance (job_id, hostname, capacity) VALUES (%s, %s, 1000)",
+        old_job,
+        "old-release",
+    )
     beating = threading.Event()
 
     def heartbeat() -> None:
         while not beating.wait(1.0):
-            execute(dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() WHERE job_id = %s",
-                    old_job)
+            execute(
+                dsn, "UPDATE smart_triggerer.instance SET heartbeat_at = now() WHERE job_id = %s", old_job
+            )
 
     thread = threading.Thread(target=heartbeat, daemon=True)
     thread.start()
     try:
         expected = shards_of(job, assign(SHARDS, [Member(job, 1000), Member(old_job, 1000)]))
         assert 0 < len(expected) < SHARDS
-        wait_for(lambda: {s for s, o in lease_owners(dsn).items() if o == job}, lambda mine: mine == expected,
-                 60, "the new instance holding its rendezvous shards only")
+        wait_for(
+            lambda: {s for s, o in lease_owners(dsn).items() if o == job},
+            lambda mine: mine == expected,
+            60,
+            "the new instance holding its rendezvous shards only",
+        )
     finally:
         beating.set()
         thread.join(5)
@@ -291,7 +378,8 @@ def _job_id(url: str) -> int:
 
 
 def test_an_instance_over_its_memory_limit_hands_shards_over_while_that_helps(
-        stack: AirflowStack, tmp_path: Path) -> None:
+    stack: AirflowStack, tmp_path: Path
+) -> None:
     """``max_rss_mb`` below what a supervisor and its runner need: alone, the instance still runs every
     wait (the fleet is full); once another instance joins, it hands a step of its groups over. CPython
     does not give the memory of those groups back, so it stops there (rather than hand over everything
@@ -300,18 +388,27 @@ def test_an_instance_over_its_memory_limit_hands_shards_over_while_that_helps(
     seeded = seed_flag_waits(stack, flag, 32)
     tight = start(stack, "tight", MAX_RSS_MB="50")  # far below any supervisor's RSS
     tight_url = health_url(tight)
-    alone = wait_for(lambda: metrics(tight_url), lambda m: m.get("smart_triggerer_coroutines") == 32
-                     and m.get("smart_triggerer_accepting") == 0, 60, "all 32 groups on the one shedding")
+    alone = wait_for(
+        lambda: metrics(tight_url),
+        lambda m: m.get("smart_triggerer_coroutines") == 32 and m.get("smart_triggerer_accepting") == 0,
+        60,
+        "all 32 groups on the one shedding",
+    )
     assert alone["smart_triggerer_rss_mb"] > 50 and alone["smart_triggerer_fleet_full"] == 1
     row = next(i for i in instances(stack).values() if not i["accepting"])
     assert str(row["shedding"]).startswith("memory"), row
 
     roomy = start(stack, "roomy")
     roomy_url = health_url(roomy)
-    held = wait_for(lambda: (metrics(roomy_url), metrics(tight_url), tight.log_tail(200_000)),
-                    lambda got: "memory not given back" in got[2]
-                    and got[0]["smart_triggerer_coroutines"] + got[1]["smart_triggerer_coroutines"] == 32,
-                    90, "a step handed over, then the tight one holding")
+    held = wait_for(
+        lambda: (metrics(roomy_url), metrics(tight_url), tight.log_tail(200_000)),
+        lambda got: (
+            "memory not given back" in got[2]
+            and got[0]["smart_triggerer_coroutines"] + got[1]["smart_triggerer_coroutines"] == 32
+        ),
+        90,
+        "a step handed over, then the tight one holding",
+    )
     # the first step: down to three quarters (24) or below, by whole shards; not everything
     assert 0 < held[1]["smart_triggerer_groups"] <= 24 and held[1]["smart_triggerer_accepting"] == 0
     assert held[2].count("memory not given back") == 1

@@ -30,10 +30,14 @@ def _seed(session: Any) -> dict[str, Any]:
         session.add(DagScheduleAssetReference(dag_id=dag_id, asset_id=asset.id, created_at=long_ago))
     minute_ago = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1)
     events = {
-        "ours_unconsumed": AssetEvent(asset_id=asset.id, extra={"idempotency_key": "a"},
-                                      timestamp=minute_ago),
-        "watcher_unconsumed": AssetEvent(asset_id=asset.id, timestamp=minute_ago,
-                                         extra={"from_trigger": True, "payload": {"idempotency_key": "b"}}),
+        "ours_unconsumed": AssetEvent(
+            asset_id=asset.id, extra={"idempotency_key": "a"}, timestamp=minute_ago
+        ),
+        "watcher_unconsumed": AssetEvent(
+            asset_id=asset.id,
+            timestamp=minute_ago,
+            extra={"from_trigger": True, "payload": {"idempotency_key": "b"}},
+        ),
         "foreign": AssetEvent(asset_id=asset.id, extra={}, timestamp=minute_ago),
         "too_young": AssetEvent(asset_id=asset.id, extra={"idempotency_key": "c"}),
     }
@@ -61,7 +65,9 @@ def test_requeues_only_unconsumed_events_of_ours_for_active_consumers(seeded: di
         held = reconcile.held_back(session, grace_seconds=15, lookback_seconds=86400)
     events = seeded["events"]
     assert {(r.event_id, r.dag_id) for r in held} == {
-        (events["ours_unconsumed"], "active_consumer"), (events["watcher_unconsumed"], "active_consumer")}
+        (events["ours_unconsumed"], "active_consumer"),
+        (events["watcher_unconsumed"], "active_consumer"),
+    }
 
     with create_session() as session:
         assert reconcile.requeue(session, grace_seconds=15) == 2
@@ -75,7 +81,8 @@ def test_requeues_only_unconsumed_events_of_ours_for_active_consumers(seeded: di
 
 
 def test_events_emitted_while_a_consumer_was_paused_are_delivered_after_unpause(
-        seeded: dict[str, Any]) -> None:
+    seeded: dict[str, Any],
+) -> None:
     from airflow.utils.session import create_session
 
     with create_session() as session:
@@ -95,8 +102,9 @@ def _requeued_for(seeded: dict[str, Any]) -> list[tuple[int, str, str]]:
 
     with create_session() as session:
         reconcile.requeue(session, grace_seconds=15)
-        rows = session.execute(text("SELECT asset_event_id, dag_id, outcome FROM dataset_bridge.reconciled "
-                                    "ORDER BY 1, 2")).all()
+        rows = session.execute(
+            text("SELECT asset_event_id, dag_id, outcome FROM dataset_bridge.reconciled ORDER BY 1, 2")
+        ).all()
     names = {event_id: name for name, event_id in seeded["events"].items()}
     return [(names[e], d, o) for e, d, o in rows]
 
@@ -110,12 +118,19 @@ def test_an_event_no_new_run_would_consume_is_reported_not_requeued(seeded: dict
     from airflow.utils.types import DagRunType
 
     with create_session() as session:
-        session.add(DagRun(dag_id="active_consumer", run_id="asset_triggered__late",
-                           run_type=DagRunType.ASSET_TRIGGERED,
-                           run_after=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30),
-                           state=DagRunState.SUCCESS))
-    assert _requeued_for(seeded) == [("ours_unconsumed", "active_consumer", "unconsumable"),
-                                     ("watcher_unconsumed", "active_consumer", "unconsumable")]
+        session.add(
+            DagRun(
+                dag_id="active_consumer",
+                run_id="asset_triggered__late",
+                run_type=DagRunType.ASSET_TRIGGERED,
+                run_after=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30),
+                state=DagRunState.SUCCESS,
+            )
+        )
+    assert _requeued_for(seeded) == [
+        ("ours_unconsumed", "active_consumer", "unconsumable"),
+        ("watcher_unconsumed", "active_consumer", "unconsumable"),
+    ]
     with create_session() as session:
         assert session.execute(text("SELECT count(*) FROM asset_dag_run_queue")).scalar() == 0
         decisions = reconcile.recent(session)
@@ -129,11 +144,16 @@ def test_an_operators_clear_of_queued_events_is_honoured(seeded: dict[str, Any])
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        session.add(Log(event="delete_dag_asset_queued_events", dag_id="active_consumer",
-                        extra='{"method": "DELETE"}'))
+        session.add(
+            Log(
+                event="delete_dag_asset_queued_events", dag_id="active_consumer", extra='{"method": "DELETE"}'
+            )
+        )
         session.add(Log(event="cli_task_run", extra="not json at all"))  # other audit rows: harmless
-    assert _requeued_for(seeded) == [("ours_unconsumed", "active_consumer", "cleared"),
-                                     ("watcher_unconsumed", "active_consumer", "cleared")]
+    assert _requeued_for(seeded) == [
+        ("ours_unconsumed", "active_consumer", "cleared"),
+        ("watcher_unconsumed", "active_consumer", "cleared"),
+    ]
 
 
 def test_consumers_by_name_reference_and_by_alias_are_covered(seeded: dict[str, Any]) -> None:
@@ -157,11 +177,15 @@ def test_consumers_by_name_reference_and_by_alias_are_covered(seeded: dict[str, 
         session.add(alias)
         session.flush()
         session.add(DagScheduleAssetAliasReference(alias_id=alias.id, dag_id="by_alias", created_at=long_ago))
-        session.execute(text("INSERT INTO asset_alias_asset_event (alias_id, event_id) VALUES (:a, :e)"),
-                        {"a": alias.id, "e": events["ours_unconsumed"]})
-    assert _requeued_for(seeded) == [("ours_unconsumed", "by_alias", "requeued"),
-                                     ("ours_unconsumed", "by_name", "requeued"),
-                                     ("watcher_unconsumed", "by_name", "requeued")]
+        session.execute(
+            text("INSERT INTO asset_alias_asset_event (alias_id, event_id) VALUES (:a, :e)"),
+            {"a": alias.id, "e": events["ours_unconsumed"]},
+        )
+    assert _requeued_for(seeded) == [
+        ("ours_unconsumed", "by_alias", "requeued"),
+        ("ours_unconsumed", "by_name", "requeued"),
+        ("watcher_unconsumed", "by_name", "requeued"),
+    ]
 
 
 def test_the_window_starts_at_its_first_event_id_and_only_moves_forward(seeded: dict[str, Any]) -> None:
@@ -172,8 +196,14 @@ def test_the_window_starts_at_its_first_event_id_and_only_moves_forward(seeded: 
     events = seeded["events"]
     first = min(events.values())
     with create_session() as session:
-        old = [AssetEvent(asset_id=seeded["asset_id"], extra={"idempotency_key": f"old{i}"},
-                          timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=3)) for i in range(3)]
+        old = [
+            AssetEvent(
+                asset_id=seeded["asset_id"],
+                extra={"idempotency_key": f"old{i}"},
+                timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=3),
+            )
+            for i in range(3)
+        ]
         session.add_all(old)
         session.flush()
         # events older than the window with ids before and after the window's first event
@@ -197,8 +227,11 @@ def _add_unreadable(seeded: dict[str, Any]) -> int:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        event = AssetEvent(asset_id=seeded["asset_id"], extra={"idempotency_key": "nul", "note": "a\x00b"},
-                           timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1))
+        event = AssetEvent(
+            asset_id=seeded["asset_id"],
+            extra={"idempotency_key": "nul", "note": "a\x00b"},
+            timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=1),
+        )
         session.add(event)
         session.add(Log(event="delete_asset_queued_events", extra=json.dumps({"asset_id": 0, "q": "\x00"})))
         session.flush()
@@ -211,14 +244,16 @@ def test_an_extra_jsonb_cannot_hold_does_not_stop_the_reconciler(seeded: dict[st
     unreadable = _add_unreadable(seeded)
     with create_session() as session:
         assert reconcile.requeue(session, grace_seconds=15) == 2  # the two readable events of ours
-        decided = {r[0] for r in session.execute(text(
-            "SELECT asset_event_id FROM dataset_bridge.reconciled"))}
+        decided = {
+            r[0] for r in session.execute(text("SELECT asset_event_id FROM dataset_bridge.reconciled"))
+        }
     assert decided == {seeded["events"]["ours_unconsumed"], seeded["events"]["watcher_unconsumed"]}
     assert unreadable not in decided
 
 
 def test_the_bridge_process_keeps_reconciling_and_pruning_with_an_unreadable_event(
-        seeded: dict[str, Any]) -> None:
+    seeded: dict[str, Any],
+) -> None:
     """``dataset-bridge run``: one event whose extra jsonb cannot hold stops neither the reconciler nor the
     ledgers' pruning (each part of a pass fails or succeeds on its own)."""
     import signal
@@ -232,8 +267,12 @@ def test_the_bridge_process_keeps_reconciling_and_pruning_with_an_unreadable_eve
 
     _add_unreadable(seeded)
     with create_session() as session:
-        session.execute(text("INSERT INTO dataset_bridge.emitted (asset_id, idempotency_key, source, "
-                             "created_at) VALUES (1, 'old', 'task_success', now() - interval '40 days')"))
+        session.execute(
+            text(
+                "INSERT INTO dataset_bridge.emitted (asset_id, idempotency_key, source, "
+                "created_at) VALUES (1, 'old', 'task_success', now() - interval '40 days')"
+            )
+        )
 
     def progress() -> tuple[int, int]:
         with create_session() as session:
@@ -246,8 +285,14 @@ def test_the_bridge_process_keeps_reconciling_and_pruning_with_an_unreadable_eve
 
     def watch() -> None:
         try:
-            seen.append(wait_for(progress, lambda p: p == (1, 0), timeout=30,
-                                 what="a queued consumer run and the old ledger row pruned"))
+            seen.append(
+                wait_for(
+                    progress,
+                    lambda p: p == (1, 0),
+                    timeout=30,
+                    what="a queued consumer run and the old ledger row pruned",
+                )
+            )
         finally:
             stop.set()
 
@@ -255,8 +300,9 @@ def test_the_bridge_process_keeps_reconciling_and_pruning_with_an_unreadable_eve
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        settings = service.BridgeSettings(interval=0.1, reconcile_every=0.1, prune_every=0.1,
-                                          retention=Retention(days=30))
+        settings = service.BridgeSettings(
+            interval=0.1, reconcile_every=0.1, prune_every=0.1, retention=Retention(days=30)
+        )
         assert service.run(None, settings, stop) == 0
     finally:
         stop.set()

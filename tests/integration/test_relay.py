@@ -25,8 +25,10 @@ from tests.helpers.airflow_orm import use_airflow_db
 
 SECRET = "s3cret"
 # what a buggy inbox answers: the dead letter keeps the error, never the secrets it may carry
-BUG = ("the inbox failed on this batch: KeyError at bulk_events.py:88 "
-       f"(db postgresql://airflow:hunter2@db/b, password=hunter2, key {SECRET})")
+BUG = (
+    "the inbox failed on this batch: KeyError at bulk_events.py:88 "
+    f"(db postgresql://airflow:hunter2@db/b, password=hunter2, key {SECRET})"
+)
 
 
 @dataclass
@@ -76,9 +78,20 @@ async def inbox() -> AsyncIterator[Inbox]:
 
 
 def _routes(url: str, max_attempts: int = 10, max_server_errors: int = 10) -> Routes:
-    return Routes.parse({"source": "deployment_a", "targets": {"b": {
-        "url": url, "secret_env": "BRIDGE_SECRET_RELAY_TEST", "assets": ["x"],
-        "max_attempts": max_attempts, "max_server_errors": max_server_errors}}})
+    return Routes.parse(
+        {
+            "source": "deployment_a",
+            "targets": {
+                "b": {
+                    "url": url,
+                    "secret_env": "BRIDGE_SECRET_RELAY_TEST",
+                    "assets": ["x"],
+                    "max_attempts": max_attempts,
+                    "max_server_errors": max_server_errors,
+                }
+            },
+        }
+    )
 
 
 async def _outbox(dsn: str) -> asyncpg.Pool:
@@ -93,7 +106,8 @@ async def _add(pool: asyncpg.Pool, event_ids: range, attempts: int = 0) -> None:
     await pool.executemany(
         "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, event_timestamp, "
         "attempts) VALUES ('b', $1, 'x', 'x', $2, $3)",
-        [(i, dt.datetime.now(dt.UTC), attempts) for i in event_ids])
+        [(i, dt.datetime.now(dt.UTC), attempts) for i in event_ids],
+    )
 
 
 async def _rows(pool: asyncpg.Pool) -> dict[int, tuple[str, int, str | None]]:
@@ -130,8 +144,9 @@ async def test_each_row_counts_its_own_attempts(pg_db: str, inbox: Inbox) -> Non
 
 
 @pytest.mark.parametrize("status", [502, 503, 504, 429, 408, None])
-async def test_an_unreachable_or_failing_target_never_dead_letters(pg_db: str, inbox: Inbox,
-                                                                   status: int | None) -> None:
+async def test_an_unreachable_or_failing_target_never_dead_letters(
+    pg_db: str, inbox: Inbox, status: int | None
+) -> None:
     pool = await _outbox(pg_db)
     try:
         await _add(pool, range(1, 2), attempts=9)  # one attempt left by max_attempts
@@ -162,12 +177,18 @@ async def test_a_batch_over_the_inbox_limit_is_split_and_delivered_in_order(pg_d
         await pool.close()
 
 
-@pytest.mark.parametrize("reply", [
-    pytest.param(lambda events: {"ok": True}, id="no-results"),
-    pytest.param(lambda events: {"results": [{"id": events[0]["id"], "status": "created"}]}, id="partial"),
-])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(lambda events: {"ok": True}, id="no-results"),
+        pytest.param(
+            lambda events: {"results": [{"id": events[0]["id"], "status": "created"}]}, id="partial"
+        ),
+    ],
+)
 async def test_a_success_reply_without_a_result_for_every_event_is_a_failure(
-        pg_db: str, inbox: Inbox, reply: Callable[[list[dict[str, Any]]], Any]) -> None:
+    pg_db: str, inbox: Inbox, reply: Callable[[list[dict[str, Any]]], Any]
+) -> None:
     pool = await _outbox(pg_db)
     try:
         await _add(pool, range(1, 3))
@@ -183,12 +204,16 @@ async def test_a_success_reply_without_a_result_for_every_event_is_a_failure(
 async def _set_connections(admin: asyncpg.Connection, dbname: str, allowed: bool) -> None:
     await admin.execute(f'ALTER DATABASE "{dbname}" WITH ALLOW_CONNECTIONS {str(allowed).lower()}')
     if not allowed:
-        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                            "WHERE datname = $1 AND pid <> pg_backend_pid()", dbname)
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            dbname,
+        )
 
 
 async def test_the_relay_rides_out_its_database_going_away(
-        airflow_db: str, pg_server: str, inbox: Inbox, tmp_path: Path) -> None:
+    airflow_db: str, pg_server: str, inbox: Inbox, tmp_path: Path
+) -> None:
     """Every connection of the relay (pool, LISTEN, the sweeper's SQLAlchemy session) is cut and new ones
     are refused for a few seconds, as in a PostgreSQL restart; the relay keeps running and delivers what
     was added meanwhile, woken again by NOTIFY."""
@@ -271,15 +296,19 @@ async def test_dead_letters_can_be_replayed_once_the_cause_is_fixed(pg_db: str, 
         async with pool.acquire() as conn:
             assert await replay_dead(conn, ["b", "other"]) == {"b": 2}
         assert {k: v[:2] for k, v in (await _rows(pool)).items()} == {
-            1: ("pending", 0), 2: ("pending", 0), 3: ("pending", 0)}
+            1: ("pending", 0),
+            2: ("pending", 0),
+            3: ("pending", 0),
+        }
         assert await _deliver(pool, _routes(inbox.url)) == 3
         assert inbox.received == [1, 2, 3]  # the replayed ones first: order kept
     finally:
         await pool.close()
 
 
-async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(pg_db: str,
-                                                                             inbox: Inbox) -> None:
+async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(
+    pg_db: str, inbox: Inbox
+) -> None:
     from dataset_bridge.relay import MARK_DEAD, MARK_RETRY
 
     pool = await _outbox(pg_db)
@@ -296,7 +325,8 @@ async def test_a_late_failure_of_an_overlapping_relay_never_undoes_a_delivery(pg
 
 
 async def test_the_relay_keeps_sweeping_delivering_and_pruning_with_an_unreadable_event(
-        airflow_db: str, inbox: Inbox) -> None:
+    airflow_db: str, inbox: Inbox
+) -> None:
     """A watcher event whose extra jsonb cannot hold (a NUL character) among others: the sweep dead-letters
     it alone with the reason, the others are delivered, the prune still runs, and a replay leaves it dead
     (it cannot be sent)."""
@@ -313,12 +343,17 @@ async def test_the_relay_keeps_sweeping_delivering_and_pruning_with_an_unreadabl
         session.add_all([AssetModel(name="x", uri="x"), AssetActive(name="x", uri="x")])
     with create_session() as session:
         asset = session.query(AssetModel).filter_by(uri="x").one().to_serialized()
-        events = [AssetManager.register_asset_change(asset=asset, extra=extra, session=session).id
-                  for extra in ({"n": 1}, {"note": "a\x00b"}, {"n": 3})]
-        session.execute(sql_text(
-            "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, "
-            "event_timestamp, status, delivered_at) "
-            "VALUES ('b', -1, 'x', 'x', now(), 'delivered', now() - interval '40 days')"))
+        events = [
+            AssetManager.register_asset_change(asset=asset, extra=extra, session=session).id
+            for extra in ({"n": 1}, {"note": "a\x00b"}, {"n": 3})
+        ]
+        session.execute(
+            sql_text(
+                "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, asset_name, "
+                "event_timestamp, status, delivered_at) "
+                "VALUES ('b', -1, 'x', 'x', now(), 'delivered', now() - interval '40 days')"
+            )
+        )
     pool = await asyncpg.create_pool(airflow_db, min_size=1, max_size=4)
     stop = asyncio.Event()
     settings = RelaySettings(poll_seconds=0.2, sweep_every=0.2, prune_every=0.2, backoff_base=0.2)
@@ -344,7 +379,8 @@ async def _pruned(pool: asyncpg.Pool, event_id: int) -> None:
 
 
 async def test_a_server_error_on_one_event_dead_letters_it_alone_after_max_server_errors(
-        pg_db: str, inbox: Inbox) -> None:
+    pg_db: str, inbox: Inbox
+) -> None:
     """B answers 500 for any batch holding event 3 (a bug in B, not an outage): the batch is split until
     event 3 is alone, the events before it are delivered, event 3 is dead-lettered after
     max_server_errors with the body's error (its secrets masked), and the events after it follow. Earlier
@@ -373,7 +409,8 @@ async def test_a_server_error_on_one_event_dead_letters_it_alone_after_max_serve
 
 
 async def test_a_lower_outbox_id_committed_late_is_delivered_before_the_higher_ones(
-        pg_db: str, inbox: Inbox) -> None:
+    pg_db: str, inbox: Inbox
+) -> None:
     """Two writers: the one holding the lower outbox id commits after the other. The relay delivers
     nothing past it while its transaction is open, then both in id order: a later event never
     overtakes an earlier one, and none is skipped."""
@@ -382,8 +419,10 @@ async def test_a_lower_outbox_id_committed_late_is_delivered_before_the_higher_o
     try:
         open_transaction = late.transaction()
         await open_transaction.start()
-        await late.execute("INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, "
-                           "asset_name, event_timestamp) VALUES ('b', 1, 'x', 'x', now())")
+        await late.execute(
+            "INSERT INTO dataset_bridge.outbox (target, asset_event_id, asset_uri, "
+            "asset_name, event_timestamp) VALUES ('b', 1, 'x', 'x', now())"
+        )
         await _add(pool, range(2, 4))  # committed, with higher ids
         assert await _deliver(pool, _routes(inbox.url)) == 0
         assert inbox.requests == 0
@@ -395,8 +434,9 @@ async def test_a_lower_outbox_id_committed_late_is_delivered_before_the_higher_o
         await pool.close()
 
 
-async def test_the_relay_tells_due_rows_by_the_database_clock(pg_db: str, inbox: Inbox,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_relay_tells_due_rows_by_the_database_clock(
+    pg_db: str, inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The relay's host 5 minutes behind the database: a row the database made due now is sent now (and
     one backing off by the database's clock is not sent early by a host ahead of it)."""
     import time
@@ -405,15 +445,18 @@ async def test_the_relay_tells_due_rows_by_the_database_clock(pg_db: str, inbox:
     from dataset_bridge import relay
 
     host = {"skew": -300.0}
-    monkeypatch.setattr(relay, "time", SimpleNamespace(time=lambda: time.time() + host["skew"],
-                                                       monotonic=time.monotonic))
+    monkeypatch.setattr(
+        relay, "time", SimpleNamespace(time=lambda: time.time() + host["skew"], monotonic=time.monotonic)
+    )
     pool = await _outbox(pg_db)
     try:
         await _add(pool, range(1, 3))
         assert await _deliver(pool, _routes(inbox.url)) == 2
         await _add(pool, range(3, 4))
-        await pool.execute("UPDATE dataset_bridge.outbox SET next_attempt_at = now() + interval '1 minute' "
-                           "WHERE asset_event_id = 3")
+        await pool.execute(
+            "UPDATE dataset_bridge.outbox SET next_attempt_at = now() + interval '1 minute' "
+            "WHERE asset_event_id = 3"
+        )
         host["skew"] = 300.0
         assert await _deliver(pool, _routes(inbox.url)) == 0
         assert inbox.received == [1, 2]

@@ -29,17 +29,27 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=1))
-            .not_valid_after(now + dt.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_file, key_file = directory / "cert.pem", directory / "key.pem"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return cert_file, key_file
 
 
@@ -77,7 +87,8 @@ def _routes(url: str, ca_file: Path | None) -> Routes:
 
 
 async def test_tls_with_the_targets_ca_delivers_and_without_it_refuses(
-        tls_inbox: tuple[str, Path, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    tls_inbox: tuple[str, Path, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, cert, received = tls_inbox
     monkeypatch.setenv("BRIDGE_SECRET_TLS", "s3cret")
     body = json.dumps({"source": "deployment_a", "events": [{"id": 7}]}).encode()
@@ -88,5 +99,6 @@ async def test_tls_with_the_targets_ca_delivers_and_without_it_refuses(
         untrusted = _routes(url, None)
         with pytest.raises(DeliveryError, match="certificate"):
             await Relay(None, untrusted, RelaySettings())._post(  # type: ignore[arg-type]
-                session, untrusted.targets[0], body)
+                session, untrusted.targets[0], body
+            )
     assert received == [{"id": 7}]

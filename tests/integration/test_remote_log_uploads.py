@@ -32,8 +32,14 @@ def audited(airflow_stack: AirflowStack) -> Iterator[AirflowStack]:
 
 def lease_horizon(dsn: str) -> float:
     """How far ahead (database clock, epoch seconds) the least renewed live lease runs."""
-    return float(rows(dsn, "SELECT extract(epoch FROM min(expires_at)) FROM smart_triggerer.shard_lease "
-                           "WHERE owner_job_id IS NOT NULL")[0][0] or 0.0)
+    return float(
+        rows(
+            dsn,
+            "SELECT extract(epoch FROM min(expires_at)) FROM smart_triggerer.shard_lease "
+            "WHERE owner_job_id IS NOT NULL",
+        )[0][0]
+        or 0.0
+    )
 
 
 def test_a_hanging_remote_log_store_never_stalls_the_leases(audited: AirflowStack, tmp_path: Path) -> None:
@@ -41,29 +47,46 @@ def test_a_hanging_remote_log_store_never_stalls_the_leases(audited: AirflowStac
     uploads = tmp_path / "uploads"
     uploads.mkdir()
     seeded = seed(audited, WAITS, AT_TIME, lambda i: {"moment": in_seconds(15 + i % 5)})
-    instance = audited.start_smart_triggerer("smart-a", env={
-        **_env(), "AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "tests.helpers.remote_logs.LOGGING_CONFIG",
-        "HANGING_UPLOADS_DIR": str(uploads)})
+    instance = audited.start_smart_triggerer(
+        "smart-a",
+        env={
+            **_env(),
+            "AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "tests.helpers.remote_logs.LOGGING_CONFIG",
+            "HANGING_UPLOADS_DIR": str(uploads),
+        },
+    )
     url = instance.health_url(30)
     wait_for(lambda: sorted(uploads.glob("*.started")), bool, 90, "an upload hanging in the remote store")
     hung_at = float(rows(dsn, "SELECT extract(epoch FROM clock_timestamp())")[0][0])
 
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 90,
-             "every task resumed while the upload hangs")
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        90,
+        "every task resumed while the upload hangs",
+    )
     # renewed for more than two leases after the upload began hanging: the loop never waited for it
-    wait_for(lambda: lease_horizon(dsn), lambda h: h > hung_at + 2 * LEASE, 4 * LEASE,
-             "the leases renewed past two leases after the hang")
+    wait_for(
+        lambda: lease_horizon(dsn),
+        lambda h: h > hung_at + 2 * LEASE,
+        4 * LEASE,
+        "the leases renewed past two leases after the hang",
+    )
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     assert metrics(url)["smart_triggerer_shards_handed_over_total"] == 0, "no shard lapsed or moved"
-    resolved = Counter(ti for ti, op in rows(
-        dsn, "SELECT ti_id::text, op FROM chaos.ti_audit WHERE op = 'resolved'"))
+    resolved = Counter(
+        ti for ti, op in rows(dsn, "SELECT ti_id::text, op FROM chaos.ti_audit WHERE op = 'resolved'")
+    )
     assert len(resolved) == WAITS and set(resolved.values()) == {1}, resolved
     assert not list(uploads.glob("*.uploaded")), "the store never answered"
 
     instance.signal(signal.SIGTERM)
     assert instance.process is not None and instance.process.wait(timeout=30) == 0, instance.log_tail()
-    said = [line for line in instance.log_path.read_text().splitlines()
-            if "not uploaded to the remote store at exit" in line]
+    said = [
+        line
+        for line in instance.log_path.read_text().splitlines()
+        if "not uploaded to the remote store at exit" in line
+    ]
     assert len(said) == 1 and "left=" in said[0], said
 
 

@@ -39,8 +39,10 @@ def newer_release(dsn: str, *, breaks_older: bool) -> int:
     with create_session() as session:
         store = Store(session)
         store.migrate(SHARDS)
-        session.execute(text("INSERT INTO smart_triggerer.migration (version, name) "
-                             "VALUES (:v, 'from_a_newer_release')"), {"v": version})
+        session.execute(
+            text("INSERT INTO smart_triggerer.migration (version, name) VALUES (:v, 'from_a_newer_release')"),
+            {"v": version},
+        )
         if breaks_older:
             store._run("raise_setting", key="oldest_reader", value=str(version))
     return version
@@ -59,12 +61,17 @@ def test_a_newer_compatible_migration_is_ignored(airflow_config: AirflowConfig) 
 def test_an_older_release_refuses_a_schema_it_cannot_run_on(airflow_config: AirflowConfig) -> None:
     version = newer_release(airflow_config.database_dsn, breaks_older=True)
     env = {**airflow_config.env(), "AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS)}
-    one_line(run([SMART, "run", "--skip-serve-logs"], env), ExitCode.SCHEMA_TOO_NEW,
-             f"needs instances that know its version {version}", f"knows up to version {known()}")
+    one_line(
+        run([SMART, "run", "--skip-serve-logs"], env),
+        ExitCode.SCHEMA_TOO_NEW,
+        f"needs instances that know its version {version}",
+        f"knows up to version {known()}",
+    )
 
 
 def test_a_running_instance_stops_with_code_8_when_a_newer_one_breaks_the_schema(
-        airflow_config: AirflowConfig) -> None:
+    airflow_config: AirflowConfig,
+) -> None:
     use_airflow_db(airflow_config.database_dsn)
     supervisor: Any = make_supervisor()
     supervisor.last_schema_check = -math.inf
@@ -79,9 +86,9 @@ def test_a_running_instance_stops_with_code_8_when_a_newer_one_breaks_the_schema
 
 
 @pytest.mark.parametrize("line", ["-- breaks-older-instances"])
-def test_a_migration_marked_as_breaking_raises_the_oldest_reader(airflow_config: AirflowConfig,
-                                                                  monkeypatch: pytest.MonkeyPatch,
-                                                                  line: str) -> None:
+def test_a_migration_marked_as_breaking_raises_the_oldest_reader(
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, line: str
+) -> None:
     """Applying a migration with the marker line records it: older instances stop from then on."""
     from airflow.utils.session import create_session
 
@@ -91,8 +98,14 @@ def test_a_migration_marked_as_breaking_raises_the_oldest_reader(airflow_config:
     use_airflow_db(airflow_config.database_dsn)
     shipped = store_module.migrations()
     version = known() + 1
-    monkeypatch.setattr(store_module, "migrations", lambda: [
-        *shipped, (version, "breaking", f"{line}\nCREATE TABLE smart_triggerer.next_shape (id int);")])
+    monkeypatch.setattr(
+        store_module,
+        "migrations",
+        lambda: [
+            *shipped,
+            (version, "breaking", f"{line}\nCREATE TABLE smart_triggerer.next_shape (id int);"),
+        ],
+    )
     with create_session() as session:
         assert Store(session).migrate(SHARDS)[-1] == version
         assert Store(session).oldest_reader() == version
@@ -106,13 +119,22 @@ def test_a_running_instance_process_exits_8_and_hands_its_shards_back(airflow_st
     leases released on the way out (not left to expire), so the newer instances take its shards at once."""
     dsn = airflow_stack.config.database_dsn
     instance = airflow_stack.start_smart_triggerer(
-        "older", env={"AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS)})
+        "older", env={"AIRFLOW__SMART_TRIGGERER__SHARDS": str(SHARDS)}
+    )
     instance.wait_for_log("smart triggerer started", timeout=120)
-    wait_for(lambda: lease_owners(dsn), lambda owners: len(owners) == SHARDS and None not in owners.values(),
-             60, "the instance to own every shard")
+    wait_for(
+        lambda: lease_owners(dsn),
+        lambda owners: len(owners) == SHARDS and None not in owners.values(),
+        60,
+        "the instance to own every shard",
+    )
     newer_release(dsn, breaks_older=True)
-    code = wait_for(lambda: instance.process.poll() if instance.process else None,
-                    lambda c: c is not None, 60, "the older instance to stop")
+    code = wait_for(
+        lambda: instance.process.poll() if instance.process else None,
+        lambda c: c is not None,
+        60,
+        "the older instance to stop",
+    )
     assert code == ExitCode.SCHEMA_TOO_NEW == 8, instance.log_tail(4000)
     assert set(lease_owners(dsn).values()) == {None}, "leases left to expire instead of released"
     assert instance.log_tail(200_000).count("stopping: the schema is newer") == 1

@@ -24,8 +24,11 @@ def _rows(dsn: str, query: str, *params: object) -> list[tuple[object, ...]]:
 
 def test_seeded_rows_match_an_api_deferral(airflow_config: AirflowConfig) -> None:
     seeded = seed_deferred(
-        airflow_config.database_dsn, airflow_config.dags_folder, count=25,
-        classpath=DATETIME_TRIGGER, kwargs_for=lambda i: {"moment": f"target-{i % 5}"},
+        airflow_config.database_dsn,
+        airflow_config.dags_folder,
+        count=25,
+        classpath=DATETIME_TRIGGER,
+        kwargs_for=lambda i: {"moment": f"target-{i % 5}"},
         trigger_timeout=dt.timedelta(minutes=10),
     )
 
@@ -50,7 +53,10 @@ def test_stock_triggerer_resumes_seeded_waiters(airflow_stack: AirflowStack, tmp
     config = airflow_stack.config
     moment = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     seeded = seed_deferred(
-        config.database_dsn, config.dags_folder, count=10, classpath=DATETIME_TRIGGER,
+        config.database_dsn,
+        config.dags_folder,
+        count=10,
+        classpath=DATETIME_TRIGGER,
         kwargs_for=lambda i: {"moment": moment, "end_from_trigger": False},
     )
     airflow_stack.start_stock_triggerer()
@@ -58,8 +64,11 @@ def test_stock_triggerer_resumes_seeded_waiters(airflow_stack: AirflowStack, tmp
     deadline = time.monotonic() + 60
     states: list[tuple[object, ...]] = []
     while time.monotonic() < deadline:
-        states = _rows(config.database_dsn,
-                       "SELECT state, next_kwargs::text FROM task_instance WHERE dag_id = %s", seeded.dag_id)
+        states = _rows(
+            config.database_dsn,
+            "SELECT state, next_kwargs::text FROM task_instance WHERE dag_id = %s",
+            seeded.dag_id,
+        )
         if all(s[0] == "scheduled" for s in states):
             break
         time.sleep(0.5)

@@ -75,13 +75,21 @@ def start(stack: AirflowStack, name: str = "smart-triggerer", **settings: str) -
 
 
 def seed(stack: AirflowStack, count: int, classpath: str, kwargs_for: Any, **kw: Any) -> Seeded:
-    return seed_deferred(stack.config.database_dsn, stack.config.dags_folder, count=count,
-                         classpath=classpath, kwargs_for=kwargs_for, **kw)
+    return seed_deferred(
+        stack.config.database_dsn,
+        stack.config.dags_folder,
+        count=count,
+        classpath=classpath,
+        kwargs_for=kwargs_for,
+        **kw,
+    )
 
 
 def next_kwargs(dsn: str, dag_id: str) -> dict[int, dict[str, Any]]:
-    return {r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
-            for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)}
+    return {
+        r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
+        for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)
+    }
 
 
 def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStack) -> None:
@@ -93,16 +101,24 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     instance = start(stack)
     url = health_url(instance)
 
-    waiting = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 30
-                       and m.get("smart_triggerer_coroutines", 0) > 0, 30, "all 30 waiters running")
+    waiting = wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_waiters") == 30 and m.get("smart_triggerer_coroutines", 0) > 0,
+        30,
+        "all 30 waiters running",
+    )
     assert waiting["smart_triggerer_groups"] == 3
     assert waiting["smart_triggerer_coroutines"] == 3
     status = stack.smart_status()
     assert status["totals"]["groups"] == 3 and status["totals"]["waiters"] == 30
     assert status["dedup_ratio"] == 10.0
 
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 90,
-             "every waiter resumed")
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        90,
+        "every waiter resumed",
+    )
     kwargs = next_kwargs(dsn, seeded.dag_id)
     for map_index, value in kwargs.items():
         assert value["event"]["moment"] == moments[map_index % 3], value
@@ -113,8 +129,12 @@ def test_one_coroutine_per_identity_resumes_every_waiter_once(stack: AirflowStac
     logs = list((stack.config.home / "logs").rglob("*.trigger.*.log"))
     assert len(logs) == 3, logs
     # Each says it started and fired; "trigger completed" is left out after a fired event.
-    texts = wait_for(lambda: [log.read_text() for log in logs],
-                     lambda t: all("Trigger fired event" in text for text in t), 30, "fired lines written")
+    texts = wait_for(
+        lambda: [log.read_text() for log in logs],
+        lambda t: all("Trigger fired event" in text for text in t),
+        30,
+        "fired lines written",
+    )
     assert all("starting" in text and "trigger completed" not in text for text in texts), texts
     # The runner subprocess runs on uvloop ([smart_triggerer] event_loop's default).
     lines = instance.log_path.read_text().splitlines()
@@ -129,34 +149,51 @@ def test_a_failing_trigger_fails_every_member_with_the_cause(stack: AirflowStack
     good = seed(stack, 4, AT_TIME, lambda i: {"moment": soon})
     url = health_url(start(stack))
 
-    wait_for(lambda: ti_states(dsn, bad.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "every member of the failing group failed")
+    wait_for(
+        lambda: ti_states(dsn, bad.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "every member of the failing group failed",
+    )
     for value in next_kwargs(dsn, bad.dag_id).values():
         assert value["error"] == "Trigger failure"
         assert "boom: warehouse-db is unreachable" in "".join(value["traceback"])
-    wait_for(lambda: ti_states(dsn, good.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "the healthy group still resumed")
+    wait_for(
+        lambda: ti_states(dsn, good.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "the healthy group still resumed",
+    )
     assert metrics(url)["smart_triggerer_failures_total"] == 6
 
 
 def test_one_member_timing_out_leaves_the_others_waiting(stack: AirflowStack) -> None:
     dsn = stack.config.database_dsn
     later = in_seconds(600)
-    seeded = seed(stack, 5, AT_TIME, lambda i: {"moment": later},
-                  trigger_timeout=dt.timedelta(minutes=30))
+    seeded = seed(stack, 5, AT_TIME, lambda i: {"moment": later}, trigger_timeout=dt.timedelta(minutes=30))
     # due well after the instance has loaded all five (a start can take several seconds on a busy
     # machine; the timeout is read with the waiter, as deferral writes it once)
-    rows(dsn, "UPDATE task_instance SET trigger_timeout = now() + interval '20 seconds' "
-              "WHERE dag_id = %s AND map_index = 0 RETURNING 1", seeded.dag_id)
+    rows(
+        dsn,
+        "UPDATE task_instance SET trigger_timeout = now() + interval '20 seconds' "
+        "WHERE dag_id = %s AND map_index = 0 RETURNING 1",
+        seeded.dag_id,
+    )
     url = health_url(start(stack))
     wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 5, 18, "5 waiters")
 
-    states = wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: s[0] == "scheduled", 45,
-                      "member 0 timed out")
+    states = wait_for(
+        lambda: ti_states(dsn, seeded.dag_id), lambda s: s[0] == "scheduled", 45, "member 0 timed out"
+    )
     assert [states[i] for i in range(1, 5)] == ["deferred"] * 4
     assert next_kwargs(dsn, seeded.dag_id)[0] == {"error": "Trigger timeout"}
-    after = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 4, 30,
-                     "the group shrank to 4", interval=0.5)
+    after = wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_waiters") == 4,
+        30,
+        "the group shrank to 4",
+        interval=0.5,
+    )
     assert after["smart_triggerer_groups"] == 1 and after["smart_triggerer_coroutines"] == 1
 
 
@@ -169,16 +206,27 @@ def test_three_instances_own_disjoint_shards_covering_all(stack: AirflowStack) -
     def owners() -> dict[int, int | None]:
         return lease_owners(dsn)
 
-    settled = wait_for(owners, lambda o: len(o) == SHARDS and None not in o.values()
-                       and len(set(o.values())) == 3, 60, "3 instances owning all shards")
+    settled = wait_for(
+        owners,
+        lambda o: len(o) == SHARDS and None not in o.values() and len(set(o.values())) == 3,
+        60,
+        "3 instances owning all shards",
+    )
     # each instance publishes its metrics at the end of its loop: one that just handed shards over may
     # still show them for a loop after the lease rows changed, so wait for the metrics to catch up
-    per_instance = wait_for(lambda: [metrics(u) for u in urls],
-                            lambda ms: sum(m["smart_triggerer_shards_owned"] for m in ms) == SHARDS, 15,
-                            "metrics owning all shards once")
+    per_instance = wait_for(
+        lambda: [metrics(u) for u in urls],
+        lambda ms: sum(m["smart_triggerer_shards_owned"] for m in ms) == SHARDS,
+        15,
+        "metrics owning all shards once",
+    )
     assert all(m["smart_triggerer_shards_owned"] >= 1 for m in per_instance)
-    total = wait_for(lambda: [metrics(u) for u in urls],
-                     lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 60, 30, "60 waiters")
+    total = wait_for(
+        lambda: [metrics(u) for u in urls],
+        lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 60,
+        30,
+        "60 waiters",
+    )
     assert sum(m["smart_triggerer_groups"] for m in total) == 20
     assert len(settled) == SHARDS
 
@@ -190,8 +238,12 @@ def _owned_by(dsn: str, job_ids: set[int]) -> bool:
 
 def _job_of(url: str) -> int:
     # the endpoint listens before the supervisor has started (it answers 503 without a job id until then)
-    body = wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json(), lambda b: "job_id" in b, 30,
-                    "the instance's job id")
+    body = wait_for(
+        lambda: httpx.get(f"{url}/health", timeout=5).json(),
+        lambda b: "job_id" in b,
+        30,
+        "the instance's job id",
+    )
     return int(body["job_id"])
 
 
@@ -205,8 +257,12 @@ def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str, t
     components = [start(stack, f"smart-{n}") for n in range(3)]
     urls = [health_url(c) for c in components]
     jobs = [_job_of(u) for u in urls]
-    wait_for(lambda: lease_owners(dsn), lambda o: None not in o.values() and len(set(o.values())) == 3,
-             60, "3 owners")
+    wait_for(
+        lambda: lease_owners(dsn),
+        lambda o: None not in o.values() and len(set(o.values())) == 3,
+        60,
+        "3 owners",
+    )
     victim, survivors = components[0], set(jobs[1:])
 
     started = time.monotonic()
@@ -218,19 +274,27 @@ def test_takeover_after_crash_and_graceful_stop(stack: AirflowStack, how: str, t
     print(f"takeover after {how}: {took:.2f}s")
     assert took <= limit, f"takeover after {how} took {took:.1f}s (limit {limit:.1f}s)"
 
-    total = wait_for(lambda: [metrics(u) for u in urls[1:]],
-                     lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 40, 30,
-                     "survivors run every waiter")
+    total = wait_for(
+        lambda: [metrics(u) for u in urls[1:]],
+        lambda ms: sum(m["smart_triggerer_waiters"] for m in ms) == 40,
+        30,
+        "survivors run every waiter",
+    )
     assert sum(m["smart_triggerer_groups"] for m in total) == 8
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}
     if how == "SIGTERM":
         assert victim.process is not None and victim.process.wait(15) == 0
     # the waits resume after the takeover, each task written out of DEFERRED once
     flag.touch()
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "every wait resumed by the survivors")
-    resolved = Counter(ti for ti, op in rows(dsn, "SELECT ti_id::text, op FROM chaos.ti_audit "
-                                                  "WHERE op = 'resolved'"))
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "every wait resumed by the survivors",
+    )
+    resolved = Counter(
+        ti for ti, op in rows(dsn, "SELECT ti_id::text, op FROM chaos.ti_audit WHERE op = 'resolved'")
+    )
     assert len(resolved) == 40 and set(resolved.values()) == {1}, resolved
 
 
@@ -247,16 +311,28 @@ def test_database_outage_is_survived_without_restart(stack: AirflowStack) -> Non
     rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false; SELECT 1')
     rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", dbname)
     try:
-        down = wait_for(lambda: httpx.get(f"{url}/health", timeout=5), lambda r: r.status_code == 503,
-                        LEASE + 10, "/health to report the outage")
+        down = wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=5),
+            lambda r: r.status_code == 503,
+            LEASE + 10,
+            "/health to report the outage",
+        )
         assert down.json()["shards_owned"] == 0  # stopped running shards before the leases could expire
     finally:
         rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
 
-    wait_for(lambda: httpx.get(f"{url}/health", timeout=5), lambda r: r.status_code == 200, 30,
-             "/health to recover")
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "waiters resumed after the outage")
+    wait_for(
+        lambda: httpx.get(f"{url}/health", timeout=5),
+        lambda r: r.status_code == 200,
+        30,
+        "/health to recover",
+    )
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "waiters resumed after the outage",
+    )
     assert component.running()
 
 
@@ -265,21 +341,32 @@ def test_unimportable_or_undecryptable_triggers_fail_alone(stack: AirflowStack) 
     missing = seed(stack, 3, "no_such_module.GoneTrigger", lambda i: {"x": i})
     soon = in_seconds(5)
     garbled = seed(stack, 2, AT_TIME, lambda i: {"moment": soon})
-    rows(dsn, "UPDATE trigger SET kwargs = 'gAAAAABnot-a-fernet-token' WHERE id = ANY(%s) RETURNING 1",
-         garbled.trigger_ids)
+    rows(
+        dsn,
+        "UPDATE trigger SET kwargs = 'gAAAAABnot-a-fernet-token' WHERE id = ANY(%s) RETURNING 1",
+        garbled.trigger_ids,
+    )
     healthy = seed(stack, 4, AT_TIME, lambda i: {"moment": soon})
     component = start(stack)
 
     for broken in (missing, garbled):
-        wait_for(lambda b=broken: ti_states(dsn, b.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-                 f"{broken.dag_id} failed")
+        wait_for(
+            lambda b=broken: ti_states(dsn, b.dag_id),
+            lambda s: set(s.values()) == {"scheduled"},
+            60,
+            f"{broken.dag_id} failed",
+        )
     for value in next_kwargs(dsn, missing.dag_id).values():
         assert "no_such_module" in "".join(value["traceback"])
     for value in next_kwargs(dsn, garbled.dag_id).values():
         text = "".join(value["traceback"])
         assert "could not read the kwargs" in text and "not-a-fernet-token" not in text
-    wait_for(lambda: ti_states(dsn, healthy.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "healthy waiters resumed")
+    wait_for(
+        lambda: ti_states(dsn, healthy.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "healthy waiters resumed",
+    )
     assert all("event" in v for v in next_kwargs(dsn, healthy.dag_id).values())
     assert component.running()
 
@@ -290,23 +377,41 @@ def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, 
     markers.mkdir()
     # One group in every shard, so whichever shards the second instance takes, groups are handed over to it
     keys = keys_per_shard(lambda key: KillMarkerTrigger(key, str(markers)), SHARDS)
-    shared = seed(stack, 2 * SHARDS, "tests.helpers.triggers.KillMarkerTrigger",
-                  lambda i: {"key": keys[i % SHARDS], "marker_dir": str(markers)})
-    lone = seed(stack, 2, "tests.helpers.triggers.LoneKillMarkerTrigger",
-                lambda i: {"key": f"lone{i}", "marker_dir": str(markers)})
+    shared = seed(
+        stack,
+        2 * SHARDS,
+        "tests.helpers.triggers.KillMarkerTrigger",
+        lambda i: {"key": keys[i % SHARDS], "marker_dir": str(markers)},
+    )
+    lone = seed(
+        stack,
+        2,
+        "tests.helpers.triggers.LoneKillMarkerTrigger",
+        lambda i: {"key": f"lone{i}", "marker_dir": str(markers)},
+    )
     running = SHARDS + 2
     first = health_url(start(stack, "smart-a"))
-    wait_for(lambda: metrics(first), lambda m: m.get("smart_triggerer_coroutines") == running, 30,
-             f"{SHARDS} groups + 2 lone triggers running")
+    wait_for(
+        lambda: metrics(first),
+        lambda m: m.get("smart_triggerer_coroutines") == running,
+        30,
+        f"{SHARDS} groups + 2 lone triggers running",
+    )
 
     second = health_url(start(stack, "smart-b"))
     # settled: each instance runs exactly its groups' coroutines (none still being started or cancelled)
-    both = wait_for(lambda: [metrics(first), metrics(second)],
-                    lambda ms: all(m.get("smart_triggerer_shards_owned", 0) > 0 for m in ms)
-                    and sum(m["smart_triggerer_waiters"] for m in ms) == 2 * SHARDS + 2
-                    and sum(m["smart_triggerer_coroutines"] for m in ms) == running
-                    and all(m["smart_triggerer_coroutines"] == m["smart_triggerer_groups"] for m in ms)
-                    and ms[1]["smart_triggerer_groups"] > 0, 40, "shards split over two")
+    both = wait_for(
+        lambda: [metrics(first), metrics(second)],
+        lambda ms: (
+            all(m.get("smart_triggerer_shards_owned", 0) > 0 for m in ms)
+            and sum(m["smart_triggerer_waiters"] for m in ms) == 2 * SHARDS + 2
+            and sum(m["smart_triggerer_coroutines"] for m in ms) == running
+            and all(m["smart_triggerer_coroutines"] == m["smart_triggerer_groups"] for m in ms)
+            and ms[1]["smart_triggerer_groups"] > 0
+        ),
+        40,
+        "shards split over two",
+    )
     assert both[0]["smart_triggerer_shards_owned"] + both[1]["smart_triggerer_shards_owned"] == SHARDS
     # Every coroutine counted once over both: the first instance's handed-over ones have ended, and a cancel
     # calls on_kill (if it does) before its coroutine ends; so no marker now means none was written
@@ -315,10 +420,17 @@ def test_handover_never_calls_on_kill_but_user_action_does(stack: AirflowStack, 
     assert set(ti_states(dsn, shared.dag_id).values()) == {"deferred"}
 
     # A user marks one lone task failed: its own trigger is cancelled as a user action (on_kill).
-    rows(dsn, "UPDATE task_instance SET state = 'failed' WHERE dag_id = %s AND map_index = 0 RETURNING 1",
-         lone.dag_id)
-    found = wait_for(lambda: sorted(p.name for p in markers.iterdir()), lambda names: len(names) == 1, 30,
-                     "on_kill of the task the user acted on")
+    rows(
+        dsn,
+        "UPDATE task_instance SET state = 'failed' WHERE dag_id = %s AND map_index = 0 RETURNING 1",
+        lone.dag_id,
+    )
+    found = wait_for(
+        lambda: sorted(p.name for p in markers.iterdir()),
+        lambda names: len(names) == 1,
+        30,
+        "on_kill of the task the user acted on",
+    )
     assert found[0].startswith("on_kill-lone0-")
 
 
@@ -330,8 +442,12 @@ def test_events_for_just_deferred_members_are_held_back(stack: AirflowStack) -> 
     created = rows(dsn, "SELECT min(created_date) FROM trigger WHERE id = ANY(%s)", seeded.trigger_ids)[0][0]
     start(stack, RESUME_HOLD_SECONDS="8")
 
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "held waiters resumed")
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "held waiters resumed",
+    )
     resumed_at = rows(dsn, "SELECT min(scheduled_dttm) FROM task_instance WHERE dag_id = %s", seeded.dag_id)
     assert (resumed_at[0][0] - created).total_seconds() >= 8.0
 
@@ -341,15 +457,24 @@ def test_a_more_demanding_newcomer_restarts_the_group_with_its_setting(stack: Ai
     moment = in_seconds(12)
     slow = seed(stack, 3, AT_TIME, lambda i: {"moment": moment, "poll_interval": 120.0})
     url = health_url(start(stack))
-    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 1, 30,
-             "the slow group running")
+    wait_for(
+        lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 1, 30, "the slow group running"
+    )
 
     fast = seed(stack, 1, AT_TIME, lambda i: {"moment": moment, "poll_interval": 0.2})
-    both = wait_for(lambda: ti_states(dsn, slow.dag_id) | {9: ti_states(dsn, fast.dag_id)[0]},
-                    lambda s: set(s.values()) == {"scheduled"}, 40, "the whole group resumed")
+    both = wait_for(
+        lambda: ti_states(dsn, slow.dag_id) | {9: ti_states(dsn, fast.dag_id)[0]},
+        lambda s: set(s.values()) == {"scheduled"},
+        40,
+        "the whole group resumed",
+    )
     assert len(both) == 4
-    resumed = rows(dsn, "SELECT max(scheduled_dttm) FROM task_instance WHERE dag_id IN (%s, %s)",
-                   slow.dag_id, fast.dag_id)[0][0]
+    resumed = rows(
+        dsn,
+        "SELECT max(scheduled_dttm) FROM task_instance WHERE dag_id IN (%s, %s)",
+        slow.dag_id,
+        fast.dag_id,
+    )[0][0]
     # With the members' 120 s interval the group would have fired minutes late.
     assert (resumed - dt.datetime.fromisoformat(moment)).total_seconds() < 5
     assert metrics(url)["smart_triggerer_groups"] == 0
@@ -364,13 +489,19 @@ def test_queue_sets_own_disjoint_shard_spaces(stack: AirflowStack) -> None:
     rows(dsn, "UPDATE trigger SET queue = 'reports' WHERE id = ANY(%s) RETURNING 1", queued.trigger_ids)
     on_queue = health_url(stack.start_smart_triggerer("smart-reports", env=ENV, queues="reports"))
     default = health_url(start(stack, "smart-default"))
-    settled = wait_for(lambda: (metrics(on_queue), metrics(default)),
-                       lambda ms: ms[0].get("smart_triggerer_waiters") == 6
-                       and ms[1].get("smart_triggerer_waiters") == 4, 40, "each instance runs its own queue")
+    settled = wait_for(
+        lambda: (metrics(on_queue), metrics(default)),
+        lambda ms: ms[0].get("smart_triggerer_waiters") == 6 and ms[1].get("smart_triggerer_waiters") == 4,
+        40,
+        "each instance runs its own queue",
+    )
     assert settled[0]["smart_triggerer_shards_owned"] == SHARDS
     assert settled[1]["smart_triggerer_shards_owned"] == SHARDS
-    owners = rows(dsn, "SELECT t.queue, t.triggerer_id FROM trigger t WHERE t.id = ANY(%s)",
-                  queued.trigger_ids + plain.trigger_ids)
+    owners = rows(
+        dsn,
+        "SELECT t.queue, t.triggerer_id FROM trigger t WHERE t.id = ANY(%s)",
+        queued.trigger_ids + plain.trigger_ids,
+    )
     by_queue = {queue: {job for q, job in owners if q == queue} for queue, _ in owners}
     assert by_queue["reports"] == {_job_of(on_queue)} and by_queue[None] == {_job_of(default)}
 
@@ -400,8 +531,12 @@ def test_the_supervisor_never_imports_trigger_code(stack: AirflowStack, tmp_path
     seed(stack, 4, "tests.helpers.import_marker.MarkerTrigger", lambda i: {"key": f"k{i % 2}"})
     component = stack.start_smart_triggerer(env={**ENV, "SMART_TRIGGERER_IMPORT_MARKER": str(marker)})
     url = health_url(component)
-    ran = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 2, 30,
-                   "two groups of two running")
+    ran = wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_coroutines") == 2,
+        30,
+        "two groups of two running",
+    )
     assert ran["smart_triggerer_waiters"] == 4
     importers = {int(line) for line in marker.read_text().split()}
     runner_pids = {p.pid for p in component.tree()} - {component.pid}
@@ -411,39 +546,77 @@ def test_the_supervisor_never_imports_trigger_code(stack: AirflowStack, tmp_path
 def test_a_push_member_joining_a_polling_group_is_woken_by_notify(stack: AirflowStack) -> None:
     """Issue 11.1: a waiter with notify_channel joins a group a poll-only waiter started (300 s polls)."""
     dsn = stack.config.database_dsn
-    rows(dsn, "CREATE SCHEMA meta; CREATE TABLE meta.detail_process_table_status (id serial PRIMARY KEY, "
-              "table_name text, status text, created_dttm timestamptz DEFAULT now()); SELECT 1")
+    rows(
+        dsn,
+        "CREATE SCHEMA meta; CREATE TABLE meta.detail_process_table_status (id serial PRIMARY KEY, "
+        "table_name text, status text, created_dttm timestamptz DEFAULT now()); SELECT 1",
+    )
     env = {"AIRFLOW_CONN_WH": dsn}
     table_load = "triggers.table_load.TableLoadTrigger"
-    polling = seed(stack, 2, table_load, lambda i: {"conn_id": "wh", "required_tables": ["dds.user"],
-                                                     "poll_interval": 300.0})
+    polling = seed(
+        stack,
+        2,
+        table_load,
+        lambda i: {"conn_id": "wh", "required_tables": ["dds.user"], "poll_interval": 300.0},
+    )
     url = health_url(stack.start_smart_triggerer(env={**ENV, **env}))
     wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == 1, 30, "polling group")
-    pushed = seed(stack, 1, table_load, lambda i: {"conn_id": "wh", "required_tables": ["dds.user"],
-                                                    "poll_interval": 300.0, "notify_channel": "loads"})
+    pushed = seed(
+        stack,
+        1,
+        table_load,
+        lambda i: {
+            "conn_id": "wh",
+            "required_tables": ["dds.user"],
+            "poll_interval": 300.0,
+            "notify_channel": "loads",
+        },
+    )
     wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_waiters") == 3, 30, "the push member")
     # The restarted coroutine LISTENs, then checks: once a check ran after the LISTEN, only the NOTIFY can
     # wake it within 300 s (a broken LISTEN fails here, or at the bound below).
-    listening = wait_for(lambda: rows(dsn, "SELECT max(query_start) FROM pg_stat_activity "
-                                           "WHERE query ILIKE 'LISTEN %%loads%%'"),
-                         lambda r: r[0][0] is not None, 30, "the push member's LISTEN")[0][0]
+    listening = wait_for(
+        lambda: rows(
+            dsn, "SELECT max(query_start) FROM pg_stat_activity WHERE query ILIKE 'LISTEN %%loads%%'"
+        ),
+        lambda r: r[0][0] is not None,
+        30,
+        "the push member's LISTEN",
+    )[0][0]
     # (a check returns its pooled connection, which asyncpg resets: the reset is its last query)
-    wait_for(lambda: rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' "
-                               "AND query ILIKE '%%RESET ALL%%' AND query_start > %s", listening),
-             lambda r: r[0][0] > 0, 30, "the group's first check after its LISTEN")
-    rows(dsn, "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ('dds.user', "
-              "'SUCCESS'); NOTIFY loads; SELECT 1")
+    wait_for(
+        lambda: rows(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' "
+            "AND query ILIKE '%%RESET ALL%%' AND query_start > %s",
+            listening,
+        ),
+        lambda r: r[0][0] > 0,
+        30,
+        "the group's first check after its LISTEN",
+    )
+    rows(
+        dsn,
+        "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ('dds.user', "
+        "'SUCCESS'); NOTIFY loads; SELECT 1",
+    )
     flipped = time.monotonic()
     for seeded in (polling, pushed):
-        wait_for(lambda s=seeded: ti_states(dsn, s.dag_id), lambda s: set(s.values()) == {"scheduled"}, 20,
-                 "resumed by the NOTIFY, not the 300 s poll")
+        wait_for(
+            lambda s=seeded: ti_states(dsn, s.dag_id),
+            lambda s: set(s.values()) == {"scheduled"},
+            20,
+            "resumed by the NOTIFY, not the 300 s poll",
+        )
     assert time.monotonic() - flipped < 10
 
 
 FD_LIMIT = 200
 # runs the command after it under RLIMIT_NOFILE = argv[1] (soft and hard: the process cannot raise it)
-LIMITED = ("import os, resource, sys; n = int(sys.argv[1]); "
-           "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
+LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def open_trigger_logs(pid: int) -> int:
@@ -464,36 +637,62 @@ def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
     Here 400 coroutines run, log and fire under a limit of 200 descriptors."""
     dsn = stack.config.database_dsn
     count = 2 * FD_LIMIT
-    command = [str(Path(sys.executable).with_name("smart-triggerer")), "run", "--skip-serve-logs",
-               "--health-port", "0"]
+    command = [
+        str(Path(sys.executable).with_name("smart-triggerer")),
+        "run",
+        "--skip-serve-logs",
+        "--health-port",
+        "0",
+    ]
     instance = stack.add("smart-limited", [sys.executable, "-c", LIMITED, str(FD_LIMIT), *command], ENV)
     url = health_url(instance)
-    wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_shards_owned") == SHARDS, 30,
-             "every shard owned")
+    wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_shards_owned") == SHARDS,
+        30,
+        "every shard owned",
+    )
     # waiters arrive at a running instance (as in a takeover); they fire when the flag is set, below
     flag = stack.config.home / "fire"
-    seeded = seed(stack, count, FLAG_FILE, lambda i: {"key": f"w{i}", "flag": str(flag),
-                                                      "poll_interval": 1.0})
+    seeded = seed(
+        stack, count, FLAG_FILE, lambda i: {"key": f"w{i}", "flag": str(flag), "poll_interval": 1.0}
+    )
 
-    running = wait_for(lambda: metrics(url), lambda m: m.get("smart_triggerer_coroutines") == count, 30,
-                       f"{count} coroutines running")
+    running = wait_for(
+        lambda: metrics(url),
+        lambda m: m.get("smart_triggerer_coroutines") == count,
+        30,
+        f"{count} coroutines running",
+    )
     assert running["smart_triggerer_groups"] == count
     logs_dir = stack.config.home / "logs"
     began = time.monotonic()
-    wait_for(lambda: len(list(logs_dir.rglob("*.trigger.*.log"))), lambda n: n == count, 20,
-             "every coroutine's log file written")
+    wait_for(
+        lambda: len(list(logs_dir.rglob("*.trigger.*.log"))),
+        lambda n: n == count,
+        20,
+        "every coroutine's log file written",
+    )
     print(f"\nevery log file written {time.monotonic() - began:.1f}s after all {count} coroutines ran")
     held = open_trigger_logs(instance.pid)
     assert 0 < held <= FD_LIMIT // 4, held
 
     flag.touch()  # every coroutine started and logged: now all fire, and log again
-    wait_for(lambda: ti_states(dsn, seeded.dag_id), lambda s: set(s.values()) == {"scheduled"}, 60,
-             "every waiter resumed")
+    wait_for(
+        lambda: ti_states(dsn, seeded.dag_id),
+        lambda s: set(s.values()) == {"scheduled"},
+        60,
+        "every waiter resumed",
+    )
     assert instance.running(), instance.log_tail()
     assert "Too many open files" not in instance.log_path.read_text()
     # A file closed to make room is appended to when its trigger writes again: no line is lost.
-    texts = wait_for(lambda: [log.read_text() for log in logs_dir.rglob("*.trigger.*.log")],
-                     lambda t: all("Trigger fired event" in text for text in t), 30, "fired lines written")
+    texts = wait_for(
+        lambda: [log.read_text() for log in logs_dir.rglob("*.trigger.*.log")],
+        lambda t: all("Trigger fired event" in text for text in t),
+        30,
+        "fired lines written",
+    )
     assert len(texts) == count
     assert all(text.count("starting") == 1 for text in texts)
     assert open_trigger_logs(instance.pid) <= FD_LIMIT // 4

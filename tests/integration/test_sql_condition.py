@@ -54,8 +54,9 @@ async def test_condition_with_bound_values_fires(warehouse: str) -> None:
 
 async def test_failure_sql_ends_the_wait_as_failed(warehouse: str) -> None:
     await execute(warehouse, "INSERT INTO loads (name, done, broken) VALUES ('x', false, true)")
-    trigger = SqlConditionTrigger("warehouse", DONE, parameters=["x"], failure_sql=BROKEN,
-                                  failure_parameters=["x"], poll_interval=0.2)
+    trigger = SqlConditionTrigger(
+        "warehouse", DONE, parameters=["x"], failure_sql=BROKEN, failure_parameters=["x"], poll_interval=0.2
+    )
     event = await first_event(trigger)
     assert event == {"status": "failed", "message": "the failure condition holds"}
 
@@ -76,8 +77,10 @@ def test_sensor_checks_then_defers_and_bad_sql_fails_the_task(warehouse: str) ->
         SqlConditionSensor(task_id="bad", conn_id="warehouse", sql="SELEC 1").execute({})
 
 
-WRITING_CHECK = ("WITH x AS (INSERT INTO loads (name, done) VALUES ('forged', true) RETURNING done) "
-                 "SELECT bool_or(done) FROM x")
+WRITING_CHECK = (
+    "WITH x AS (INSERT INTO loads (name, done) VALUES ('forged', true) RETURNING done) "
+    "SELECT bool_or(done) FROM x"
+)
 
 
 async def test_a_check_that_writes_fails_the_task_and_changes_nothing(warehouse: str) -> None:
@@ -115,7 +118,8 @@ async def test_failure_sql_cannot_open_the_way_for_a_write(warehouse: str, first
 
 
 async def test_sessions_dying_as_postgresql_restarts_do_not_end_a_wait(
-        warehouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    warehouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A restart's FATAL read between two statements leaves asyncpg's connection in a broken state
     (``InternalClientError``, not a PostgresError): met by the LISTEN of a wait's notify channel, it once
     ended the wait with "Trigger failure" (chaos seed 20261123). Every session dies right after start-up
@@ -126,8 +130,9 @@ async def test_sessions_dying_as_postgresql_restarts_do_not_end_a_wait(
         proxies.doom("warehouse", 4)
         proxied = url._replace(netloc=f"{url.username}@127.0.0.1:{proxy.port}")
         monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE_PROXIED", f"{urlunsplit(proxied)}?sslmode=disable")
-        trigger = SqlConditionTrigger("warehouse_proxied", DONE, parameters=["x"], poll_interval=0.2,
-                                      notify_channel="loads_done")
+        trigger = SqlConditionTrigger(
+            "warehouse_proxied", DONE, parameters=["x"], poll_interval=0.2, notify_channel="loads_done"
+        )
         waiting = asyncio.create_task(first_event(trigger, timeout=60))
         await wait_until(lambda: proxy.doomed_served >= 4 or waiting.done(), "four sessions to die")
         await execute(warehouse, "INSERT INTO loads (name, done) VALUES ('x', true)")
@@ -142,7 +147,8 @@ async def wait_until(ready: Callable[[], bool], what: str, timeout: float = 30) 
 
 
 async def test_a_silent_source_holds_a_listener_only_for_its_timeout(
-        warehouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    warehouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every wait on a channel arms the shared listener before its check, under one lock: a source that
     accepts connections and then says nothing must give the hint up within LISTEN_TIMEOUT, not hold every
     wait on the channel until TCP gives up."""
@@ -153,8 +159,14 @@ async def test_a_silent_source_holds_a_listener_only_for_its_timeout(
     with Proxies((url.hostname or "127.0.0.1", url.port or 5432)).running() as proxies:
         proxy = proxies.get("silent")
         proxies.partition("silent")  # the kernel accepts; nothing reaches the server or comes back
-        target = pg.PgTarget(host="127.0.0.1", port=proxy.port, user=url.username, password=None,
-                             database=url.path.lstrip("/"), ssl="disable")
+        target = pg.PgTarget(
+            host="127.0.0.1",
+            port=proxy.port,
+            user=url.username,
+            password=None,
+            database=url.path.lstrip("/"),
+            ssl="disable",
+        )
         listener = pg.ChannelListener(target, "loads_done")
         assert await asyncio.wait_for(listener.ensure(), 10) is False
         proxies.heal("silent")

@@ -25,7 +25,8 @@ async def _watermark(dsn: str) -> int | None:
         if not await conn.fetchval("SELECT to_regclass('dataset_bridge.status_watermark') IS NOT NULL"):
             return None
         value = await conn.fetchval(
-            "SELECT last_id FROM dataset_bridge.status_watermark WHERE table_name = $1", TABLE)
+            "SELECT last_id FROM dataset_bridge.status_watermark WHERE table_name = $1", TABLE
+        )
         return int(value) if value is not None else None
     finally:
         await conn.close()
@@ -58,8 +59,11 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
         pending = asyncio.ensure_future(stream.__anext__())
         assert await _until(lambda: _watermark(warehouse)) == 1  # starts after the newest row
         conn = await asyncpg.connect(warehouse)
-        await conn.execute("INSERT INTO meta.detail_process_table_status (table_name, status) "
-                           "VALUES (NULL, 'SUCCESS'), ($1, 'WEIRD'), ($1, 'START')", TABLE)  # rows 2-4
+        await conn.execute(
+            "INSERT INTO meta.detail_process_table_status (table_name, status) "
+            "VALUES (NULL, 'SUCCESS'), ($1, 'WEIRD'), ($1, 'START')",
+            TABLE,
+        )  # rows 2-4
         await conn.close()
         await record(warehouse, TABLE, "SUCCESS", notify="table_loads")  # row 5; polling is every 300 s
         row, payload = await asyncio.wait_for(pending, 5)
@@ -103,7 +107,9 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
 
 
 async def test_nothing_moves_past_a_row_not_stored_and_a_failed_watermark_write_is_survived(
-        warehouse: str, monkeypatch: Any) -> None:  # noqa: F811
+    warehouse: str,  # noqa: F811
+    monkeypatch: Any,
+) -> None:
     trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
     for _ in range(3):
         await record(warehouse, TABLE, "SUCCESS")  # rows 1-3
@@ -137,7 +143,8 @@ async def test_nothing_moves_past_a_row_not_stored_and_a_failed_watermark_write_
 
 
 async def test_outside_a_shared_stream_the_watermark_never_moves_without_a_stored_confirmation(
-        warehouse: str) -> None:  # noqa: F811
+    warehouse: str,  # noqa: F811
+) -> None:
     trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
     await record(warehouse, TABLE, "SUCCESS")  # row 1
     events = trigger.run()
@@ -176,7 +183,8 @@ async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mar
 
 
 async def test_a_row_whose_second_emission_fails_is_read_again_and_no_stale_mark_vouches_for_it(
-        warehouse: str) -> None:  # noqa: F811
+    warehouse: str,  # noqa: F811
+) -> None:
     trigger = TableStatusTrigger("warehouse", TABLE, poll_interval=300, start_from="earliest")
     for _ in range(2):
         await record(warehouse, TABLE, "SUCCESS")  # rows 1-2

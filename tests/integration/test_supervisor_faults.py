@@ -50,8 +50,9 @@ def make_supervisor(**settings: Any) -> Any:
         def is_alive(self) -> bool:
             return True  # the test plays the runner
 
-        def _service_subprocess(self, max_wait_time: float, raise_on_timeout: bool = False,
-                                expect_signal: int | None = None) -> None:
+        def _service_subprocess(
+            self, max_wait_time: float, raise_on_timeout: bool = False, expect_signal: int | None = None
+        ) -> None:
             return None  # no runner process to read from: the test plays it
 
     job_id = _job_id()
@@ -60,9 +61,14 @@ def make_supervisor(**settings: Any) -> Any:
         session.expunge(job)
     left, _right = socket.socketpair()
     supervisor = InProcess(
-        id=job_id, pid=0, stdin=left, process=None, process_log=structlog.get_logger(), job=job,
-        capacity=100, settings=Settings(**{"shards": 4, "lease_seconds": 6.0, "resume_hold_seconds": 0,
-                                           **settings}),
+        id=job_id,
+        pid=0,
+        stdin=left,
+        process=None,
+        process_log=structlog.get_logger(),
+        job=job,
+        capacity=100,
+        settings=Settings(**{"shards": 4, "lease_seconds": 6.0, "resume_hold_seconds": 0, **settings}),
     )
     supervisor.runner_end = _right  # the runner's end of the socket, open while the supervisor answers
     supervisor.register()
@@ -85,8 +91,13 @@ def unhashed(supervisor: Any) -> int:
     from airflow import settings
 
     dsn = settings.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    return int(rows(dsn, "SELECT count(*) FROM trigger t LEFT JOIN smart_triggerer.trigger_identity i "
-                         "ON i.trigger_id = t.id WHERE i.trigger_id IS NULL")[0][0])
+    return int(
+        rows(
+            dsn,
+            "SELECT count(*) FROM trigger t LEFT JOIN smart_triggerer.trigger_identity i "
+            "ON i.trigger_id = t.id WHERE i.trigger_id IS NULL",
+        )[0][0]
+    )
 
 
 def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None) -> Any:
@@ -97,13 +108,21 @@ def event_entry(trigger_id: int, payload: dict[str, Any], seq: int | None = None
 
 
 def next_kwargs(dsn: str, dag_id: str) -> dict[int, Any]:
-    return {r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
-            for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)}
+    return {
+        r[0]: json.loads(r[1]) if isinstance(r[1], str) else r[1]
+        for r in rows(dsn, "SELECT map_index, next_kwargs FROM task_instance WHERE dag_id = %s", dag_id)
+    }
 
 
 def seed(config: AirflowConfig, count: int, moment: str = LATER, **kw: Any) -> Seeded:
-    return seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
-                         kwargs_for=lambda i: {"moment": moment}, **kw)
+    return seed_deferred(
+        config.database_dsn,
+        config.dags_folder,
+        count=count,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": moment},
+        **kw,
+    )
 
 
 def add_watcher(name: str, moment: str = LATER) -> int:
@@ -188,9 +207,15 @@ def test_a_process_past_its_lease_writes_nothing(env: AirflowConfig) -> None:
     seeded = seed(env, 3, trigger_timeout=dt.timedelta(seconds=2))
     load(paused)
     runner = runner_of(paused, seeded)
-    wait_for(lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
-                               "WHERE expires_at > clock_timestamp()"),
-             lambda r: r == [(0,)], 10, "the paused instance's leases to lapse", interval=0.05)
+    wait_for(
+        lambda: rows(
+            dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE expires_at > clock_timestamp()"
+        ),
+        lambda r: r == [(0,)],
+        10,
+        "the paused instance's leases to lapse",
+        interval=0.05,
+    )
     taker = make_supervisor(lease_seconds=3.0)
     load(taker)
     assert taker.owned == {0, 1, 2, 3}
@@ -300,8 +325,11 @@ def test_a_leader_that_cannot_start_hands_the_group_to_another_member(env: Airfl
     seeded = seed(env, 3)
     load(supervisor)
     leader = min(seeded.trigger_ids)
-    rows(dsn, "UPDATE task_instance SET state = NULL, trigger_id = NULL WHERE trigger_id = %s RETURNING 1",
-         leader)
+    rows(
+        dsn,
+        "UPDATE task_instance SET state = NULL, trigger_id = NULL WHERE trigger_id = %s RETURNING 1",
+        leader,
+    )
     supervisor._start_groups()
     group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[seeded.trigger_ids[1]]]
     assert group.runner_id == sorted(seeded.trigger_ids)[1]
@@ -320,13 +348,21 @@ def test_a_late_commit_with_a_lower_id_is_not_skipped(env: AirflowConfig) -> Non
     other = psycopg2.connect(dsn)  # another instance hashing the early rows, committing late
     try:
         cur = other.cursor()
-        cur.execute("SELECT id, classpath, kwargs FROM trigger WHERE id = ANY(%s) FOR UPDATE",
-                    (early.trigger_ids,))
+        cur.execute(
+            "SELECT id, classpath, kwargs FROM trigger WHERE id = ANY(%s) FOR UPDATE", (early.trigger_ids,)
+        )
         for identity in compute_identities(cur.fetchall(), supervisor.settings):
-            cur.execute("INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, "
-                        "shard, dedupable, execution) VALUES (%s, %s, %s, %s, %s)",
-                        (identity.trigger_id, identity.identity_hash, identity.shard, identity.dedupable,
-                         json.dumps(identity.execution)))
+            cur.execute(
+                "INSERT INTO smart_triggerer.trigger_identity (trigger_id, identity_hash, "
+                "shard, dedupable, execution) VALUES (%s, %s, %s, %s, %s)",
+                (
+                    identity.trigger_id,
+                    identity.identity_hash,
+                    identity.shard,
+                    identity.dedupable,
+                    json.dumps(identity.execution),
+                ),
+            )
         load(supervisor)
         assert set(supervisor.member_info) == set(late.trigger_ids)
         other.commit()
@@ -341,8 +377,11 @@ def test_the_resume_hold_uses_the_database_clock(env: AirflowConfig) -> None:
     dsn = env.database_dsn
     supervisor = make_supervisor(resume_hold_seconds=5.0)
     seeded = seed(env, 2)
-    rows(dsn, "UPDATE trigger SET created_date = now() + interval '1 hour' WHERE id = ANY(%s) RETURNING 1",
-         seeded.trigger_ids)
+    rows(
+        dsn,
+        "UPDATE trigger SET created_date = now() + interval '1 hour' WHERE id = ANY(%s) RETURNING 1",
+        seeded.trigger_ids,
+    )
     load(supervisor)
     holds = [supervisor.young_until[t] - time.monotonic() for t in seeded.trigger_ids]
     assert all(0 < h <= 5.0 for h in holds), holds
@@ -398,8 +437,9 @@ def test_health_snapshot_never_reads_what_the_loop_mutates(env: AirflowConfig) -
     assert errors == []
 
 
-def test_starting_many_groups_deserializes_each_dag_version_once(env: AirflowConfig,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_starting_many_groups_deserializes_each_dag_version_once(
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 13 (50,000 waiters): Airflow's _create_workload deserializes the task's DAG for every trigger;
     one build reads each DAG version once and the workloads are what Airflow builds."""
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
@@ -417,8 +457,13 @@ def test_starting_many_groups_deserializes_each_dag_version_once(env: AirflowCon
         return original(cls, data)
 
     supervisor = make_supervisor()
-    first = seed_deferred(env.database_dsn, env.dags_folder, count=6, classpath=AT_TIME,
-                          kwargs_for=lambda i: {"moment": f"2099-01-0{i + 1}T00:00:00+00:00"})
+    first = seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=6,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": f"2099-01-0{i + 1}T00:00:00+00:00"},
+    )
     second = seed(env, 2)
     load(supervisor)
     monkeypatch.setattr(DagSerialization, "from_dict", classmethod(counting))
@@ -432,8 +477,9 @@ def test_starting_many_groups_deserializes_each_dag_version_once(env: AirflowCon
     with create_session() as session:  # Airflow's own _create_workload, with its own DAG bag
         bag, render = DBDagBag(), log_filename_template_renderer()
         triggers = Trigger.bulk_fetch(set(first.trigger_ids), session=session).values()
-        stock = [TriggerRunnerSupervisor._create_workload(supervisor, t, bag, render, session)
-                 for t in triggers]
+        stock = [
+            TriggerRunnerSupervisor._create_workload(supervisor, t, bag, render, session) for t in triggers
+        ]
     assert len(calls) == len(first.trigger_ids)  # what Airflow alone costs
     for workload in stock:  # what the runner gets (the DTO's executor-only fields are never sent)
         assert started[workload.id].model_dump() == workload.model_dump()
@@ -460,12 +506,18 @@ def blip_once(monkeypatch: pytest.MonkeyPatch, method: str) -> list[str]:
 
 
 def test_shards_taken_in_a_loop_that_then_fails_are_read_when_it_recovers(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 25.1, a rolling deploy: A stops gracefully; B takes A's shards in a loop whose next statement
     loses its connection. The shards stay "to be read in full" until that read commits."""
     first = make_supervisor()
-    seeded = seed_deferred(env.database_dsn, env.dags_folder, count=12, classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": f"2099-01-{i + 1:02d}T00:00:00+00:00"})
+    seeded = seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=12,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": f"2099-01-{i + 1:02d}T00:00:00+00:00"},
+    )
     load(first)
     second = make_supervisor()
     load(second)  # A's leases hold: B owns nothing yet, but has read the feed (its position is set)
@@ -481,7 +533,8 @@ def test_shards_taken_in_a_loop_that_then_fails_are_read_when_it_recovers(
 
 
 def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 25.3: a slow loop lets the instance's own leases lapse by the database clock; the event it
     then stores is fenced out. Renewing the same shards must read their waiters again, not leave them
     deferred with no coroutine; the event is stored once they are back."""
@@ -496,15 +549,18 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
         # its membership is kept (a heartbeat without a lease renewal): the re-read that follows must come
         # from the lapsed shards alone, not from a full re-read after a lapsed membership
         supervisor._heartbeat_counters()
-        return rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease "
-                         "WHERE expires_at > clock_timestamp()")
+        return rows(
+            dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE expires_at > clock_timestamp()"
+        )
 
-    wait_for(valid_leases, lambda r: r == [(0,)], 10, "the leases to lapse by the database clock",
-             interval=0.05)
+    wait_for(
+        valid_leases, lambda r: r == [(0,)], 10, "the leases to lapse by the database clock", interval=0.05
+    )
     full_reads: list[int] = []
     original = type(supervisor)._lost_the_feed
-    monkeypatch.setattr(type(supervisor), "_lost_the_feed",
-                        lambda self: (full_reads.append(1), original(self))[1])
+    monkeypatch.setattr(
+        type(supervisor), "_lost_the_feed", lambda self: (full_reads.append(1), original(self))[1]
+    )
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=21))
     # by the host's clock the leases were renewed a moment ago (the database's clock stepped forward):
     # the loop does not renew before it writes, and the write's fence finds them lapsed
@@ -550,7 +606,8 @@ def test_a_slow_loop_with_valid_leases_keeps_its_groups_running(env: AirflowConf
 
 
 def test_shards_stop_before_expiry_when_the_database_is_unreachable_and_the_cause_is_logged(
-        env: AirflowConfig) -> None:
+    env: AirflowConfig,
+) -> None:
     from structlog.testing import capture_logs
 
     dsn = env.database_dsn
@@ -584,7 +641,8 @@ def restarted(supervisor: Any, watcher: int) -> Any:
 
 
 def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_lives(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     """Issue 25.6: a non-database exception in the event path (here Airflow's configured asset manager is
     the bridge's, and its routes file is missing on this host) used to escape the loop and kill the
     instance; the next owner re-fired the event and died too. The watcher restarts with backoff, the
@@ -605,10 +663,14 @@ def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_li
     task_runner = runner_of(supervisor, tasks)
     supervisor.running_triggers.update({watcher_runner, task_runner})
     good_manager = airflow.assets.manager.asset_manager
-    monkeypatch.setattr(airflow.assets.manager, "asset_manager",
-                        OutboxAssetManager(routes=str(tmp_path / "missing-routes.json")))
-    supervisor.events.append(event_entry(watcher_runner, {"moment": LATER, "idempotency_key": "row-1"},
-                                         seq=5))
+    monkeypatch.setattr(
+        airflow.assets.manager,
+        "asset_manager",
+        OutboxAssetManager(routes=str(tmp_path / "missing-routes.json")),
+    )
+    supervisor.events.append(
+        event_entry(watcher_runner, {"moment": LATER, "idempotency_key": "row-1"}, seq=5)
+    )
     supervisor.events.append(event_entry(task_runner, {"moment": other}))
     supervisor._db_step("events", supervisor.handle_events)
 
@@ -624,8 +686,13 @@ def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_li
     assert 'smart_triggerer_watchers_failing{job_id="' in render_metrics(supervisor.snapshot())
 
     supervisor.running_triggers.discard(watcher_runner)  # the runner cancelled it
-    runner = wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10,
-                      "the watcher to start again after its backoff", interval=0.1)
+    runner = wait_for(
+        lambda: restarted(supervisor, watcher),
+        lambda r: r is not None,
+        10,
+        "the watcher to start again after its backoff",
+        interval=0.1,
+    )
     assert runner in {w.id for w in supervisor.creating_triggers}
     monkeypatch.setattr(airflow.assets.manager, "asset_manager", good_manager)
     supervisor.running_triggers.add(runner)
@@ -648,14 +715,24 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
     supervisor._db_step("failures", supervisor.handle_failed_triggers)
     assert watcher in supervisor.member_info and watcher_group(supervisor, watcher).runner_id is None
     failed_at = time.monotonic()
-    again = wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10,
-                     "the first restart", interval=0.05)
+    again = wait_for(
+        lambda: restarted(supervisor, watcher),
+        lambda r: r is not None,
+        10,
+        "the first restart",
+        interval=0.05,
+    )
     first_wait = time.monotonic() - failed_at
     supervisor.failed_triggers.append((again, ConnectionRefusedError("warehouse is down")))
     supervisor._db_step("failures", supervisor.handle_failed_triggers)
     failed_at = time.monotonic()
-    wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10, "the second restart",
-             interval=0.05)
+    wait_for(
+        lambda: restarted(supervisor, watcher),
+        lambda r: r is not None,
+        10,
+        "the second restart",
+        interval=0.05,
+    )
     second_wait = time.monotonic() - failed_at
     # 1 s, then 2 s: each under the next step's wait (a busy host's loop adds a little, never a step)
     assert 0.9 <= first_wait < 1.9 <= second_wait < 3.9, (first_wait, second_wait)
@@ -664,7 +741,8 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
 
 
 def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
-        env: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """From a review: a watcher whose source replays what was not acknowledged (a status table in
     ack mode) met the same unstorable event at every restart, for ever, and its later rows never became
     events. After DEAD_AFTER failures of that event it is set aside (dead_event) and acknowledged; the
@@ -688,11 +766,17 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
     good_manager = airflow.assets.manager.asset_manager
     monkeypatch.setattr(airflow.assets.manager, "asset_manager", Refusing())
     for attempt in (1, 2, 3):
-        runner = wait_for(lambda: restarted(supervisor, watcher), lambda r: r is not None, 10,
-                          "the watcher to start (again)", interval=0.02)
+        runner = wait_for(
+            lambda: restarted(supervisor, watcher),
+            lambda r: r is not None,
+            10,
+            "the watcher to start (again)",
+            interval=0.02,
+        )
         supervisor.running_triggers.add(runner)
-        supervisor.events.append(event_entry(runner, {"moment": LATER, "idempotency_key": "row-1"},
-                                             seq=attempt))
+        supervisor.events.append(
+            event_entry(runner, {"moment": LATER, "idempotency_key": "row-1"}, seq=attempt)
+        )
         supervisor._db_step("events", supervisor.handle_events)
         if attempt < 3:
             assert list(supervisor.persisted_event_seqs) == []
@@ -714,7 +798,8 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
 
 
 def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_time(
-        env: AirflowConfig, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    env: AirflowConfig, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A handover of 13,000 coroutines at 50,000 waiters ended them all in one runner message; Airflow
     closed (and made, their first lines still held) every log file while handling it, and the loop stood
     for seconds past the lease: the instance's other shards were taken by its peer and taken back (a flap
@@ -723,38 +808,40 @@ def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_
 
     from airflow.jobs.triggerer_job_runner import messages
 
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
     from smart_triggerer.supervisor.trigger_logs import PooledTriggerLoggingFactory
 
-    monkeypatch.setattr(starting, "WRITE_HELD_SECONDS", 0.0)  # one file per pass: the budget is what counts
+    monkeypatch.setattr(log_files, "WRITE_HELD_SECONDS", 0.0)  # one file per pass: the budget is what counts
     supervisor = make_supervisor()
     ids = list(range(1_000_000, 1_000_300))
-    supervisor.log_pool.holding = True  # a takeover's start: first lines held, files not made yet
+    supervisor.log_files.pool.holding = True  # a takeover's start: first lines held, files not made yet
     for trigger_id in ids:
-        factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / f"{trigger_id}.log"), ti=None,
-                                              pool=supervisor.log_pool)
-        factory([lambda _l, _m, event: str(event['event']).encode()]).log(20, "trigger starting")
+        factory = PooledTriggerLoggingFactory(
+            log_path=str(tmp_path / f"{trigger_id}.log"), ti=None, pool=supervisor.log_files.pool
+        )
+        factory([lambda _l, _m, event: str(event["event"]).encode()]).log(20, "trigger starting")
         supervisor.logger_cache[trigger_id] = factory
         supervisor.running_triggers.add(trigger_id)
 
     supervisor._handle_request(messages.TriggerStateChanges(finished=ids), structlog.get_logger(), 1)
     files = [tmp_path / f"{trigger_id}.log" for trigger_id in ids]
-    assert not any(f.exists() for f in files) and list(supervisor.ended_logs) == ids
+    assert not any(f.exists() for f in files) and list(supervisor.log_files.ended) == ids
     assert not supervisor.running_triggers & set(ids)  # Airflow's own bookkeeping went on
 
     supervisor._pool_log_file(ids[-1])  # the id starts again here: its ended file is closed first
-    assert files[-1].exists() and ids[-1] not in supervisor.ended_logs
+    assert files[-1].exists() and ids[-1] not in supervisor.log_files.ended
     passes = 0
-    while supervisor.ended_logs:
-        supervisor.held_written_at = -math.inf  # a pass is due (the test does not wait for the interval)
-        supervisor._pace_log_files()
+    while supervisor.log_files.ended:
+        supervisor.log_files.written_at = -math.inf  # a pass is due (the test does not wait for the interval)
+        supervisor.log_files.pace()
         passes += 1
     assert passes == len(ids) - 1
     assert all(Path(f).read_text() == "trigger starting\n" for f in files)
 
 
-def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(env: AirflowConfig,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(
+    env: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Closing an ended coroutine's file runs in the loop, outside Airflow's request handling (which
     caught any error): a full disk or a stale network mount, or a remote log handler that cannot even be
     loaded, must cost a warning, not the supervisor."""
@@ -776,9 +863,9 @@ def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(env: AirflowConfi
     supervisor.logger_cache[7] = Unclosable()
     supervisor.running_triggers.add(7)
     supervisor._handle_request(messages.TriggerStateChanges(finished=[7]), structlog.get_logger(), 1)
-    supervisor.held_written_at = -math.inf
+    supervisor.log_files.written_at = -math.inf
     with structlog.testing.capture_logs() as logs:
-        supervisor._pace_log_files()
-    assert not supervisor.ended_logs
+        supervisor.log_files.pace()
+    assert not supervisor.log_files.ended
     events = {e["event"] for e in logs}
     assert {"Failed to upload trigger logs to remote", "could not close a trigger's log file"} <= events

@@ -39,8 +39,9 @@ def warehouse(pg_db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 async def record(dsn: str, table: str, status: str, notify: str | None = None) -> None:
     conn = await asyncpg.connect(dsn)
-    await conn.execute("INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ($1, $2)",
-                       table, status)
+    await conn.execute(
+        "INSERT INTO meta.detail_process_table_status (table_name, status) VALUES ($1, $2)", table, status
+    )
     if notify:
         await conn.execute(f"NOTIFY {notify}")
     await conn.close()
@@ -118,8 +119,14 @@ def test_sensor_finishes_in_the_worker_when_already_loaded(warehouse: str) -> No
 
 
 def test_sensor_defers_with_its_trigger_when_not_loaded(warehouse: str) -> None:
-    sensor = TableLoadSensor(task_id="wait", conn_id="warehouse", required_tables=["b", "a"],
-                             poke_interval=42, timeout=600, notify_channel="loads")
+    sensor = TableLoadSensor(
+        task_id="wait",
+        conn_id="warehouse",
+        required_tables=["b", "a"],
+        poke_interval=42,
+        timeout=600,
+        notify_channel="loads",
+    )
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
     classpath, kwargs = deferred.value.trigger.serialize()
@@ -133,13 +140,15 @@ def test_sensor_failed_load_fails_or_skips(warehouse: str) -> None:
     with pytest.raises(AirflowException, match=r"FAILED for dds\.h_user"):
         TableLoadSensor(task_id="a", conn_id="warehouse", required_tables=["dds.h_user"]).execute({})
     with pytest.raises(AirflowSkipException):
-        TableLoadSensor(task_id="b", conn_id="warehouse", required_tables=["dds.h_user"],
-                        soft_fail=True).execute({})
+        TableLoadSensor(
+            task_id="b", conn_id="warehouse", required_tables=["dds.h_user"], soft_fail=True
+        ).execute({})
 
 
 def test_non_deferrable_poke_runs_the_same_check(warehouse: str) -> None:
-    sensor = TableLoadSensor(task_id="wait", conn_id="warehouse", required_tables=["dds.h_user"],
-                             deferrable=False)
+    sensor = TableLoadSensor(
+        task_id="wait", conn_id="warehouse", required_tables=["dds.h_user"], deferrable=False
+    )
     assert sensor.poke({}) is False
     asyncio.run(record(warehouse, "dds.h_user", "SUCCESS"))
     assert sensor.poke({}) is True

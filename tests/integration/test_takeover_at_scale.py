@@ -38,11 +38,18 @@ def audited(airflow_stack: AirflowStack) -> Iterator[AirflowStack]:
 
 def waits_of(dsn: str, job_id: int, dag_id: str) -> list[int]:
     """Map indexes of the deferred waits whose shard ``job_id`` holds (waiter i waits on key-i)."""
-    return [r[0] for r in rows(
-        dsn, "SELECT ti.map_index FROM task_instance ti "
-             "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
-             "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
-             "WHERE ti.dag_id = %s AND ti.state = 'deferred' AND l.owner_job_id = %s", dag_id, job_id)]
+    return [
+        r[0]
+        for r in rows(
+            dsn,
+            "SELECT ti.map_index FROM task_instance ti "
+            "JOIN smart_triggerer.trigger_identity i ON i.trigger_id = ti.trigger_id "
+            "JOIN smart_triggerer.shard_lease l ON l.shard = i.shard AND l.queues = '' "
+            "WHERE ti.dag_id = %s AND ti.state = 'deferred' AND l.owner_job_id = %s",
+            dag_id,
+            job_id,
+        )
+    ]
 
 
 def two_instances_polling(stack: AirflowStack, source: ControlledServer) -> tuple[list[Component], str]:
@@ -50,25 +57,39 @@ def two_instances_polling(stack: AirflowStack, source: ControlledServer) -> tupl
     dsn = stack.config.database_dsn
     instances = [start(stack, "smart-a"), start(stack, "smart-b")]
     jobs = [_job_of(health_url(c)) for c in instances]
-    wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == set(jobs), 60,
-             "both instances to own shards")
-    seeded = seed(stack, WAITS, SOURCE_POLL,
-                  lambda i: {"url": source.url, "key": f"key-{i}", "poll_interval": POLL_INTERVAL})
-    wait_for(lambda: len(source.polled_since(0.0)), lambda n: n == WAITS, 120, "every wait polled once",
-             interval=0.5)
+    wait_for(
+        lambda: lease_owners(dsn), lambda o: set(o.values()) == set(jobs), 60, "both instances to own shards"
+    )
+    seeded = seed(
+        stack,
+        WAITS,
+        SOURCE_POLL,
+        lambda i: {"url": source.url, "key": f"key-{i}", "poll_interval": POLL_INTERVAL},
+    )
+    wait_for(
+        lambda: len(source.polled_since(0.0)),
+        lambda n: n == WAITS,
+        120,
+        "every wait polled once",
+        interval=0.5,
+    )
     return instances, seeded.dag_id
 
 
 def all_polling_after(source: ControlledServer, since: float, keys: set[str], timeout: float) -> float:
     """Seconds from ``since`` (wall clock) until each of these keys was polled after it."""
-    polled = wait_for(lambda: source.polled_since(since), lambda p: keys <= set(p), timeout,
-                      f"{len(keys)} waits to poll again", interval=0.2)
+    polled = wait_for(
+        lambda: source.polled_since(since),
+        lambda p: keys <= set(p),
+        timeout,
+        f"{len(keys)} waits to poll again",
+        interval=0.2,
+    )
     return max(polled[k] for k in keys) - since
 
 
 @pytest.mark.alone  # asserts a time bound: runs with no other test beside it (dev.py)
-def test_a_takeover_of_thousands_of_waits_polls_every_one_within_lease_plus_5s(
-        audited: AirflowStack) -> None:
+def test_a_takeover_of_thousands_of_waits_polls_every_one_within_lease_plus_5s(audited: AirflowStack) -> None:
     dsn = audited.config.database_dsn
     with ControlledServer().running() as source:
         instances, dag_id = two_instances_polling(audited, source)
@@ -79,13 +100,19 @@ def test_a_takeover_of_thousands_of_waits_polls_every_one_within_lease_plus_5s(
         killed = time.time()
         victim.signal(signal.SIGKILL)
         took = all_polling_after(source, killed, keys, LEASE + 60)
-        print(f"\n{len(keys)} waits of the killed instance all polling again {took:.2f}s after the kill "
-              f"(lease {LEASE:g}s)")
+        print(
+            f"\n{len(keys)} waits of the killed instance all polling again {took:.2f}s after the kill "
+            f"(lease {LEASE:g}s)"
+        )
         assert took <= BOUND, f"the takeover took {took:.1f}s until every wait polled (bound {BOUND:g}s)"
         assert metrics(health_url(survivor))["smart_triggerer_waiters"] == WAITS
         source.ready.update(f"key-{i}" for i in range(WAITS))
-        wait_for(lambda: ti_states(dsn, dag_id), lambda s: set(s.values()) == {"scheduled"},
-                 POLL_INTERVAL + 30, "every wait resumed")
+        wait_for(
+            lambda: ti_states(dsn, dag_id),
+            lambda s: set(s.values()) == {"scheduled"},
+            POLL_INTERVAL + 30,
+            "every wait resumed",
+        )
     assert_each_resolved_once(dsn, dag_id)
 
 
@@ -98,30 +125,56 @@ def test_a_takeover_interrupted_halfway_still_loads_every_wait(audited: AirflowS
         (victim, taker), dag_id = two_instances_polling(audited, source)
         last = start(audited, "smart-c")
         last_job = _job_of(health_url(last))
-        wait_for(lambda: lease_owners(dsn), lambda o: last_job in set(o.values()), 60,
-                 "the third instance to own shards")
+        wait_for(
+            lambda: lease_owners(dsn),
+            lambda o: last_job in set(o.values()),
+            60,
+            "the third instance to own shards",
+        )
         victim_job = _job_of(health_url(victim))
         keys = {f"key-{i}" for i in waits_of(dsn, victim_job, dag_id)}
         killed = time.time()
         victim.signal(signal.SIGKILL)
         # kill a taker as soon as the victim's waits have started polling again, before all of them
-        started = wait_for(lambda: set(source.polled_since(killed)) & keys, bool, LEASE + 30,
-                           "the takeover to start", interval=0.01)
+        started = wait_for(
+            lambda: set(source.polled_since(killed)) & keys,
+            bool,
+            LEASE + 30,
+            "the takeover to start",
+            interval=0.01,
+        )
         taker.signal(signal.SIGKILL)
         print(f"\nkilled a taker with {len(started)} of the victim's {len(keys)} waits polling again")
-        wait_for(lambda: lease_owners(dsn), lambda o: set(o.values()) == {last_job}, LEASE + 30,
-                 "the last instance to own every shard", interval=0.1)
-        wait_for(lambda: metrics(health_url(last)), lambda m: m["smart_triggerer_waiters"] == WAITS, 60,
-                 "the last instance to run every wait")
+        wait_for(
+            lambda: lease_owners(dsn),
+            lambda o: set(o.values()) == {last_job},
+            LEASE + 30,
+            "the last instance to own every shard",
+            interval=0.1,
+        )
+        wait_for(
+            lambda: metrics(health_url(last)),
+            lambda m: m["smart_triggerer_waiters"] == WAITS,
+            60,
+            "the last instance to run every wait",
+        )
         source.ready.update(f"key-{i}" for i in range(WAITS))
-        wait_for(lambda: ti_states(dsn, dag_id), lambda s: set(s.values()) == {"scheduled"},
-                 POLL_INTERVAL + 30, "every wait resumed")
+        wait_for(
+            lambda: ti_states(dsn, dag_id),
+            lambda s: set(s.values()) == {"scheduled"},
+            POLL_INTERVAL + 30,
+            "every wait resumed",
+        )
     assert_each_resolved_once(dsn, dag_id)
 
 
 def assert_each_resolved_once(dsn: str, dag_id: str) -> None:
-    audit = rows(dsn, "SELECT a.ti_id::text, a.op FROM chaos.ti_audit a "
-                      "JOIN task_instance ti ON ti.id = a.ti_id WHERE ti.dag_id = %s", dag_id)
+    audit = rows(
+        dsn,
+        "SELECT a.ti_id::text, a.op FROM chaos.ti_audit a "
+        "JOIN task_instance ti ON ti.id = a.ti_id WHERE ti.dag_id = %s",
+        dag_id,
+    )
     resolved = Counter(ti for ti, op in audit if op == "resolved")
     assert len(resolved) == WAITS and set(resolved.values()) == {1}
     assert not [a for a in audit if a[1] in ("rewritten", "deleted")]
@@ -140,9 +193,14 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
 
     def group(poll_interval: float, *, hours: int, timeout: dt.timedelta | None = None) -> list[int]:
         moment = (later + dt.timedelta(hours=hours)).isoformat()
-        seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=2,
-                               classpath=AT_TIME, trigger_timeout=timeout,
-                               kwargs_for=lambda i: {"moment": moment, "poll_interval": poll_interval})
+        seeded = seed_deferred(
+            airflow_config.database_dsn,
+            airflow_config.dags_folder,
+            count=2,
+            classpath=AT_TIME,
+            trigger_timeout=timeout,
+            kwargs_for=lambda i: {"moment": moment, "poll_interval": poll_interval},
+        )
         return seeded.trigger_ids
 
     slow, mid = group(60.0, hours=1), group(10.0, hours=2)
@@ -159,8 +217,9 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
     assert all(runner in members for runner, members in zip(started, order, strict=True))
 
 
-def test_the_start_order_is_kept_between_calls_until_a_group_arrives(airflow_config: AirflowConfig,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_start_order_is_kept_between_calls_until_a_group_arrives(
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A takeover of thousands starts them a batch at a time over many calls: they are sorted once, not
     for every batch, and a group that comes to wait meanwhile (here an asset watcher, the most urgent) is
     started next."""
@@ -171,10 +230,16 @@ def test_the_start_order_is_kept_between_calls_until_a_group_arrives(airflow_con
 
     use_airflow_db(airflow_config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
-    seeded = seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=6,
-                           classpath=AT_TIME,
-                           kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat(),
-                                                 "poll_interval": 10.0 * (i + 1)})
+    seeded = seed_deferred(
+        airflow_config.database_dsn,
+        airflow_config.dags_folder,
+        count=6,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {
+            "moment": (base + dt.timedelta(minutes=i)).isoformat(),
+            "poll_interval": 10.0 * (i + 1),
+        },
+    )
     sorts: list[int] = []
     original = SmartTriggerRunnerSupervisor._by_urgency
 
@@ -203,7 +268,8 @@ def test_the_start_order_is_kept_between_calls_until_a_group_arrives(airflow_con
 
 
 def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """During an outage each start call marked a batch of groups started before its build failed; once
     the database was back, every one of them was built in one call (one transaction, no lease renewal, no
     runner served meanwhile: minutes at tens of thousands). Builds stay a batch each."""
@@ -216,8 +282,13 @@ def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
 
     use_airflow_db(airflow_config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
-    seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=12, classpath=AT_TIME,
-                  kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()})
+    seed_deferred(
+        airflow_config.database_dsn,
+        airflow_config.dags_folder,
+        count=12,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()},
+    )
     supervisor = make_supervisor(max_new_per_loop=3)
     load(supervisor)
     original = SmartTriggerRunnerSupervisor.build_trigger_workloads
@@ -256,8 +327,13 @@ def taken_over(config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, count: in
 
     use_airflow_db(config.database_dsn)
     base = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
-    seed_deferred(config.database_dsn, config.dags_folder, count=count, classpath=AT_TIME,
-                  kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()})
+    seed_deferred(
+        config.database_dsn,
+        config.dags_folder,
+        count=count,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": (base + dt.timedelta(minutes=i)).isoformat()},
+    )
     monkeypatch.setattr(feed, "FIRST_READ_GROUPS", 4)
     owner = make_supervisor(max_new_per_loop=5)
     load(owner)
@@ -274,7 +350,8 @@ def waiting_ids(dsn: str) -> set[int]:
 
 
 def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_rest(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The taker reads the shards holding its first ``FIRST_READ_GROUPS`` groups (by the loads the last
     owner published), starts them, then reads the other shards; every wait is loaded and claimed."""
     from smart_triggerer.db.store import Store
@@ -322,7 +399,8 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
 
 
 def test_a_takeover_whose_second_read_fails_reads_the_shards_left_in_the_next_loop(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sqlalchemy.exc import OperationalError
 
     from smart_triggerer.db.store import Store
@@ -355,7 +433,8 @@ def test_a_takeover_whose_second_read_fails_reads_the_shards_left_in_the_next_lo
 
 @pytest.mark.parametrize("meanwhile", ["a share of the lease passed", "a stop was asked"])
 def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, meanwhile: str) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
     """Phases go on for a share of the lease after the renewal that took the shards (a slow machine, a
     short lease): then the next loop renews at once and reads the rest. A stop ends them too. Either
     way the shards not read yet stay to be read: nothing of them is lost or started unread."""
@@ -397,7 +476,8 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
 
 
 def test_a_group_runs_with_its_members_merged_settings_and_a_uniform_one_with_its_leaders_own(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two groups of two waits each: one whose members both poll every 60 s starts from its leader's
     workload as stored (its kwargs not even decrypted), one whose second member polls every 5 s starts
     with 5 s."""
@@ -410,8 +490,13 @@ def test_a_group_runs_with_its_members_merged_settings_and_a_uniform_one_with_it
     use_airflow_db(airflow_config.database_dsn)
     other = (dt.datetime.fromisoformat(LATER) + dt.timedelta(hours=1)).isoformat()
     intervals = {0: (LATER, 60.0), 1: (LATER, 60.0), 2: (other, 60.0), 3: (other, 5.0)}
-    seed_deferred(airflow_config.database_dsn, airflow_config.dags_folder, count=4, classpath=AT_TIME,
-                  kwargs_for=lambda i: {"moment": intervals[i][0], "poll_interval": intervals[i][1]})
+    seed_deferred(
+        airflow_config.database_dsn,
+        airflow_config.dags_folder,
+        count=4,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": intervals[i][0], "poll_interval": intervals[i][1]},
+    )
     supervisor = make_supervisor()
     load(supervisor)
     decrypt = Trigger._decrypt_kwargs
@@ -432,7 +517,8 @@ def test_a_group_runs_with_its_members_merged_settings_and_a_uniform_one_with_it
 
 @pytest.mark.parametrize("shard", [0, 3], ids=["in the first phase", "in the last phase"])
 def test_a_shard_whose_lease_lapsed_during_a_read_starts_nothing(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, shard: int) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, shard: int
+) -> None:
     """A read's fence finds a shard's lease lapsed by the database clock (a clock step, a stall past the
     lease): no start after it may run its waits (a peer may be claiming it); it is dropped, and the
     other shards are read and started."""
@@ -459,18 +545,31 @@ def test_a_shard_whose_lease_lapsed_during_a_read_starts_nothing(
 
     between = started_shards()
     taker._start_groups()  # the loop's start after the reads
-    print("\nowned:", sorted(taker.owned), "| started between the reads:", sorted(between),
-          "| after:", sorted(started_shards()))
+    print(
+        "\nowned:",
+        sorted(taker.owned),
+        "| started between the reads:",
+        sorted(between),
+        "| after:",
+        sorted(started_shards()),
+    )
     assert lapsed == {shard} and shard not in taker.owned and shard not in between
     assert not any(info.shard == shard for info in taker.member_info.values())
     assert started_shards() == {0, 1, 2, 3} - {shard}
-    of_the_shard = {r[0] for r in rows(airflow_config.database_dsn, "SELECT trigger_id FROM "
-                                       "smart_triggerer.trigger_identity WHERE shard = %s", shard)}
+    of_the_shard = {
+        r[0]
+        for r in rows(
+            airflow_config.database_dsn,
+            "SELECT trigger_id FROM smart_triggerer.trigger_identity WHERE shard = %s",
+            shard,
+        )
+    }
     assert of_the_shard and not of_the_shard & {w.id for w in taker.creating_triggers}  # never handed out
 
 
 def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
-        airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    airflow_config: AirflowConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While the first shards start (between the two reads), a wait of the first shards and one of the
     rest leave (their tasks cleared, their trigger rows deleted as Airflow's clean_unused does) and new
     waits arrive: after the next loop the taker runs exactly the waits still waiting."""
@@ -488,12 +587,21 @@ def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
             first = min(self.member_info)
             rest = next(t for t in waiting_ids(dsn) if t not in self.member_info)
             for trigger_id in (first, rest):
-                rows(dsn, "UPDATE task_instance SET state = 'scheduled', trigger_id = NULL "
-                          "WHERE trigger_id = %s RETURNING 1", trigger_id)
+                rows(
+                    dsn,
+                    "UPDATE task_instance SET state = 'scheduled', trigger_id = NULL "
+                    "WHERE trigger_id = %s RETURNING 1",
+                    trigger_id,
+                )
                 rows(dsn, "DELETE FROM trigger WHERE id = %s RETURNING 1", trigger_id)
             moved.update(first=first, rest=rest)
-            seed_deferred(dsn, airflow_config.dags_folder, count=3, classpath=AT_TIME,
-                          kwargs_for=lambda i: {"moment": LATER, "poll_interval": 7.0 + i})
+            seed_deferred(
+                dsn,
+                airflow_config.dags_folder,
+                count=3,
+                classpath=AT_TIME,
+                kwargs_for=lambda i: {"moment": LATER, "poll_interval": 7.0 + i},
+            )
         starts(self)
 
     monkeypatch.setattr(GroupStarting, "_start_groups", meanwhile)

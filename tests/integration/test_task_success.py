@@ -56,9 +56,13 @@ def _succeed(seeded: Seeded, map_index: int, try_number: int) -> None:
     from sqlalchemy import select
 
     with create_session() as session:
-        ti = session.scalars(select(TaskInstance).where(
-            TaskInstance.dag_id == seeded.dag_id, TaskInstance.run_id == seeded.run_id,
-            TaskInstance.map_index == map_index)).one()
+        ti = session.scalars(
+            select(TaskInstance).where(
+                TaskInstance.dag_id == seeded.dag_id,
+                TaskInstance.run_id == seeded.run_id,
+                TaskInstance.map_index == map_index,
+            )
+        ).one()
         now = dt.datetime.now(dt.UTC)
         ti.try_number, ti.state, ti.start_date, ti.end_date = try_number, TaskInstanceState.SUCCESS, now, now
 
@@ -70,9 +74,13 @@ def _clear(seeded: Seeded, map_index: int) -> None:
     from sqlalchemy import select
 
     with create_session() as session:
-        ti = session.scalars(select(TaskInstance).where(
-            TaskInstance.dag_id == seeded.dag_id, TaskInstance.run_id == seeded.run_id,
-            TaskInstance.map_index == map_index)).one()
+        ti = session.scalars(
+            select(TaskInstance).where(
+                TaskInstance.dag_id == seeded.dag_id,
+                TaskInstance.run_id == seeded.run_id,
+                TaskInstance.map_index == map_index,
+            )
+        ).one()
         ti.prepare_db_for_next_try(session)
         ti.state = None
 
@@ -82,9 +90,12 @@ def _events() -> list[tuple[str, str]]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        rows = session.execute(text(
-            "SELECT a.name, CAST(e.extra AS jsonb) ->> 'idempotency_key' FROM asset_event e "
-            "JOIN asset a ON a.id = e.asset_id ORDER BY e.id")).all()
+        rows = session.execute(
+            text(
+                "SELECT a.name, CAST(e.extra AS jsonb) ->> 'idempotency_key' FROM asset_event e "
+                "JOIN asset a ON a.id = e.asset_id ORDER BY e.id"
+            )
+        ).all()
     return [(str(name), str(key)) for name, key in rows]
 
 

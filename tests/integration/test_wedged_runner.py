@@ -63,18 +63,28 @@ def db_now(dsn: str) -> float:
 
 
 def runs_some(dsn: str, runner: psutil.Process) -> bool:
-    return bool(rows(dsn, "SELECT 1 FROM poll_trail WHERE pid = %s AND at > clock_timestamp() - "
-                          "interval '2 seconds'", runner.pid))
+    return bool(
+        rows(
+            dsn,
+            "SELECT 1 FROM poll_trail WHERE pid = %s AND at > clock_timestamp() - interval '2 seconds'",
+            runner.pid,
+        )
+    )
 
 
 def start_fleet(stack: AirflowStack, capacity: int | None, tmp_path: Path) -> tuple[list[Component], Path]:
     dsn = stack.config.database_dsn
     flag = tmp_path / "block"
     keys = [f"w{i}" for i in range(WAITS)]
-    seed(stack, WAITS, POLL_TRAIL,
-         lambda i: {"dsn": dsn, "key": keys[i], "block_flag": str(flag), "poll_interval": 0.5})
-    fleet = [stack.start_smart_triggerer(name, capacity=capacity, env=_env())
-             for name in ("smart-a", "smart-b")]
+    seed(
+        stack,
+        WAITS,
+        POLL_TRAIL,
+        lambda i: {"dsn": dsn, "key": keys[i], "block_flag": str(flag), "poll_interval": 0.5},
+    )
+    fleet = [
+        stack.start_smart_triggerer(name, capacity=capacity, env=_env()) for name in ("smart-a", "smart-b")
+    ]
     urls = [instance.health_url(30) for instance in fleet]
 
     def polling_and_runnable() -> tuple[int, int, int]:
@@ -83,8 +93,12 @@ def start_fleet(stack: AirflowStack, capacity: int | None, tmp_path: Path) -> tu
         runnable = sum(held) if capacity is None else sum(min(h, capacity) for h in held)
         return len(polling_pids(dsn, db_now(dsn) - 1.5)), sum(held), runnable
 
-    wait_for(polling_and_runnable, lambda r: r[1] == WAITS and r[0] == r[2], 90,
-             "every wait held, and polling where its instance has room")
+    wait_for(
+        polling_and_runnable,
+        lambda r: r[1] == WAITS and r[0] == r[2],
+        90,
+        "every wait held, and polling where its instance has room",
+    )
     for instance in fleet:  # both run some, so that either may be the victim
         runner = runner_of(instance)
         wait_for(lambda: runs_some(dsn, runner), bool, 60, f"{instance.name} runs waits")  # noqa: B023
@@ -97,8 +111,9 @@ def _env() -> dict[str, str]:
     return {**ENV, "AIRFLOW__SMART_TRIGGERER__RUNNER_STALL_SECONDS": str(STALL)}
 
 
-def check_handed_over(dsn: str, victim: Component, peer: Component, wedged_at: float,
-                      capacity: int | None = None) -> None:
+def check_handed_over(
+    dsn: str, victim: Component, peer: Component, wedged_at: float, capacity: int | None = None
+) -> None:
     """Within the stall threshold plus a lease of the wedge, the peer leases every shard and holds every
     wait, and every wait polls on it (when the fleet is full: the peer, at its capacity already, holds
     the victim's waits and runs them as room frees); the victim's /health says why."""
@@ -106,27 +121,48 @@ def check_handed_over(dsn: str, victim: Component, peer: Component, wedged_at: f
     peer_url = peer.health_url(30)
     limit = STALL + LEASE + 1.0  # one loop of slack for the peer's claim and the first poll
     try:
-        wait_for(lambda: metrics(peer_url)["smart_triggerer_waiters"], lambda n: n == WAITS, limit + 20,
-                 "the peer holds every wait")
+        wait_for(
+            lambda: metrics(peer_url)["smart_triggerer_waiters"],
+            lambda n: n == WAITS,
+            limit + 20,
+            "the peer holds every wait",
+        )
     except AssertionError as err:  # say where each wait is: its shard, the lease owner, its task state
-        dump = rows(dsn, "SELECT t.id, i.shard, l.owner_job_id, ti.state, ti.map_index FROM trigger t "
-                         "JOIN task_instance ti ON ti.trigger_id = t.id "
-                         "LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
-                         "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY t.id")
+        dump = rows(
+            dsn,
+            "SELECT t.id, i.shard, l.owner_job_id, ti.state, ti.map_index FROM trigger t "
+            "JOIN task_instance ti ON ti.trigger_id = t.id "
+            "LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
+            "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY t.id",
+        )
         raise AssertionError(f"{err}; {dump}; {metrics(peer_url)}") from err
     took = db_now(dsn) - wedged_at
     assert took <= limit, f"the peer held every wait {took:.1f} s after the wedge (limit {limit} s)"
-    leases = rows(dsn, "SELECT shard, owner_job_id, expires_at > clock_timestamp() FROM "
-                       "smart_triggerer.shard_lease ORDER BY shard")
+    leases = rows(
+        dsn,
+        "SELECT shard, owner_job_id, expires_at > clock_timestamp() FROM "
+        "smart_triggerer.shard_lease ORDER BY shard",
+    )
     assert {owner for _, owner, live in leases if live} == {health(peer)[1]["job_id"]}, leases
     if capacity is None:
-        wait_for(lambda: polling_pids(dsn, wedged_at),
-                 lambda p: all(peer_pid in p.get(f"w{i}", ()) for i in range(WAITS)), limit + 20,
-                 "every wait polling on the peer")
-        first = dict(rows(dsn, "SELECT key, extract(epoch FROM min(at)) FROM poll_trail WHERE pid = %s "
-                               "AND at > to_timestamp(%s) GROUP BY key", peer_pid, wedged_at))
-        late = {key: round(float(at) - wedged_at, 1) for key, at in first.items()
-                if float(at) - wedged_at > limit}
+        wait_for(
+            lambda: polling_pids(dsn, wedged_at),
+            lambda p: all(peer_pid in p.get(f"w{i}", ()) for i in range(WAITS)),
+            limit + 20,
+            "every wait polling on the peer",
+        )
+        first = dict(
+            rows(
+                dsn,
+                "SELECT key, extract(epoch FROM min(at)) FROM poll_trail WHERE pid = %s "
+                "AND at > to_timestamp(%s) GROUP BY key",
+                peer_pid,
+                wedged_at,
+            )
+        )
+        late = {
+            key: round(float(at) - wedged_at, 1) for key, at in first.items() if float(at) - wedged_at > limit
+        }
         assert not late and len(first) == WAITS, f"polled again later than {limit} s: {late}, {first}"
     else:
         held = metrics(peer_url)
@@ -139,14 +175,22 @@ def check_handed_over(dsn: str, victim: Component, peer: Component, wedged_at: f
 def check_back_and_resumed_once(dsn: str, victim: Component, dag_id: str) -> None:
     wait_for(lambda: health(victim), lambda h: h[0] == 200, 60, "the victim healthy again")
     job = health(victim)[1]["job_id"]
-    wait_for(lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s",
-                          job)[0][0], bool, 60, "the victim takes shards again")
+    wait_for(
+        lambda: rows(dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s", job)[0][
+            0
+        ],
+        bool,
+        60,
+        "the victim takes shards again",
+    )
     for i in range(WAITS):
         rows(dsn, "INSERT INTO poll_release VALUES (%s) RETURNING 1", f"w{i}")
-    wait_for(lambda: ti_states(dsn, dag_id), lambda s: set(s.values()) == {"scheduled"}, 90,
-             "every task resumed")
-    resolved = Counter(ti for ti, op in rows(
-        dsn, "SELECT ti_id::text, op FROM chaos.ti_audit WHERE op = 'resolved'"))
+    wait_for(
+        lambda: ti_states(dsn, dag_id), lambda s: set(s.values()) == {"scheduled"}, 90, "every task resumed"
+    )
+    resolved = Counter(
+        ti for ti, op in rows(dsn, "SELECT ti_id::text, op FROM chaos.ti_audit WHERE op = 'resolved'")
+    )
     assert len(resolved) == WAITS and set(resolved.values()) == {1}, resolved
 
 
@@ -158,8 +202,9 @@ def victim_of(fleet: list[Component], pid: int) -> tuple[Component, Component]:
 
 
 @pytest.mark.parametrize("capacity", [None, 5], ids=["room", "fleet-full"])
-def test_a_trigger_blocking_the_loop_hands_every_wait_to_a_peer(trail: AirflowStack, tmp_path: Path,
-                                                               capacity: int | None) -> None:
+def test_a_trigger_blocking_the_loop_hands_every_wait_to_a_peer(
+    trail: AirflowStack, tmp_path: Path, capacity: int | None
+) -> None:
     dsn = trail.config.database_dsn
     fleet, flag = start_fleet(trail, capacity, tmp_path)
     dag_id = rows(dsn, "SELECT DISTINCT dag_id FROM task_instance")[0][0]

@@ -72,13 +72,24 @@ def airflows_own(supervisor: Any, trigger_ids: set[int]) -> dict[int, tuple[Any,
     return made
 
 
-def test_workloads_are_airflows_own_in_statements_that_do_not_grow_with_the_batch(
-        env: AirflowConfig) -> None:
+def test_workloads_are_airflows_own_in_statements_that_do_not_grow_with_the_batch(env: AirflowConfig) -> None:
     supervisor = make_supervisor(dedup=False)  # each coroutine keeps its task's own timeout, as Airflow's
-    plain = seed_deferred(env.database_dsn, env.dags_folder, count=40, classpath=AT_TIME,
-                          kwargs_for=lambda i: {"moment": at(10 + i)}, trigger_timeout=dt.timedelta(hours=3))
-    starting = seed_deferred(env.database_dsn, env.dags_folder, count=3, classpath=AT_TIME,
-                             kwargs_for=lambda i: {"moment": at(60 + i)}, start_from_trigger=True)
+    plain = seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=40,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": at(10 + i)},
+        trigger_timeout=dt.timedelta(hours=3),
+    )
+    starting = seed_deferred(
+        env.database_dsn,
+        env.dags_folder,
+        count=3,
+        classpath=AT_TIME,
+        kwargs_for=lambda i: {"moment": at(60 + i)},
+        start_from_trigger=True,
+    )
     watcher = add_watcher("workloads_watched", moment=at(70))
     load(supervisor)
     with counting_statements() as statements, loaded_task_instances() as loaded:
@@ -98,8 +109,10 @@ def test_workloads_are_airflows_own_in_statements_that_do_not_grow_with_the_batc
     assert all(ours[i].ti is not None and ours[i].timeout_after for i in plain.trigger_ids)
 
     # no task instance made into an ORM object but those of the tasks that start from the trigger
-    print(f"\nstatements for {len(everything)} workloads: {len(statements)}; task instances loaded as ORM "
-          f"objects: {len(loaded)}")
+    print(
+        f"\nstatements for {len(everything)} workloads: {len(statements)}; task instances loaded as ORM "
+        f"objects: {len(loaded)}"
+    )
     assert loaded and set(loaded) <= set(starting.ti_ids)
 
 
@@ -107,8 +120,13 @@ def test_the_statements_of_a_build_do_not_depend_on_its_size(env: AirflowConfig)
     supervisor = make_supervisor()
     counts = []
     for hours, count in ((100, 5), (200, 60)):  # two DAGs of one version each, one build each
-        seed_deferred(env.database_dsn, env.dags_folder, count=count, classpath=AT_TIME,
-                      kwargs_for=lambda i, h=hours: {"moment": at(h + i)})
+        seed_deferred(
+            env.database_dsn,
+            env.dags_folder,
+            count=count,
+            classpath=AT_TIME,
+            kwargs_for=lambda i, h=hours: {"moment": at(h + i)},
+        )
         load(supervisor)
         before = len(supervisor.creating_triggers)
         with counting_statements() as statements:

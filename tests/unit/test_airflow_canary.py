@@ -40,8 +40,9 @@ RELIED_ON: dict[str, dict[str, list[str]]] = {
 }
 
 
-@pytest.mark.parametrize(("cls_name", "method"),
-                         [(c, m) for c, methods in RELIED_ON.items() for m in methods])
+@pytest.mark.parametrize(
+    ("cls_name", "method"), [(c, m) for c, methods in RELIED_ON.items() for m in methods]
+)
 def test_the_triggerer_internals_we_override_or_call_are_unchanged(cls_name: str, method: str) -> None:
     from airflow.jobs import triggerer_job_runner
 
@@ -51,7 +52,8 @@ def test_the_triggerer_internals_we_override_or_call_are_unchanged(cls_name: str
     params = list(inspect.signature(found).parameters)
     assert params == RELIED_ON[cls_name][method], (
         f"Airflow's {cls_name}.{method} now takes {params}, not {RELIED_ON[cls_name][method]}: "
-        "our override or call must follow")
+        "our override or call must follow"
+    )
 
 
 def test_the_span_function_we_replace_when_untraced_is_unchanged() -> None:
@@ -91,8 +93,13 @@ def test_every_override_of_ours_is_in_the_canary() -> None:
 
     pairs = ((SmartTriggerRunnerSupervisor, TriggerRunnerSupervisor), (SmartTriggerRunner, TriggerRunner))
     for ours, base in pairs:
-        overrides = {name for cls in ours.__mro__ if cls.__module__.startswith("triggerer")
-                     for name in vars(cls) if not name.startswith("__") and hasattr(base, name)}
+        overrides = {
+            name
+            for cls in ours.__mro__
+            if cls.__module__.startswith("triggerer")
+            for name in vars(cls)
+            if not name.startswith("__") and hasattr(base, name)
+        }
         assert overrides <= set(RELIED_ON[base.__name__]), overrides - set(RELIED_ON[base.__name__])
 
 
@@ -110,8 +117,9 @@ FUNCTIONS: dict[str, dict[str, list[str]]] = {
 }
 
 
-@pytest.mark.parametrize(("module", "function"),
-                         [(m, f) for m, functions in FUNCTIONS.items() for f in functions])
+@pytest.mark.parametrize(
+    ("module", "function"), [(m, f) for m, functions in FUNCTIONS.items() for f in functions]
+)
 def test_the_airflow_functions_we_call_are_unchanged(module: str, function: str) -> None:
     import importlib
 
@@ -119,7 +127,8 @@ def test_the_airflow_functions_we_call_are_unchanged(module: str, function: str)
     assert found is not None, f"Airflow's {module}.{function} is gone: our call of it fails"
     params = list(inspect.signature(found).parameters)
     assert params == FUNCTIONS[module][function], (
-        f"Airflow's {module}.{function} now takes {params}, not {FUNCTIONS[module][function]}")
+        f"Airflow's {module}.{function} now takes {params}, not {FUNCTIONS[module][function]}"
+    )
 
 
 def test_the_trigger_failure_reasons_we_write_are_unchanged() -> None:
@@ -147,8 +156,15 @@ def _digest(source: str) -> str:
     import io
     import tokenize
 
-    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-              tokenize.ENCODING, tokenize.ENDMARKER}
+    layout = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENCODING,
+        tokenize.ENDMARKER,
+    }
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     text = "".join(token.string for token in tokens if token.type not in layout)
     return hashlib.sha256("".join(text.split()).encode()).hexdigest()
@@ -164,4 +180,5 @@ def test_the_airflow_code_we_follow_step_by_step_is_unchanged(qualname: str) -> 
     source = textwrap.dedent(inspect.getsource(getattr(getattr(triggerer_job_runner, cls_name), method)))
     assert _digest(source) == COPIED[qualname], (
         f"Airflow's {qualname} changed: our copy of its steps (see the comment above COPIED) must follow, "
-        "then record the new digest")
+        "then record the new digest"
+    )

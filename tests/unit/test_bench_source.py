@@ -48,7 +48,8 @@ def test_aiohttp_polls_are_counted_with_their_key_and_trigger_id(source: PollSou
 
 
 def test_requests_in_one_write_split_over_writes_and_with_a_body_are_each_answered(
-        source: PollSource) -> None:
+    source: PollSource,
+) -> None:
     before = source.polls
     received = exchange(
         source,

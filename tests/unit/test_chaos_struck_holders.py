@@ -18,8 +18,10 @@ def at(seconds: float) -> dt.datetime:
 
 
 def resumed(seconds: float, writer: str = "smart-1", shard: int = 9) -> list[dict[str, object]]:
-    return [{"op": "deferred", "at": at(0)},
-            {"op": "resolved", "at": at(seconds), "writer": writer, "shard": shard}]
+    return [
+        {"op": "deferred", "at": at(0)},
+        {"op": "resolved", "at": at(seconds), "writer": writer, "shard": shard},
+    ]
 
 
 def test_a_shard_retaken_by_an_instance_struck_before_it_stored_counts_once() -> None:
@@ -30,8 +32,11 @@ def test_a_shard_retaken_by_an_instance_struck_before_it_stored_counts_once() ->
 
 
 def test_no_other_taker_inside_the_wait_allows_nothing_more() -> None:
-    took = {(None, 9): [(at(11.5), "smart-2"), (at(40), "smart-3")], (None, 3): [(at(20), "smart-2")],
-            ("alpha", 9): [(at(20), "alpha-1")]}
+    took = {
+        (None, 9): [(at(11.5), "smart-2"), (at(40), "smart-3")],
+        (None, 3): [(at(20), "smart-2")],
+        ("alpha", 9): [(at(20), "alpha-1")],
+    }
     assert other_shard_holders(resumed(31.6), at(16), took) == 0  # before the condition, after, other shard
     assert other_shard_holders(resumed(31.6), None, took) == 0
     assert other_shard_holders([{"op": "deferred", "at": at(0)}], at(16), took) == 0  # never resumed
@@ -43,13 +48,18 @@ def test_took_lines_are_read_per_instance_process(tmp_path: Path) -> None:
     (tmp_path / "smart-2.2.log").write_text(
         "2026-11-26T12:31:21.921546Z [info     ] took shards                    "
         "[smart_triggerer.supervisor.leases] loc=leases.py:147 shards=[1, 9]\n"
-        "2026-11-26T12:31:22.000000Z [info     ] handing over shards  shards=[9]\n")
+        "2026-11-26T12:31:22.000000Z [info     ] handing over shards  shards=[9]\n"
+    )
     (tmp_path / "alpha-1.log").write_text(
         "2026-11-26T12:31:21.921546Z [info     ] took shards   [smart_triggerer.supervisor.leases] "
-        "shards=[9]\n")
+        "shards=[9]\n"
+    )
     (tmp_path / "relay.log").write_text(
         "2026-11-26T12:31:21.921546Z [info     ] took shards   [smart_triggerer.supervisor.leases] "
-        "shards=[4]\n")
-    assert took_shards(tmp_path) == {(None, 1): [(at(21.921546), "smart-2.2")],
-                                     (None, 9): [(at(21.921546), "smart-2.2")],
-                                     ("alpha", 9): [(at(21.921546), "alpha-1")]}
+        "shards=[4]\n"
+    )
+    assert took_shards(tmp_path) == {
+        (None, 1): [(at(21.921546), "smart-2.2")],
+        (None, 9): [(at(21.921546), "smart-2.2")],
+        ("alpha", 9): [(at(21.921546), "alpha-1")],
+    }

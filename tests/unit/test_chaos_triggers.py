@@ -28,8 +28,9 @@ class TakingPool:
 
 
 @pytest.mark.parametrize("cancels", [1, 2, 5])
-def test_a_taken_message_is_yielded_through_every_cancel(monkeypatch: pytest.MonkeyPatch,
-                                                         cancels: int) -> None:
+def test_a_taken_message_is_yielded_through_every_cancel(
+    monkeypatch: pytest.MonkeyPatch, cancels: int
+) -> None:
     pool = TakingPool()
 
     async def no_lookup(*_args: Any, **_kwargs: Any) -> Any:

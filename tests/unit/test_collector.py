@@ -61,7 +61,8 @@ def collected_generations(during: Callable[[], None]) -> list[int]:
 
 
 def test_a_big_start_is_never_scanned_by_the_middle_generation_and_is_frozen_after(
-        restored_collector: None) -> None:
+    restored_collector: None,
+) -> None:
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
     freezer = StartFreezer()
     kept: list[Node] = []
@@ -92,7 +93,8 @@ def test_what_waited_before_a_big_start_is_frozen_before_it_runs(restored_collec
 
 
 def test_an_idle_loop_collects_the_young_generation_half_way_so_a_start_begins_with_room(
-        restored_collector: None) -> None:
+    restored_collector: None,
+) -> None:
     gc.set_threshold(20 * 1000, 10, 10)
     gc.collect(0)
     kept = [Node() for _ in range(9 * 1000)]
@@ -130,7 +132,8 @@ def test_a_full_collection_due_when_a_big_start_begins_waits_until_it_ends(resto
 
 
 def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
-        restored_collector: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    restored_collector: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A takeover comes in passes of a few hundred (the supervisor reads and builds in batches): the pass
     that makes it big is frozen, and those after it; new waits at a steady trickle never are."""
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
@@ -191,7 +194,8 @@ def test_coroutines_of_a_frozen_start_are_freed_when_they_end(restored_collector
 
 
 def test_the_supervisor_holds_older_collections_while_a_big_start_runs_then_collects_as_before(
-        restored_collector: None) -> None:
+    restored_collector: None,
+) -> None:
     """A takeover's groups are scanned by no middle collection while it starts (``OlderHeld``); the
     collection falls due and runs once it is over. Nothing is frozen: cycles made meanwhile are freed."""
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
@@ -225,7 +229,8 @@ def test_the_supervisor_holds_older_collections_while_a_big_start_runs_then_coll
 
 
 def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends(
-        restored_collector: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    restored_collector: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A start stalled by a database outage (groups wait for minutes) must not keep the older generations
     uncollected for as long: released after ``HOLD_AT_MOST_SECONDS``, held again only by the next start."""
     gc.set_threshold(1000, 2, 10)

@@ -17,7 +17,8 @@ LOOKING_AGAIN = "connection not found; looking it up again before failing the wa
 
 
 async def test_a_connection_found_after_failed_lookups_starts_the_wait(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("AIRFLOW_CONN_LATE", raising=False)
     with structlog.testing.capture_logs() as logs:
         lookup = asyncio.create_task(target_for("late", patience=60))
@@ -41,14 +42,16 @@ async def test_a_connection_that_never_appears_fails_the_wait_with_airflows_mess
 
 async def test_waits_looking_up_one_connection_share_one_lookup() -> None:
     with structlog.testing.capture_logs() as logs:
-        outcomes = await asyncio.gather(*(aget_connection("missing", patience=1.0) for _ in range(50)),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(aget_connection("missing", patience=1.0) for _ in range(50)), return_exceptions=True
+        )
     assert all(isinstance(o, AirflowNotFoundException) for o in outcomes), outcomes
     assert [entry["event"] for entry in logs].count(LOOKING_AGAIN) == 1  # one lookup loop, not fifty
 
 
 async def test_a_wait_cancelled_while_looking_up_leaves_the_lookup_to_the_others(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("AIRFLOW_CONN_SHARED", raising=False)
     with structlog.testing.capture_logs() as logs:
         first = asyncio.create_task(aget_connection("shared", patience=60))

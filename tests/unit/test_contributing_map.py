@@ -31,11 +31,19 @@ def mapped(contributing: str) -> tuple[set[str], set[str]]:
 def tracked_folders() -> set[str]:
     """Top-level folders of the checkout as git sees them (no dot folders, nothing ignored) and the
     packages inside smart_triggerer/."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     top = {name.split("/")[0] + "/" for name in files if "/" in name and not name.startswith(".")}
-    rooms = {"/".join(name.split("/")[:2]) + "/" for name in files
-             if name.startswith("smart_triggerer/") and name.count("/") >= 2 and name.endswith("__init__.py")}
+    rooms = {
+        "/".join(name.split("/")[:2]) + "/"
+        for name in files
+        if name.startswith("smart_triggerer/") and name.count("/") >= 2 and name.endswith("__init__.py")
+    }
     return top | rooms
 
 

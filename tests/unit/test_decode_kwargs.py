@@ -26,11 +26,20 @@ def _base_serialized(value: Any) -> Any:
 
 
 KWARGS: list[dict[str, Any]] = [
-    {"url": "http://example", "key": "k1", "poll_interval": 30.0, "attempts": 3, "verify": True,
-     "none": None},
+    {
+        "url": "http://example",
+        "key": "k1",
+        "poll_interval": 30.0,
+        "attempts": 3,
+        "verify": True,
+        "none": None,
+    },
     {"moment": dt.datetime(2026, 11, 27, 10, 0, tzinfo=dt.UTC), "wait": dt.timedelta(minutes=5)},
-    {"old": _base_serialized(dt.timedelta(seconds=7)), "olds": [_base_serialized(dt.timedelta(seconds=1))],
-     "deep": {"x": _base_serialized(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))}},
+    {
+        "old": _base_serialized(dt.timedelta(seconds=7)),
+        "olds": [_base_serialized(dt.timedelta(seconds=1))],
+        "deep": {"x": _base_serialized(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))},
+    },
     {"statuses": [200, 204], "nested": {"a": [1, {"b": dt.timedelta(seconds=2)}], "c": "d"}},
     {"pair": (1, "two"), "names": {"x", "y"}, "listed": ["x", "y"], "empty": {}, "none": []},
 ]
@@ -52,8 +61,9 @@ def test_a_kwarg_kept_as_is_is_not_decoded() -> None:
 
 def _ours() -> list[dict[str, Any]]:
     """Kwargs as our triggers serialize them: with the identity marker (a dict, lists in it)."""
-    http = HttpConditionTrigger(http_conn_id="api", endpoint="/status", json_path="state",
-                                expected_value="done", poll_interval=30.0)
+    http = HttpConditionTrigger(
+        http_conn_id="api", endpoint="/status", json_path="state", expected_value="done", poll_interval=30.0
+    )
     return [PollTrigger("http://127.0.0.1:1", "k1", 30.0).serialize()[1], http.serialize()[1]]
 
 
@@ -105,5 +115,8 @@ def test_unencrypted_and_older_format_rows_are_read_as_airflow_reads_them() -> N
     assert decrypt_kwargs(plain) == Trigger._decrypt_kwargs(plain)
     # Airflow 2's format: the new deserializer refuses it, and both fall back to the older one
     older = json.dumps(BaseSerialization.serialize({"wait": dt.timedelta(seconds=3), IDENTITY_KWARG: marker}))
-    assert decrypt_kwargs(older) == Trigger._decrypt_kwargs(older) == {
-        "wait": dt.timedelta(seconds=3), IDENTITY_KWARG: marker}
+    assert (
+        decrypt_kwargs(older)
+        == Trigger._decrypt_kwargs(older)
+        == {"wait": dt.timedelta(seconds=3), IDENTITY_KWARG: marker}
+    )

@@ -50,16 +50,52 @@ def reference(template: str | None, kwargs: Mapping[str, Any]) -> str | None:
 
 
 NAMES = ("a", "b", "url", "since")
-VALUES: tuple[Any, ...] = (None, "", [], "x", "https://u:p@h.example/a?t=1#f", ["https://h1/x?q", 3],
-                           dt.datetime(2026, 11, 27, 12, tzinfo=dt.UTC), 42, {"k": "v"}, "y" * 400)
-BITS = ("x ", "{{", "}}", "[", "]", "{a}", "{b!p}", "{url!p}", "{since!h}", "{a:>5}", "{c.d}", "{0}", "{}",
-        "{a!r}", "{", "}", " loaded", "[ since {since}]", "[ of {a} and {b}]", "[]", "[{{ {a} }}]")
+VALUES: tuple[Any, ...] = (
+    None,
+    "",
+    [],
+    "x",
+    "https://u:p@h.example/a?t=1#f",
+    ["https://h1/x?q", 3],
+    dt.datetime(2026, 11, 27, 12, tzinfo=dt.UTC),
+    42,
+    {"k": "v"},
+    "y" * 400,
+)
+BITS = (
+    "x ",
+    "{{",
+    "}}",
+    "[",
+    "]",
+    "{a}",
+    "{b!p}",
+    "{url!p}",
+    "{since!h}",
+    "{a:>5}",
+    "{c.d}",
+    "{0}",
+    "{}",
+    "{a!r}",
+    "{",
+    "}",
+    " loaded",
+    "[ since {since}]",
+    "[ of {a} and {b}]",
+    "[]",
+    "[{{ {a} }}]",
+)
 
 
 def test_every_template_our_triggers_and_airflows_use_reads_as_before() -> None:
-    templates = [*BUILTIN_DESCRIPTIONS.values(), *REPLACED_TEMPLATES, *REPLACED_TEMPLATES.values(),
-                 "{key} ready at {url!p}", "HTTP {method} {endpoint!p} on {http_conn_id} answering "
-                 "{expected_statuses}", "new rows of {status_table} on {conn_id}"]
+    templates = [
+        *BUILTIN_DESCRIPTIONS.values(),
+        *REPLACED_TEMPLATES,
+        *REPLACED_TEMPLATES.values(),
+        "{key} ready at {url!p}",
+        "HTTP {method} {endpoint!p} on {http_conn_id} answering {expected_statuses}",
+        "new rows of {status_table} on {conn_id}",
+    ]
     chooser = random.Random(7)
     for template in templates:
         names = sorted(template_names(template))

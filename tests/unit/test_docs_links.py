@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md",
-                    ROOT / "example_dags" / "README.md", *(ROOT / "docs").rglob("*.md"),
-                    ROOT / "bench" / "RESULTS.md"])
+DOCUMENTS = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "CHANGELOG.md",
+        ROOT / "example_dags" / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "bench" / "RESULTS.md",
+    ]
+)
 # [text](target) and [text](target "title"), and ![image](target)
 LINK = re.compile(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
 REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.M)
@@ -80,9 +87,11 @@ def test_every_relative_link_resolves(document: Path) -> None:
 
 def test_the_checker_sees_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("# A title\n\n## `[smart_triggerer]` settings\n\n[ok](#a-title) [gone](missing.md) "
-                    "[titled](gone.md \"a title\") `[code](not-a-link.md)`\n"
-                    "```\n[fenced](also-not.md)\n```\n[ref]: elsewhere.md\n")
+    page.write_text(
+        "# A title\n\n## `[smart_triggerer]` settings\n\n[ok](#a-title) [gone](missing.md) "
+        '[titled](gone.md "a title") `[code](not-a-link.md)`\n'
+        "```\n[fenced](also-not.md)\n```\n[ref]: elsewhere.md\n"
+    )
     assert links(page) == ["#a-title", "missing.md", "gone.md", "elsewhere.md"]
     assert anchors(page) == {"a-title", "smart_triggerer-settings"}
 
@@ -97,7 +106,8 @@ def test_a_link_out_of_the_repository_or_to_an_untracked_file_is_broken(tmp_path
     page.write_text("[out](../../outside.md) [kept](kept.md#kept) [local](local.md) [folder](.)\n")
     assert broken_links(page.resolve(), root.resolve(), frozenset({page.resolve(), kept.resolve()})) == [
         "../../outside.md: outside the repository (a user's clone has only the repository)",
-        "local.md: no such file in the repository"]
+        "local.md: no such file in the repository",
+    ]
 
 
 def test_no_document_refers_to_a_folder_beside_the_repository() -> None:

@@ -29,9 +29,13 @@ def test_failed_and_skipped_end_the_wait() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
-    [({"external_dag_id": ""}, "external_dag_id"), ({"external_task_ids": "a"}, "external_task_ids"),
-     ({"on_skipped": "ignore"}, "on_skipped"), ({"allowed_states": ["success", "failed"]}, "allowed_states"),
-     ({"latest_run": True, "run_id": "r1"}, "latest_run")],
+    [
+        ({"external_dag_id": ""}, "external_dag_id"),
+        ({"external_task_ids": "a"}, "external_task_ids"),
+        ({"on_skipped": "ignore"}, "on_skipped"),
+        ({"allowed_states": ["success", "failed"]}, "allowed_states"),
+        ({"latest_run": True, "run_id": "r1"}, "latest_run"),
+    ],
 )
 def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     with pytest.raises(ValueError, match=argument):
@@ -41,8 +45,9 @@ def test_bad_arguments_fail_at_parse_time(kwargs: dict[str, Any], argument: str)
 def test_start_from_trigger_keeps_the_logical_date_template_for_the_triggerer() -> None:
     from triggers import ExternalDagTrigger
 
-    sensor = ExternalDagSensor(task_id="wait", external_dag_id="producer", external_task_ids=["load"],
-                               start_from_trigger=True)
+    sensor = ExternalDagSensor(
+        task_id="wait", external_dag_id="producer", external_task_ids=["load"], start_from_trigger=True
+    )
     args = sensor.start_trigger_args
     assert sensor.start_from_trigger and args is not None
     assert args.trigger_kwargs["logical_date"] == "{{ logical_date }}"
@@ -118,18 +123,27 @@ async def test_waits_on_tasks_of_one_dag_share_one_call_per_tick(monkeypatch: py
             sent.append(msg)
             await asyncio.sleep(0)
             if msg.run_ids:
-                return TaskStatesResult(task_states={"r1": {"a": "success", "b": "running"},
-                                                     "r2": {"a": "failed", "b": "success"}})
-            return TaskStatesResult(task_states={"scheduled__x": {"a": "success", "b": "skipped",
-                                                                  "c": "running"}})
+                return TaskStatesResult(
+                    task_states={
+                        "r1": {"a": "success", "b": "running"},
+                        "r2": {"a": "failed", "b": "success"},
+                    }
+                )
+            return TaskStatesResult(
+                task_states={"scheduled__x": {"a": "success", "b": "skipped", "c": "running"}}
+            )
 
     monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", _Comms(), raising=False)
     monkeypatch.delenv("AIRFLOW__SMART_TRIGGERER__COALESCE_CHECKS", raising=False)
     date = "2026-11-22T00:00:00+00:00"
-    waits = [ExternalDagTrigger("producer", external_task_ids=tasks, logical_date=date, poll_interval=0.1)
-             for tasks in (["a"], ["a", "b"], ["c"])]
-    waits += [ExternalDagTrigger("producer", external_task_ids=["a"], run_id=run, poll_interval=0.1)
-              for run in ("r1", "r2")]
+    waits = [
+        ExternalDagTrigger("producer", external_task_ids=tasks, logical_date=date, poll_interval=0.1)
+        for tasks in (["a"], ["a", "b"], ["c"])
+    ]
+    waits += [
+        ExternalDagTrigger("producer", external_task_ids=["a"], run_id=run, poll_interval=0.1)
+        for run in ("r1", "r2")
+    ]
 
     async def first(trigger: ExternalDagTrigger) -> dict[str, Any]:
         event = await trigger.run().__anext__()

@@ -139,7 +139,8 @@ def test_kept_counts_agree_with_the_groups_under_random_changes() -> None:
         assert groups.group_count() == sum(1 for g in groups.by_hash.values() if not g.empty)
         assert groups.runners == set(groups.hash_of_runner)
         assert {id(g) for g in groups.unstarted.values()} == {
-            id(g) for g in groups.by_hash.values() if not g.empty and g.runner_id is None}
+            id(g) for g in groups.by_hash.values() if not g.empty and g.runner_id is None
+        }
         if groups.runners != last_runners:
             assert groups.version != last_version
         last_runners, last_version = set(groups.runners), groups.version

@@ -20,10 +20,18 @@ def help_text(which: str) -> str:
 
 
 # what each can exit with: the bridge checks neither shards, nor the Airflow range, nor the triggerer's schema
-CAN_EXIT = {"smart-triggerer": {0, 1} | {int(code) for code in ExitCode},
-            "dataset-bridge": {0, 1, int(ExitCode.CONFIG), int(ExitCode.DATABASE_UNREACHABLE),
-                               int(ExitCode.DATABASE_UNSUPPORTED), int(ExitCode.DATABASE_PRIVILEGE),
-                               int(ExitCode.AIRFLOW_NOT_MIGRATED)}}
+CAN_EXIT = {
+    "smart-triggerer": {0, 1} | {int(code) for code in ExitCode},
+    "dataset-bridge": {
+        0,
+        1,
+        int(ExitCode.CONFIG),
+        int(ExitCode.DATABASE_UNREACHABLE),
+        int(ExitCode.DATABASE_UNSUPPORTED),
+        int(ExitCode.DATABASE_PRIVILEGE),
+        int(ExitCode.AIRFLOW_NOT_MIGRATED),
+    },
+}
 
 
 @pytest.mark.parametrize("which", sorted(CAN_EXIT))

@@ -84,8 +84,13 @@ def test_unencodable_values_are_refused() -> None:
 def test_hash_is_stable_across_processes_and_releases() -> None:
     code = "from triggers.identity import identity_hash; print(identity_hash('a.B', {'t': 'x', 'n': 1}))"
     outputs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     # A fixed value: changing the encoding would split every running group on upgrade.
@@ -105,13 +110,18 @@ class Declared(DedupableTrigger):
     identity_kwargs = ("table",)
     execution_merge = {"channel": "union"}
 
-    def __init__(self, table: str, poll_interval: float = 5, channel: str | list[str] | None = None,
-                 mode: str = "a") -> None:
+    def __init__(
+        self, table: str, poll_interval: float = 5, channel: str | list[str] | None = None, mode: str = "a"
+    ) -> None:
         self.table, self.poll_interval, self.channel, self.mode = table, poll_interval, channel, mode
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return "x.Declared", {"table": self.table, "poll_interval": self.poll_interval,
-                              "channel": self.channel, "mode": self.mode}
+        return "x.Declared", {
+            "table": self.table,
+            "poll_interval": self.poll_interval,
+            "channel": self.channel,
+            "mode": self.mode,
+        }
 
 
 POLICY = IdentityPolicy.with_extra([])
@@ -145,8 +155,7 @@ def test_undeclared_non_numeric_execution_kwargs_split_the_group() -> None:
 
 def test_identity_is_computed_without_importing_the_trigger_class() -> None:
     """The supervisor holds the metadata DB: it must never import DAG authors' trigger code."""
-    kwargs = {"table": "t", "poll_interval": 3,
-              IDENTITY_KWARG: {"v": 1, "identity": ["table"], "merge": {}}}
+    kwargs = {"table": "t", "poll_interval": 3, IDENTITY_KWARG: {"v": 1, "identity": ["table"], "merge": {}}}
     identity = POLICY.identity("no_such_module.NeverImported", kwargs, 1)
     assert identity.dedupable
     assert "no_such_module" not in sys.modules
@@ -201,8 +210,9 @@ def test_allow_listed_constructor_variants_share_one_identity() -> None:
     classpath = "airflow.providers.standard.triggers.temporal.DateTimeTrigger"
     moment = timezone.parse("2026-11-22T10:00:00+00:00")
     by_moment = POLICY.identity(classpath, {"moment": moment, "end_from_trigger": False}, 1)
-    by_string = POLICY.identity(classpath, {"target_time": "2026-11-22T10:00:00+00:00",
-                                            "end_from_trigger": False}, 2)
+    by_string = POLICY.identity(
+        classpath, {"target_time": "2026-11-22T10:00:00+00:00", "end_from_trigger": False}, 2
+    )
     assert by_moment == by_string and by_moment.dedupable
 
 
@@ -225,28 +235,41 @@ def test_shared_stream_triggers_are_placed_together_but_not_grouped() -> None:
 def test_a_wait_is_described_in_plain_words_without_importing_its_class() -> None:
     from triggers.table_load import TableLoadTrigger
 
-    trigger = TableLoadTrigger(conn_id="dwh", required_tables=["dds.h_user", "dds.s_user"],
-                               since="2026-11-23T00:00:00+00:00", poll_interval=30)
+    trigger = TableLoadTrigger(
+        conn_id="dwh",
+        required_tables=["dds.h_user", "dds.s_user"],
+        since="2026-11-23T00:00:00+00:00",
+        poll_interval=30,
+    )
     classpath, kwargs = trigger.serialize()
     found = POLICY.identity(classpath, serde_roundtrip(kwargs), trigger_id=1)
     assert found.description is not None
     assert found.description.startswith("dds.h_user + dds.s_user loaded since 2026-11-23")
-    plain = POLICY.identity(classpath, {k: v for k, v in serde_roundtrip(kwargs).items()
-                                        if k != IDENTITY_KWARG} | {IDENTITY_KWARG: {
-                                            **kwargs[IDENTITY_KWARG], "describe": None}}, trigger_id=1)
+    plain = POLICY.identity(
+        classpath,
+        {k: v for k, v in serde_roundtrip(kwargs).items() if k != IDENTITY_KWARG}
+        | {IDENTITY_KWARG: {**kwargs[IDENTITY_KWARG], "describe": None}},
+        trigger_id=1,
+    )
     assert plain.hash == found.hash and plain.description is None  # words never change a group
 
 
 def test_airflows_own_triggers_are_described_too() -> None:
-    found = POLICY.identity("airflow.providers.standard.triggers.temporal.DateTimeTrigger",
-                            {"moment": dt.datetime(2030, 1, 1, tzinfo=dt.UTC), "end_from_trigger": False}, 1)
+    found = POLICY.identity(
+        "airflow.providers.standard.triggers.temporal.DateTimeTrigger",
+        {"moment": dt.datetime(2030, 1, 1, tzinfo=dt.UTC), "end_from_trigger": False},
+        1,
+    )
     assert found.description == "the time 2030-01-01T00:00:00+00:00"
 
 
 def test_descriptions_show_identity_kwargs_only_and_urls_without_their_query() -> None:
     with pytest.raises(TypeError, match=r"shows \['password'\]: only identity kwargs"):
-        type("Leaky", (DedupableTrigger,), {"identity_kwargs": ("host",),
-                                            "wait_description": "{host} as {password}"})
+        type(
+            "Leaky",
+            (DedupableTrigger,),
+            {"identity_kwargs": ("host",), "wait_description": "{host} as {password}"},
+        )
     with pytest.raises(TypeError, match="only plain kwarg names"):
         type("Dotted", (DedupableTrigger,), {"identity_kwargs": ("host",), "wait_description": "{host.x}"})
     from triggers.describe import describe
@@ -257,15 +280,20 @@ def test_descriptions_show_identity_kwargs_only_and_urls_without_their_query() -
 
 def test_a_stored_template_shows_only_what_its_marker_calls_identity() -> None:
     """The marker is data from the database: a template naming a non-identity kwarg shows nothing of it."""
-    kwargs = {"host": "db1", "password": "s3cret",
-              IDENTITY_KWARG: {"v": 1, "identity": ["host"], "merge": {}, "describe": "{host} as {password}"}}
+    kwargs = {
+        "host": "db1",
+        "password": "s3cret",
+        IDENTITY_KWARG: {"v": 1, "identity": ["host"], "merge": {}, "describe": "{host} as {password}"},
+    }
     found = POLICY.identity("x.Forged", kwargs, trigger_id=1)
     assert found.description == "db1 as -"
     from triggers.describe import describe
 
     assert describe("{u!p}", {"u": "https://user:tok@h.example/a?k=v"}) == "https://h.example/a"
     assert describe("{u!p}", {"u": "https://user:p/ss@h.example/a"}) == "https://h.example/a"  # unescaped /
-    assert describe("{u!p}", {"u": ["https://a:b@h1/x?t=1", "https://h2/y#f"]}) == "https://h1/x + https://h2/y"
+    assert (
+        describe("{u!p}", {"u": ["https://a:b@h1/x?t=1", "https://h2/y#f"]}) == "https://h1/x + https://h2/y"
+    )
 
 
 SECRET_SQL = "SELECT count(*) > 0 FROM loads WHERE api_key = 'sk-live-0123456789'"
@@ -309,11 +337,14 @@ def test_a_wait_without_since_has_no_dangling_dash() -> None:
 
     without = TableLoadTrigger("dwh", ["dds.h_user", "dds.s_user"], status_table="meta.status").serialize()
     assert POLICY.identity(*without, trigger_id=1).description == (
-        "dds.h_user + dds.s_user loaded (meta.status on dwh)")
-    since = TableLoadTrigger("dwh", ["dds.h_user"], status_table="meta.status",
-                             since="2026-11-23T00:00:00+00:00").serialize()
+        "dds.h_user + dds.s_user loaded (meta.status on dwh)"
+    )
+    since = TableLoadTrigger(
+        "dwh", ["dds.h_user"], status_table="meta.status", since="2026-11-23T00:00:00+00:00"
+    ).serialize()
     assert POLICY.identity(*since, trigger_id=2).description == (
-        "dds.h_user loaded since 2026-11-23T00:00:00+00:00 (meta.status on dwh)")
+        "dds.h_user loaded since 2026-11-23T00:00:00+00:00 (meta.status on dwh)"
+    )
     by_date = ExternalDagTrigger("etl", external_task_ids=["load"], logical_date="2026-11-23T00:00:00+00:00")
     described = POLICY.identity(*by_date.serialize(), trigger_id=3).description
     assert described is not None and " -" not in described and "2026-11-23" in described

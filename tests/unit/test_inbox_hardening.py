@@ -28,8 +28,10 @@ SECRETS = {"deployment_a": "s3cret-s3cret-s3cret"}
 
 
 def _body(*uris: str) -> bytes:
-    events = [{"id": n + 1, "uri": uri, "name": uri.rsplit("/", 1)[-1], "timestamp": "2026-01-01T00:00:00Z"}
-              for n, uri in enumerate(uris)]
+    events = [
+        {"id": n + 1, "uri": uri, "name": uri.rsplit("/", 1)[-1], "timestamp": "2026-01-01T00:00:00Z"}
+        for n, uri in enumerate(uris)
+    ]
     return json.dumps({"source": "deployment_a", "events": events}).encode()
 
 
@@ -42,8 +44,17 @@ def test_a_non_ascii_signature_is_a_401_not_a_crash() -> None:
     assert refused.value.status == 401
 
 
-@pytest.mark.parametrize("raw", ['{"deployment_a": ""}', '{"deployment_a": null}', '{"deployment_a": "  "}',
-                                 '{"deployment_a": 5}', '["not", "an", "object"]', "{not json"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"deployment_a": ""}',
+        '{"deployment_a": null}',
+        '{"deployment_a": "  "}',
+        '{"deployment_a": 5}',
+        '["not", "an", "object"]',
+        "{not json",
+    ],
+)
 def test_secrets_that_would_make_signatures_forgeable_are_refused(raw: str) -> None:
     with pytest.raises(InboxConfigError, match="inbox_secrets"):
         parse_secrets(raw)
@@ -79,12 +90,16 @@ async def test_a_body_within_the_limit_is_read_whole() -> None:
 
 def test_each_source_may_use_only_its_allowed_assets() -> None:
     allowed = parse_allowed('{"deployment_a": ["warehouse://dds/h_user", "orders"]}', SECRETS)
-    batch = InboxBatch.model_validate_json(_body("warehouse://dds/h_user", "warehouse://dds/orders",
-                                                 "warehouse://dds/payroll"))
+    batch = InboxBatch.model_validate_json(
+        _body("warehouse://dds/h_user", "warehouse://dds/orders", "warehouse://dds/payroll")
+    )
     assert forbidden(batch, allowed["deployment_a"]) == ["warehouse://dds/payroll"]  # orders: by name
     assert forbidden(batch, frozenset({"*"})) == []
     assert forbidden(batch, allowed.get("deployment_unlisted", frozenset())) == [
-        "warehouse://dds/h_user", "warehouse://dds/orders", "warehouse://dds/payroll"]
+        "warehouse://dds/h_user",
+        "warehouse://dds/orders",
+        "warehouse://dds/payroll",
+    ]
     with pytest.raises(InboxConfigError, match="inbox_allowed_assets"):
         parse_allowed('{"deployment_a": "warehouse://dds/h_user"}', SECRETS)
 
@@ -96,12 +111,18 @@ def test_an_allow_list_entry_says_whether_it_is_a_uri_or_a_name() -> None:
     from structlog.testing import capture_logs
 
     allowed = parse_allowed('{"deployment_a": ["uri:warehouse://dds/h_user", "name:orders"]}', SECRETS)
-    events = [{"id": 1, "uri": "warehouse://dds/h_user", "name": "something else"},
-              {"id": 2, "uri": "warehouse://dds/x", "name": "orders"},
-              {"id": 3, "uri": "orders", "name": "x"},  # a URI equal to an allowed name
-              {"id": 4, "uri": "warehouse://dds/y", "name": "warehouse://dds/h_user"}]  # and the reverse
-    batch = InboxBatch.model_validate({"source": "deployment_a", "events": [
-        {**event, "timestamp": "2026-01-01T00:00:00Z"} for event in events]})
+    events = [
+        {"id": 1, "uri": "warehouse://dds/h_user", "name": "something else"},
+        {"id": 2, "uri": "warehouse://dds/x", "name": "orders"},
+        {"id": 3, "uri": "orders", "name": "x"},  # a URI equal to an allowed name
+        {"id": 4, "uri": "warehouse://dds/y", "name": "warehouse://dds/h_user"},
+    ]  # and the reverse
+    batch = InboxBatch.model_validate(
+        {
+            "source": "deployment_a",
+            "events": [{**event, "timestamp": "2026-01-01T00:00:00Z"} for event in events],
+        }
+    )
     assert forbidden(batch, allowed["deployment_a"]) == ["orders", "warehouse://dds/y"]
     with capture_logs() as logs:
         legacy = parse_allowed('{"deployment_a": ["orders"]}', SECRETS)
@@ -125,17 +146,26 @@ def test_a_401_does_not_tell_which_sources_exist() -> None:
     assert unknown == _refusal("deployment_a", "a wrong secret")
     assert "deployment_x" not in unknown
     # a stale timestamp is refused the same way whether or not the source exists
-    assert _refusal("deployment_x", "anything", age=3600) == _refusal("deployment_a", SECRETS["deployment_a"],
-                                                                       age=3600)
+    assert _refusal("deployment_x", "anything", age=3600) == _refusal(
+        "deployment_a", SECRETS["deployment_a"], age=3600
+    )
 
 
-@pytest.mark.parametrize(("failure", "status"), [
-    (lambda: OperationalError("INSERT ...", {"extra": "hunter2"}, Exception("server closed the connection")),
-     503),
-    (lambda: KeyError("hunter2"), 500),
-])
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [
+        (
+            lambda: OperationalError(
+                "INSERT ...", {"extra": "hunter2"}, Exception("server closed the connection")
+            ),
+            503,
+        ),
+        (lambda: KeyError("hunter2"), 500),
+    ],
+)
 def test_a_database_b_cannot_reach_is_a_503_and_anything_else_a_500_naming_the_error_only(
-        monkeypatch: pytest.MonkeyPatch, failure: Callable[[], Exception], status: int) -> None:
+    monkeypatch: pytest.MonkeyPatch, failure: Callable[[], Exception], status: int
+) -> None:
     """The relay retries a 503 without end (an outage of B) and dead-letters an event whose batch keeps
     failing with a 500 (a bug in B): the answer names the error, never the values it may carry."""
     from fastapi.testclient import TestClient

@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"triggers", "deferrables", "smart_triggerer", "dataset_bridge", "devkit", "example_dags", "bench",
-        "tests"}
+OURS = {
+    "triggers",
+    "deferrables",
+    "smart_triggerer",
+    "dataset_bridge",
+    "devkit",
+    "example_dags",
+    "bench",
+    "tests",
+}
 
 # what each room may import of ours (itself always); one file more where the rule names it
 ALLOWED: dict[str, set[str]] = {
@@ -95,9 +103,11 @@ def test_the_outside_checker_sees_a_session_in_the_runner_and_the_orm_in_pure_co
     for name in ("config.py", "errors.py", "waker.py"):
         (tmp_path / "smart_triggerer" / name).write_text("import json\n")
     (tmp_path / "smart_triggerer" / "runner" / "bad.py").write_text(
-        "def later():\n    from airflow.utils.session import create_session\n")
+        "def later():\n    from airflow.utils.session import create_session\n"
+    )
     (tmp_path / "smart_triggerer" / "placement" / "bad.py").write_text(
-        "from airflow.models import TaskInstance\n")
+        "from airflow.models import TaskInstance\n"
+    )
     assert forbidden_outside_imports(tmp_path) == [
         "smart_triggerer/runner/bad.py imports airflow.utils.session",
         "smart_triggerer/runner/bad.py imports airflow.utils.session.create_session",
@@ -109,12 +119,14 @@ def test_the_outside_checker_sees_a_session_in_the_runner_and_the_orm_in_pure_co
 def test_the_checker_sees_a_broken_rule_also_inside_a_function(tmp_path: Path) -> None:
     (tmp_path / "triggers").mkdir()
     (tmp_path / "triggers" / "bad.py").write_text(
-        "from triggers.pg import target_for\n\n"
-        "def later():\n    from smart_triggerer.db.store import Store\n")
+        "from triggers.pg import target_for\n\ndef later():\n    from smart_triggerer.db.store import Store\n"
+    )
     (tmp_path / "deferrables").mkdir()
     (tmp_path / "deferrables" / "bad.py").write_text("import dataset_bridge.cli\n")
-    assert broken_rules(tmp_path) == ["deferrables/bad.py imports dataset_bridge",
-                                      "triggers/bad.py imports smart_triggerer"]
+    assert broken_rules(tmp_path) == [
+        "deferrables/bad.py imports dataset_bridge",
+        "triggers/bad.py imports smart_triggerer",
+    ]
 
 
 @pytest.mark.parametrize("room", sorted(ALLOWED))

@@ -51,12 +51,21 @@ yield_cpu(runner.pid)  # the runner is gone: nothing to do, no error
 
 def leave(*, own_session: bool) -> tuple[int, int, int, str]:
     # in a child process: a test process that lowered its own priority could not raise it again
-    child = subprocess.run([sys.executable, "-c", CHILD], check=False, cwd=ROOT, capture_output=True,
-                           text=True, timeout=120, start_new_session=own_session)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=own_session,
+    )
     assert child.returncode == 0, f"the leaving child failed ({child.returncode}):\n{child.stderr}"
     if "refused" in child.stdout:
-        pytest.skip(f"this host refuses any change of priority ({child.stdout.strip()}): yield_cpu lowers "
-                    "nothing here and raised nothing")
+        pytest.skip(
+            f"this host refuses any change of priority ({child.stdout.strip()}): yield_cpu lowers "
+            "nothing here and raised nothing"
+        )
     out = child.stdout.split()
     runner, supervisor, wanted = (int(v) for v in out[-4:-1])
     return runner, supervisor, wanted, out[-1]
@@ -95,8 +104,14 @@ def _in_pid_namespace(code: str) -> subprocess.CompletedProcess[str]:
     if shutil.which("unshare") is None:
         pytest.skip("no unshare command (util-linux) on this host: no PID namespace to run in")
     for flags in (["--pid", "--fork"], ["--user", "--map-root-user", "--pid", "--fork"]):
-        child = subprocess.run(["unshare", *flags, sys.executable, "-c", code], check=False, cwd=ROOT,
-                               capture_output=True, text=True, timeout=120)
+        child = subprocess.run(
+            ["unshare", *flags, sys.executable, "-c", code],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if not child.stderr.startswith("unshare:"):
             return child
     pytest.skip(f"this host makes no PID namespace: {child.stderr.strip()}")
@@ -104,7 +119,8 @@ def _in_pid_namespace(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_where_proc_numbers_threads_otherwise_every_python_thread_is_lowered() -> None:
     probe = _in_pid_namespace(
-        "from smart_triggerer.supervisor.service import _proc_is_ours; print(_proc_is_ours())")
+        "from smart_triggerer.supervisor.service import _proc_is_ours; print(_proc_is_ours())"
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["False"]  # the numbering differs there: the case under test
 

@@ -29,8 +29,14 @@ class Readings(LoadFilters):
         """Readings are set by the test."""
 
 
-def Instance(settings: Settings, *, capacity: int = 1000, groups: Groups | None = None,
-             lag_recent_ms: float = 0.0, rss_mb: int = 100) -> Readings:
+def Instance(
+    settings: Settings,
+    *,
+    capacity: int = 1000,
+    groups: Groups | None = None,
+    lag_recent_ms: float = 0.0,
+    rss_mb: int = 100,
+) -> Readings:
     shared = Shared(settings=settings, capacity=capacity, groups=cast("Any", groups or Groups()))
     filters = Readings(shared, starting=lambda: False)
     filters.lag_recent_ms, filters.rss_mb = lag_recent_ms, rss_mb
@@ -124,7 +130,8 @@ def test_memory_that_comes_back_takes_the_next_step(clock: list[float]) -> None:
 
 
 def test_over_a_limit_while_holding_nothing_takes_no_shards_and_says_so_once(
-        clock: list[float], said: Said) -> None:
+    clock: list[float], said: Said
+) -> None:
     instance = Instance(Settings(max_rss_mb=50), groups=Groups(0), rss_mb=300)
     for _ in range(10):
         tick(instance, clock)

@@ -102,8 +102,11 @@ def test_loggers_made_after_the_swap_write_through_the_batch(restored_structlog:
     runner_end, supervisor_end = socket.socketpair()
     with runner_end, supervisor_end:
         log_io = os.fdopen(os.dup(runner_end.fileno()), "wb", buffering=0)
-        structlog.configure(logger_factory=_BytesFactory(log_io), cache_logger_on_first_use=False,
-                            processors=[lambda _logger, _method, event: str(event["event"]).encode()])
+        structlog.configure(
+            logger_factory=_BytesFactory(log_io),
+            cache_logger_on_first_use=False,
+            processors=[lambda _logger, _method, event: str(event["event"]).encode()],
+        )
         channel = batch_log_channel()
         assert isinstance(channel, BatchedLogChannel) and channel.raw is log_io
         assert batch_log_channel() is channel  # once only

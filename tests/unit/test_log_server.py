@@ -54,11 +54,24 @@ print("stopped")
 
 
 def run(code: str, tmp_path: Path, *args: str, **settings: str) -> str:
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
-           "AIRFLOW__API__SECRET_KEY": "test-secret", "PYTHONPATH": str(ROOT), **settings}
-    process = subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
+        "AIRFLOW__API__SECRET_KEY": "test-secret",
+        "PYTHONPATH": str(ROOT),
+        **settings,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=180)
     finally:  # the process and the log server it started, whatever happened

@@ -62,8 +62,9 @@ def test_a_big_start_is_not_counted_as_load() -> None:
     assert [delay for _, delay in meter.samples] == [20.0]
 
 
-@pytest.mark.parametrize(("values", "expected"), [([], 0.0), ([1.0], 1.0),
-                                                  (list(map(float, range(1, 101))), 99.0)])
+@pytest.mark.parametrize(
+    ("values", "expected"), [([], 0.0), ([1.0], 1.0), (list(map(float, range(1, 101))), 99.0)]
+)
 def test_p99(values: list[float], expected: float) -> None:
     assert p99(values) == expected
 

@@ -24,8 +24,9 @@ def share(member: Candidate, members: list[Candidate], groups: dict[int, int], s
 
 def fleet(rng: random.Random, size: int) -> list[Candidate]:
     """Members with random job ids and weights 1, 2 or 3 (capacity is not binding here)."""
-    return [Candidate(job_id, UNCAPPED * rng.choice((1, 1, 2, 3)))
-            for job_id in rng.sample(range(1, 500), size)]
+    return [
+        Candidate(job_id, UNCAPPED * rng.choice((1, 1, 2, 3))) for job_id in rng.sample(range(1, 500), size)
+    ]
 
 
 def cases(count: int, seed: int) -> list[tuple[int, list[Candidate], dict[int, int]]]:
@@ -44,8 +45,9 @@ def cases(count: int, seed: int) -> list[tuple[int, list[Candidate], dict[int, i
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(60, seed=1))
-def test_no_member_above_its_bounded_share(shards: int, members: list[Candidate],
-                                           groups: dict[int, int]) -> None:
+def test_no_member_above_its_bounded_share(
+    shards: int, members: list[Candidate], groups: dict[int, int]
+) -> None:
     rng = random.Random(shards)
     owners = {s: rng.choice([m.job_id for m in members] + [None]) for s in range(shards)}
     for start in ({}, owners):  # from nothing and from an arbitrary earlier map
@@ -53,8 +55,10 @@ def test_no_member_above_its_bounded_share(shards: int, members: list[Candidate]
         assert set(placement.owners) == set(range(shards))
         assert not placement.full
         for member in members:
-            assert weight_of(placement, member.job_id, groups) <= (1 + EPSILON) * share(
-                member, members, groups, shards) + 1e-6
+            assert (
+                weight_of(placement, member.job_id, groups)
+                <= (1 + EPSILON) * share(member, members, groups, shards) + 1e-6
+            )
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(40, seed=2))
@@ -64,8 +68,9 @@ def test_a_placement_is_where_it_stays(shards: int, members: list[Candidate], gr
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(60, seed=3))
-def test_a_join_moves_little_more_than_what_the_joiner_takes(shards: int, members: list[Candidate],
-                                                             groups: dict[int, int]) -> None:
+def test_a_join_moves_little_more_than_what_the_joiner_takes(
+    shards: int, members: list[Candidate], groups: dict[int, int]
+) -> None:
     joiner = Candidate(1000, members[0].capacity)
     before = place(shards, members, groups, {}, EPSILON)
     after = place(shards, [*members, joiner], groups, before.owners, EPSILON)
@@ -80,8 +85,9 @@ def test_a_join_moves_little_more_than_what_the_joiner_takes(shards: int, member
 
 
 @pytest.mark.parametrize(("shards", "members", "groups"), cases(60, seed=4))
-def test_a_leave_moves_the_leavers_shards_and_hardly_any_other(shards: int, members: list[Candidate],
-                                                               groups: dict[int, int]) -> None:
+def test_a_leave_moves_the_leavers_shards_and_hardly_any_other(
+    shards: int, members: list[Candidate], groups: dict[int, int]
+) -> None:
     before = place(shards, members, groups, {}, EPSILON)
     leaver = members[0].job_id
     after = place(shards, members[1:], groups, before.owners, EPSILON)
@@ -194,8 +200,9 @@ def test_what_a_shedding_member_gives_up_has_a_place_with_the_others() -> None:
     even share), and the fleet is not full."""
     groups = {s: 10 for s in range(64)}
     owners: dict[int, int | None] = {s: 1 + s % 2 for s in range(64)}
-    placement = place(64, [Candidate(1, 1000, accepting=False, limit=100), Candidate(2, 1000)], groups,
-                      owners, EPSILON)
+    placement = place(
+        64, [Candidate(1, 1000, accepting=False, limit=100), Candidate(2, 1000)], groups, owners, EPSILON
+    )
     assert placement.groups[1] <= 100
     assert placement.groups[2] == 640 - placement.groups[1]
     assert not placement.full

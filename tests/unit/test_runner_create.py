@@ -41,10 +41,15 @@ class _Watching(_Waiting, BaseEventTrigger):
         return (f"{__name__}._Watching", {"key": self.key})
 
 
-def _workload(trigger_id: int, classpath: str = f"{__name__}._Waiting", ti: TaskInstanceDTO | None = None,
-              **kwargs: Any) -> RunTrigger:
-    return RunTrigger(id=trigger_id, classpath=classpath,
-                      encrypted_kwargs=Trigger.encrypt_kwargs(kwargs or {"key": f"k{trigger_id}"}), ti=ti)
+def _workload(
+    trigger_id: int, classpath: str = f"{__name__}._Waiting", ti: TaskInstanceDTO | None = None, **kwargs: Any
+) -> RunTrigger:
+    return RunTrigger(
+        id=trigger_id,
+        classpath=classpath,
+        encrypted_kwargs=Trigger.encrypt_kwargs(kwargs or {"key": f"k{trigger_id}"}),
+        ti=ti,
+    )
 
 
 def _mixed() -> list[RunTrigger]:
@@ -53,8 +58,14 @@ def _mixed() -> list[RunTrigger]:
     watcher = _workload(6, f"{__name__}._Watching")
     watcher.watched_assets = {"orders": "s3://bucket/orders"}
     task = task_instance_dto(try_number=2, map_index=3)
-    return [_workload(1), _workload(2, ti=task), _workload(3, "no.such.module.Trigger"),
-            _workload(4, unexpected="x"), _workload(1), watcher]
+    return [
+        _workload(1),
+        _workload(2, ti=task),
+        _workload(3, "no.such.module.Trigger"),
+        _workload(4, unexpected="x"),
+        _workload(1),
+        watcher,
+    ]
 
 
 async def _created(runner: SmartTriggerRunner) -> dict[int, tuple[Any, ...]]:
@@ -66,10 +77,19 @@ async def _created(runner: SmartTriggerRunner) -> dict[int, tuple[Any, ...]]:
     for trigger_id, details in runner.triggers.items():
         trigger: Any = STARTED[trigger_id]
         store = getattr(trigger, "asset_state_store", None)
-        found[trigger_id] = (details["name"], details["is_watcher"], details["events"],
-                             details["task"].get_name(), type(trigger).__name__, trigger.key,
-                             trigger.trigger_id, trigger.triggerer_job_id, trigger.timeout_after,
-                             trigger.task_instance, type(store).__name__)
+        found[trigger_id] = (
+            details["name"],
+            details["is_watcher"],
+            details["events"],
+            details["task"].get_name(),
+            type(trigger).__name__,
+            trigger.key,
+            trigger.trigger_id,
+            trigger.triggerer_job_id,
+            trigger.timeout_after,
+            trigger.task_instance,
+            type(store).__name__,
+        )
     return found
 
 
@@ -94,8 +114,11 @@ def _create(workloads: list[RunTrigger], create: Create) -> tuple[dict[int, Any]
         created, failed = asyncio.run(run())
     # the creating loop's lines in order; each coroutine's own first line comes when it first runs (here
     # at the next yield, in Airflow's loop at once), so those are compared as a set
-    said = [(line["event"], line.get("classpath")) for line in lines
-            if not line["event"].endswith(" starting") and "completed" not in line["event"]]
+    said = [
+        (line["event"], line.get("classpath"))
+        for line in lines
+        if not line["event"].endswith(" starting") and "completed" not in line["event"]
+    ]
     said.append(sorted(line["event"] for line in lines if line["event"].endswith(" starting")))
     return created, failed, said
 

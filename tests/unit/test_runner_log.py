@@ -115,11 +115,24 @@ def test_untraced_coroutines_share_one_no_op_span(monkeypatch: pytest.MonkeyPatc
 JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ0YXNrIn0.c2lnbmF0dXJl"  # a token's shape: three base64 parts
 
 
-@pytest.mark.parametrize("value", [
-    "trigger dag/run/task/-1/1 (ID 7) starting", JWT, f"Bearer {JWT} expired", f"{JWT} and {JWT}",
-    "eyJ", "xeyJy", "EYJ not a token", "", 42, None, {"token": JWT}, [JWT],
-    type("Name", (str,), {})("a str subclass"),  # comes back a plain str, as from Airflow's
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "trigger dag/run/task/-1/1 (ID 7) starting",
+        JWT,
+        f"Bearer {JWT} expired",
+        f"{JWT} and {JWT}",
+        "eyJ",
+        "xeyJy",
+        "EYJ not a token",
+        "",
+        42,
+        None,
+        {"token": JWT},
+        [JWT],
+        type("Name", (str,), {})("a str subclass"),  # comes back a plain str, as from Airflow's
+    ],
+)
 def test_the_quick_jwt_redaction_gives_airflows_output(value: object) -> None:
     from airflow.sdk._shared.logging.structlog import redact_jwt
 
@@ -158,8 +171,13 @@ def test_the_runner_redacts_tokens_with_the_quick_processor(tmp_path: Any) -> No
     import sys
 
     out = tmp_path / "lines.json"
-    done = subprocess.run([sys.executable, "-c", _QUICK_REDACTION, JWT, str(out)], check=False,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _QUICK_REDACTION, JWT, str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = json.loads(out.read_text().splitlines()[-1])
     assert line["event"] == "the token eyJ***" and line["header"] == "Bearer eyJ***"

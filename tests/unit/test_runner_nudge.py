@@ -56,8 +56,11 @@ print("nudged" if got is not None else "not nudged", flush=True)
 
 def _listener(window: float) -> subprocess.Popen[str]:
     """A process that says whether ``NUDGE_SIGNAL`` came within ``window`` seconds of saying it listens."""
-    child = subprocess.Popen([sys.executable, "-c", LISTENER.format(name=NUDGE_SIGNAL.name), str(window)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", LISTENER.format(name=NUDGE_SIGNAL.name), str(window)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None and child.stdout.readline() == "listening\n"
     return child
 

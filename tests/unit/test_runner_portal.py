@@ -71,8 +71,16 @@ class _Comms(TriggerCommsDecoder):
     given here (``send`` is Airflow's: it checks for the portal)."""
 
     async def asend(self, msg: Any) -> Any:
-        return ConnectionResult(conn_id=msg.conn_id, conn_type="postgres", host=None, schema=None, login=None,
-                                password=None, port=None, extra=None)
+        return ConnectionResult(
+            conn_id=msg.conn_id,
+            conn_type="postgres",
+            host=None,
+            schema=None,
+            login=None,
+            password=None,
+            port=None,
+            extra=None,
+        )
 
 
 @contextmanager
@@ -87,8 +95,11 @@ def _comms_on_this_loop() -> Iterator[_Comms]:
 
 
 def _workload(trigger_id: int, trigger_class: type, call: str = "") -> RunTrigger:
-    return RunTrigger(id=trigger_id, classpath=f"{__name__}.{trigger_class.__name__}",
-                      encrypted_kwargs=Trigger.encrypt_kwargs({"call": call}))
+    return RunTrigger(
+        id=trigger_id,
+        classpath=f"{__name__}.{trigger_class.__name__}",
+        encrypted_kwargs=Trigger.encrypt_kwargs({"call": call}),
+    )
 
 
 def _run(workloads: list[RunTrigger]) -> tuple[dict[int, Any], dict[int, str]]:
@@ -127,15 +138,28 @@ def _portal_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_only_a_trigger_that_makes_no_sync_call_runs_without_a_portal() -> None:
-    seen, failed = _run([_workload(1, _Probe), _workload(2, _AsyncOnly), _workload(3, _Probe, call="send"),
-                         _workload(4, _Inherited), _workload(5, _Probe, call="hook")])
+    seen, failed = _run(
+        [
+            _workload(1, _Probe),
+            _workload(2, _AsyncOnly),
+            _workload(3, _Probe, call="send"),
+            _workload(4, _Inherited),
+            _workload(5, _Probe, call="hook"),
+        ]
+    )
     assert seen == {1: True, 2: False, 3: "warehouse", 4: True, 5: "warehouse"}  # the sync calls answered
     assert failed == {}
 
 
 def test_a_sync_call_without_a_portal_fails_that_trigger_alone_with_the_cause() -> None:
-    seen, failed = _run([_workload(1, _AsyncOnly, call="send"), _workload(2, _AsyncOnly),
-                         _workload(3, _Probe, call="send"), _workload(4, _AsyncOnly, call="hook")])
+    seen, failed = _run(
+        [
+            _workload(1, _AsyncOnly, call="send"),
+            _workload(2, _AsyncOnly),
+            _workload(3, _Probe, call="send"),
+            _workload(4, _AsyncOnly, call="hook"),
+        ]
+    )
     assert sorted(failed) == [1, 4]
     assert "use the async equivalent" in failed[1]
     assert "isn't defined" in failed[4]  # Airflow's secrets backend swallows the cause
@@ -154,8 +178,11 @@ def test_our_triggers_mask_connection_extras_with_await(monkeypatch: pytest.Monk
         with _comms_on_this_loop() as comms:
             monkeypatch.setattr(comms, "asend", asend)
             monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", comms)
-            conn = Connection(conn_id="warehouse", conn_type="postgres",
-                              extra='{"sslmode": "require", "token": "s3cr3t-extra"}')
+            conn = Connection(
+                conn_id="warehouse",
+                conn_type="postgres",
+                extra='{"sslmode": "require", "token": "s3cr3t-extra"}',
+            )
             ours = await aextra_dejson(conn)
             monkeypatch.delattr(type(conn), "aextra_dejson", raising=False)  # as on the task SDK 1.3.1
             return ours, await aextra_dejson(conn)
@@ -172,7 +199,16 @@ def test_templates_to_render_keep_the_portal() -> None:
     assert needs_portal(_AsyncOnly, {"ds": "2026-11-27"})  # a template may read a Variable
 
 
-@pytest.mark.parametrize("trigger_class", [ExternalDagTrigger, HttpConditionTrigger, SqlConditionTrigger,
-                                           TableLoadTrigger, TableStatusTrigger, PollTrigger])
+@pytest.mark.parametrize(
+    "trigger_class",
+    [
+        ExternalDagTrigger,
+        HttpConditionTrigger,
+        SqlConditionTrigger,
+        TableLoadTrigger,
+        TableStatusTrigger,
+        PollTrigger,
+    ],
+)
 def test_our_triggers_say_they_make_no_sync_call(trigger_class: type) -> None:
     assert not needs_portal(trigger_class, None)

@@ -54,8 +54,9 @@ def entry_type(runner: SmartTriggerRunner) -> Any:
 
 
 def _workload(trigger_id: int, name: str) -> RunTrigger:
-    return RunTrigger(id=trigger_id, classpath=f"{__name__}.{name}",
-                      encrypted_kwargs=Trigger.encrypt_kwargs({}), ti=None)
+    return RunTrigger(
+        id=trigger_id, classpath=f"{__name__}.{name}", encrypted_kwargs=Trigger.encrypt_kwargs({}), ti=None
+    )
 
 
 def test_the_last_sync_carries_events_fired_before_and_while_coroutines_end() -> None:

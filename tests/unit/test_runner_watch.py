@@ -67,7 +67,8 @@ def look(part: RunnerWatch) -> None:
 
 
 def test_silence_past_the_threshold_steps_out_and_hands_every_shard_over(
-        watch: tuple[RunnerWatch, Instance]) -> None:
+    watch: tuple[RunnerWatch, Instance],
+) -> None:
     part, instance = watch
     instance.last_message = time.monotonic() - 3
     look(part)
@@ -80,7 +81,8 @@ def test_silence_past_the_threshold_steps_out_and_hands_every_shard_over(
 
 
 def test_back_in_once_the_runner_answers_and_its_old_coroutines_ended(
-        watch: tuple[RunnerWatch, Instance]) -> None:
+    watch: tuple[RunnerWatch, Instance],
+) -> None:
     part, instance = watch
     instance.last_message = time.monotonic() - 6
     look(part)
@@ -96,7 +98,8 @@ def test_back_in_once_the_runner_answers_and_its_old_coroutines_ended(
 
 
 def test_a_supervisor_that_did_not_look_counts_the_silence_from_now(
-        watch: tuple[RunnerWatch, Instance]) -> None:
+    watch: tuple[RunnerWatch, Instance],
+) -> None:
     part, instance = watch
     instance.last_message = time.monotonic() - 60  # the whole host was frozen: nothing was read
     part.watched_at = time.monotonic() - 60

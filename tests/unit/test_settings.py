@@ -62,8 +62,10 @@ def test_every_setting_read_is_declared_for_airflow_config_list(monkeypatch: pyt
     code reads must be there, with the default the code uses."""
     read = settings_read(monkeypatch)
     options = provider_options()
-    assert read == set(options), (f"read but not declared: {sorted(read - set(options))}; declared but "
-                                  f"never read: {sorted(set(options) - read)}")
+    assert read == set(options), (
+        f"read but not declared: {sorted(read - set(options))}; declared but "
+        f"never read: {sorted(set(options) - read)}"
+    )
     defaults = Settings()
     for key, option in options.items():
         code_default = getattr(defaults, key, True if key == "coalesce_checks" else None)
@@ -100,33 +102,43 @@ def test_the_reference_lists_every_setting_once_with_its_default() -> None:
     rows = table_rows((ROOT / "docs" / "reference.md").read_text(), SETTINGS_TABLE)
     keys = [cells[0].strip("`") for cells in rows]
     assert len(keys) == len(set(keys)), f"listed twice: {sorted(k for k in set(keys) if keys.count(k) > 1)}"
-    assert set(keys) == set(options), (f"missing: {sorted(set(options) - set(keys))}; not a setting: "
-                                       f"{sorted(set(keys) - set(options))}")
+    assert set(keys) == set(options), (
+        f"missing: {sorted(set(options) - set(keys))}; not a setting: {sorted(set(keys) - set(options))}"
+    )
     for cells in rows:
         key, default = cells[0].strip("`"), cells[1]
         declared = str(options[key]["default"])
         assert same_default(default, declared), (
-            f"docs/reference.md says {key} defaults to {default!r}, the provider {declared!r}")
+            f"docs/reference.md says {key} defaults to {default!r}, the provider {declared!r}"
+        )
 
 
 def test_no_other_document_repeats_the_settings_table() -> None:
     """A second copy would go stale unchecked: no other document has a table row for a setting."""
     options = set(provider_options())
-    documents = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "example_dags" / "README.md",
-                 ROOT / "bench" / "RESULTS.md", *(ROOT / "docs").rglob("*.md")]
+    documents = [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "example_dags" / "README.md",
+        ROOT / "bench" / "RESULTS.md",
+        *(ROOT / "docs").rglob("*.md"),
+    ]
     for path in documents:
         text = path.read_text()
         if path.name == "reference.md":  # its other tables, below the settings one
-            text = text[text.index(SETTINGS_TABLE) + len(SETTINGS_TABLE):]
-            text = text[text.index("\n## "):]
-        repeated = [cells[0] for cells in table_rows(text)
-                    if len(cells) >= 3 and cells[0].strip("`") in options]
+            text = text[text.index(SETTINGS_TABLE) + len(SETTINGS_TABLE) :]
+            text = text[text.index("\n## ") :]
+        repeated = [
+            cells[0] for cells in table_rows(text) if len(cells) >= 3 and cells[0].strip("`") in options
+        ]
         assert not repeated, f"{path.relative_to(ROOT)} repeats rows of the settings table: {repeated}"
 
 
 def test_the_table_reader_sees_a_doubled_or_stale_row() -> None:
-    text = f"{SETTINGS_TABLE}\n\n| key | default | meaning |\n|---|---|---|\n| `shards` | 64 | a |\n" \
-           "| `shards` | 32 | b |\n| `gone` | 1 | c |\n\nafter\n| `x` | 1 | d |\n"
+    text = (
+        f"{SETTINGS_TABLE}\n\n| key | default | meaning |\n|---|---|---|\n| `shards` | 64 | a |\n"
+        "| `shards` | 32 | b |\n| `gone` | 1 | c |\n\nafter\n| `x` | 1 | d |\n"
+    )
     assert [cells[0] for cells in table_rows(text, SETTINGS_TABLE)] == ["`shards`", "`shards`", "`gone`"]
 
 
@@ -140,8 +152,9 @@ def same_default(written: str, declared: str) -> bool:
 
 
 @pytest.mark.parametrize("value", ["garbage!!", "NotDotted", "a..b", "mod.Class, 7up.Trigger"])
-def test_dedup_classpaths_that_are_not_classpaths_are_refused_by_name(monkeypatch: pytest.MonkeyPatch,
-                                                                     value: str) -> None:
+def test_dedup_classpaths_that_are_not_classpaths_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     monkeypatch.setenv("AIRFLOW__SMART_TRIGGERER__DEDUP_CLASSPATHS", value)
     with pytest.raises(ConfigError, match=r"dedup_classpaths: '.*' is not a trigger's dotted classpath"):
         Settings.from_airflow()

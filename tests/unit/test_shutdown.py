@@ -21,17 +21,17 @@ class Recorder:
         self.calls = calls
         self.health_fails = health_fails
         self.pid = 0
-        self.log_pool = SimpleNamespace(exiting=False)
-        self.log_uploads = SimpleNamespace(finish=lambda budget: calls.append(("uploads", budget)))
+        self.log_files = SimpleNamespace(
+            pool=SimpleNamespace(exiting=False),
+            uploads=SimpleNamespace(finish=lambda budget: calls.append(("uploads", budget))),
+            write_at_exit=lambda budget: calls.append(("write", budget)),
+        )
 
     def release_all(self) -> None:
         self.calls.append(("release", None))
 
     def kill(self, **_kw: Any) -> None:
-        self.calls.append(("kill", self.log_pool.exiting))
-
-    def write_held_log_lines(self, budget_seconds: float) -> None:
-        self.calls.append(("write", budget_seconds))
+        self.calls.append(("kill", self.log_files.pool.exiting))
 
     def stop(self) -> None:
         self.calls.append(("health stop", None))

@@ -11,9 +11,14 @@ from triggers.identity import IdentityPolicy
 
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
-    [({"success": lambda v: v}, "success"), ({"failure": len}, "failure"), ({"sql": " "}, "sql"),
-     ({"conn_id": ""}, "conn_id"), ({"parameters": "abc"}, "parameters"),
-     ({"failure_sql": ""}, "failure_sql")],
+    [
+        ({"success": lambda v: v}, "success"),
+        ({"failure": len}, "failure"),
+        ({"sql": " "}, "sql"),
+        ({"conn_id": ""}, "conn_id"),
+        ({"parameters": "abc"}, "parameters"),
+        ({"failure_sql": ""}, "failure_sql"),
+    ],
 )
 def test_bad_arguments_fail_at_parse_time_naming_them(kwargs: dict[str, Any], argument: str) -> None:
     arguments = {"task_id": "wait", "conn_id": "warehouse", "sql": "SELECT true", **kwargs}
@@ -31,8 +36,13 @@ def test_identity_is_the_query_and_its_values_not_the_interval() -> None:
 
 
 def test_start_from_trigger_carries_the_templated_query() -> None:
-    sensor = SqlConditionSensor(task_id="wait", conn_id="wh", sql="SELECT CAST($1 AS text)::date <= now()",
-                                parameters=["{{ ds }}"], start_from_trigger=True)
+    sensor = SqlConditionSensor(
+        task_id="wait",
+        conn_id="wh",
+        sql="SELECT CAST($1 AS text)::date <= now()",
+        parameters=["{{ ds }}"],
+        start_from_trigger=True,
+    )
     args = sensor.start_trigger_args
     assert sensor.start_from_trigger and args is not None
     assert args.trigger_kwargs["parameters"] == ["{{ ds }}"]

@@ -9,9 +9,18 @@ from smart_triggerer.db.status import totals
 
 
 def live(queues: str | None, shards_owned: int, healthy: bool = True) -> dict[str, Any]:
-    return {"healthy": healthy, "queues": queues, "shards_owned": shards_owned, "waiters": 1, "groups": 1,
-            "events_total": 0, "resumed_total": 0, "failures_total": 0, "watchers_failing": 0,
-            "fleet_full": False}
+    return {
+        "healthy": healthy,
+        "queues": queues,
+        "shards_owned": shards_owned,
+        "waiters": 1,
+        "groups": 1,
+        "events_total": 0,
+        "resumed_total": 0,
+        "failures_total": 0,
+        "watchers_failing": 0,
+        "fleet_full": False,
+    }
 
 
 def test_one_shard_space_without_queues() -> None:

@@ -23,8 +23,11 @@ def shared() -> Shared:
 
 
 def test_every_call_between_parts_is_implemented_by_a_part() -> None:
-    declared = [name for name, value in vars(SupervisorState).items()
-                if callable(value) and "NotImplementedError" in inspect.getsource(value)]
+    declared = [
+        name
+        for name, value in vars(SupervisorState).items()
+        if callable(value) and "NotImplementedError" in inspect.getsource(value)
+    ]
     assert declared, "the state names the calls parts make into each other"
     for name in declared:
         owner = next(cls for cls in SmartTriggerRunnerSupervisor.__mro__ if name in vars(cls))
@@ -170,7 +173,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.shared, supervisor.collector = shared(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
-    supervisor.log_pool = SimpleNamespace(holding=False)
+    supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))
     supervisor.capacity = 10 * FREEZE_FROM
     thresholds = gc.get_threshold()
     try:
@@ -186,10 +189,10 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
         supervisor.build_backlog = False
         supervisor._hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # shard 2 still to read
-        supervisor.to_read, supervisor.log_pool.holding = set(), True
+        supervisor.to_read, supervisor.log_files.pool.holding = set(), True
         supervisor._hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # the runner still makes their first lines
-        supervisor.log_pool.holding = False
+        supervisor.log_files.pool.holding = False
         supervisor._hold_collector()
         assert gc.get_threshold() == thresholds
     finally:
@@ -197,121 +200,140 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
 
 
 def test_first_log_lines_stay_held_while_a_sweep_or_a_phased_takeover_has_more_to_hand_out(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_pace_log_files`` (on a clock of the test's): between two loops of a cold start every group read
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``LogFiles.pace`` (on a clock of the test's): between two loops of a cold start every group read
     so far may be running; a hold begun by a big hand-out goes on while the sweep's pass hashes on or shards
     of this instance wait to be read."""
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
-    supervisor._pace_log_files()
-    assert not supervisor.log_pool.holding  # nothing handed out: a start under way begins no hold
+    supervisor.files.pace()
+    assert not supervisor.files.pool.holding  # nothing handed out: a start under way begins no hold
 
-    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)  # the first read: a big hand-out begins the hold
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding
+    hand_out(supervisor, log_files.HOLD_LOG_LINES_FROM)  # the first read: a big hand-out begins the hold
+    supervisor.files.pace()
+    assert supervisor.files.pool.holding
     all_running(supervisor)
-    clock.now += 10 * starting.HELD_LOG_LINES_SECONDS
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # nothing left to run, but the sweep goes on
+    clock.now += 10 * log_files.HELD_LOG_LINES_SECONDS
+    supervisor.files.pace()
+    assert supervisor.files.pool.holding  # nothing left to run, but the sweep goes on
     supervisor.hash_xmin, supervisor.sweep_after, supervisor.to_read = "100", 0, {2, 3}
-    clock.now += 10 * starting.HELD_LOG_LINES_SECONDS
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # swept; shard 2, ours, still to read
+    clock.now += 10 * log_files.HELD_LOG_LINES_SECONDS
+    supervisor.files.pace()
+    assert supervisor.files.pool.holding  # swept; shard 2, ours, still to read
     supervisor.to_read = {3}  # not ours: nothing of this instance's start is left
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding  # the grace after the last hand-out
-    clock.now += starting.HELD_LOG_LINES_SECONDS
-    supervisor._pace_log_files()
-    assert not supervisor.log_pool.holding
+    supervisor.files.pace()
+    assert supervisor.files.pool.holding  # the grace after the last hand-out
+    clock.now += log_files.HELD_LOG_LINES_SECONDS
+    supervisor.files.pace()
+    assert not supervisor.files.pool.holding
 
 
 def test_a_sweep_that_does_not_end_holds_first_log_lines_no_longer_than_the_cap(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A sweep's pass that cannot end (the database away mid-pass, a batch failing again) extends a hold
     only up to ``HOLD_LOG_LINES_MAX_SECONDS``; once it ended there, the sweep alone does not begin it
     again, and the held files are made."""
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
-    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)
-    supervisor._pace_log_files()
+    hand_out(supervisor, log_files.HOLD_LOG_LINES_FROM)
+    supervisor.files.pace()
     all_running(supervisor)
     held = seconds_held(supervisor, clock)
-    assert (starting.HOLD_LOG_LINES_MAX_SECONDS <= held
-            <= starting.HOLD_LOG_LINES_MAX_SECONDS + starting.HELD_LOG_LINES_SECONDS + 1)
+    assert (
+        log_files.HOLD_LOG_LINES_MAX_SECONDS
+        <= held
+        <= log_files.HOLD_LOG_LINES_MAX_SECONDS + log_files.HELD_LOG_LINES_SECONDS + 1
+    )
     assert_no_hold_for(supervisor, clock, 100)
 
 
 def test_groups_that_never_report_running_hold_first_log_lines_no_longer_than_the_cap(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A big hand-out whose groups never report running (started, not built: the database away) holds up
     to ``HOLD_LOG_LINES_MAX_SECONDS``; the same hand-out begins no new hold after it, a new arrival
     does."""
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
 
     clock = FakeClock(monkeypatch)
     supervisor = pacing_supervisor()
     supervisor.hash_xmin, supervisor.sweep_after = "100", 0  # no sweep: the groups alone
-    hand_out(supervisor, starting.HOLD_LOG_LINES_FROM)
+    hand_out(supervisor, log_files.HOLD_LOG_LINES_FROM)
     for group in list(supervisor.groups.unstarted.values()):
         supervisor.groups.start(group)  # handed out, never reported running
-    supervisor._pace_log_files()
-    assert seconds_held(supervisor, clock) >= starting.HOLD_LOG_LINES_MAX_SECONDS
+    supervisor.files.pace()
+    assert seconds_held(supervisor, clock) >= log_files.HOLD_LOG_LINES_MAX_SECONDS
     assert_no_hold_for(supervisor, clock, 100)  # the same hand-out: no new hold
     supervisor.groups.join(10_000, identity_hash=10_000)  # a new arrival
-    supervisor._pace_log_files()
-    assert supervisor.log_pool.holding
+    supervisor.files.pace()
+    assert supervisor.files.pool.holding
 
 
-def pacing_supervisor() -> SmartTriggerRunnerSupervisor:
-    """A supervisor with what ``_pace_log_files`` reads, a start-up sweep's pass under way."""
-    import math
+class Pacing:
+    """The log files part, built as the supervisor builds it, beside the start's state it asks about (a
+    start-up sweep's pass under way) and the coroutines the runner reports running."""
 
-    from smart_triggerer.supervisor.log_uploads import LogUploads
-    from smart_triggerer.supervisor.trigger_logs import LogFilePool
+    def __init__(self) -> None:
+        from smart_triggerer.supervisor.log_files import LogFiles
 
-    supervisor = object.__new__(SmartTriggerRunnerSupervisor)
-    supervisor.shared, supervisor.running_triggers = shared(), set()
-    supervisor.log_pool, supervisor.ended_logs = LogFilePool(10), {}
-    supervisor.log_uploads = LogUploads()
-    supervisor.holding_since = supervisor.handing_out_until = supervisor.held_written_at = -math.inf
-    supervisor.hold_capped_at = None
-    supervisor.hash_xmin, supervisor.sweep_after = None, 1000
-    supervisor.to_read, supervisor.owned = set(), {1, 2}
-    return supervisor
+        self.shared = shared()
+        self.groups = self.shared.groups
+        self.running_triggers: set[int] = set()
+        self.hash_xmin: str | None = None
+        self.sweep_after = 1000
+        self.to_read: set[int] = set()
+        self.owned = {1, 2}
+        self.files = LogFiles(
+            self.shared,
+            running=lambda: self.running_triggers,
+            start_under_way=self.start_under_way,
+            logger_cache={},
+        )
+
+    def start_under_way(self) -> bool:
+        from smart_triggerer.supervisor.starting import start_under_way
+
+        return start_under_way(self.hash_xmin, self.sweep_after, self.to_read, self.owned)
 
 
-def hand_out(supervisor: SmartTriggerRunnerSupervisor, count: int) -> None:
+def pacing_supervisor() -> Pacing:
+    return Pacing()
+
+
+def hand_out(supervisor: Pacing, count: int) -> None:
     """``count`` groups read and waiting to start."""
     for member in range(count):
         supervisor.groups.join(member, identity_hash=member)
 
 
-def all_running(supervisor: SmartTriggerRunnerSupervisor) -> None:
+def all_running(supervisor: Pacing) -> None:
     for group in list(supervisor.groups.unstarted.values()):
         supervisor.running_triggers.add(supervisor.groups.start(group))
 
 
-def seconds_held(supervisor: SmartTriggerRunnerSupervisor, clock: FakeClock) -> float:
+def seconds_held(supervisor: Pacing, clock: FakeClock) -> float:
     """A second at a time until the hold ends (twice the cap at most, then it must have ended)."""
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
 
     began = clock.now
-    while supervisor.log_pool.holding and clock.now - began < 2 * starting.HOLD_LOG_LINES_MAX_SECONDS:
+    while supervisor.files.pool.holding and clock.now - began < 2 * log_files.HOLD_LOG_LINES_MAX_SECONDS:
         clock.now += 1.0
-        supervisor._pace_log_files()
-    assert not supervisor.log_pool.holding
+        supervisor.files.pace()
+    assert not supervisor.files.pool.holding
     return clock.now - began
 
 
-def assert_no_hold_for(supervisor: SmartTriggerRunnerSupervisor, clock: FakeClock, seconds: int) -> None:
+def assert_no_hold_for(supervisor: Pacing, clock: FakeClock, seconds: int) -> None:
     for _ in range(seconds):
         clock.now += 1.0
-        supervisor._pace_log_files()
-        assert not supervisor.log_pool.holding
+        supervisor.files.pace()
+        assert not supervisor.files.pool.holding
 
 
 class FakeClock:
@@ -320,10 +342,10 @@ class FakeClock:
     machine)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tick: float = 0.0) -> None:
-        from smart_triggerer.supervisor import starting, trigger_logs
+        from smart_triggerer.supervisor import log_files, trigger_logs
 
         self.now, self.tick = 1000.0, tick
-        for module in (starting, trigger_logs):
+        for module in (log_files, trigger_logs):
             monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=self.look))
 
     def look(self) -> float:
@@ -331,22 +353,23 @@ class FakeClock:
         return self.now
 
 
-def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> SmartTriggerRunnerSupervisor:
+def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> Pacing:
     """A supervisor on its way out (as ``_shutdown`` leaves it) with ``held`` files whose first line is
     held (a recent takeover's) and ``ended`` ended coroutines' files, each holding a line too."""
     from smart_triggerer.supervisor.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
     supervisor = pacing_supervisor()
-    supervisor.log_pool.holding = True
+    supervisor.files.pool.holding = True
     for n in range(held):
-        PooledLogFile(tmp_path / f"held-{n}.log", supervisor.log_pool).write(b"trigger starting\n")
+        PooledLogFile(tmp_path / f"held-{n}.log", supervisor.files.pool).write(b"trigger starting\n")
     for n in range(ended):
-        factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / f"ended-{n}.log"), ti=None,
-                                              pool=supervisor.log_pool)
+        factory = PooledTriggerLoggingFactory(
+            log_path=str(tmp_path / f"ended-{n}.log"), ti=None, pool=supervisor.files.pool
+        )
         factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")  # a line each
-        supervisor.ended_logs[n] = factory
-    assert len(supervisor.log_pool.held) == held + ended and not list(tmp_path.iterdir())
-    supervisor.log_pool.exiting = True
+        supervisor.files.ended[n] = factory
+    assert len(supervisor.files.pool.held) == held + ended and not list(tmp_path.iterdir())
+    supervisor.files.pool.exiting = True
     return supervisor
 
 
@@ -357,7 +380,8 @@ def written(tmp_path: Path, prefix: str, line: str) -> int:
 
 
 def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_second(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rolling restart stops the instance that took thousands over while their first lines are still
     held (made in the background at a quarter of a core): the exit writes them within its budget, at a
     cost per file that took the whole second an exit used to get."""
@@ -366,15 +390,16 @@ def test_at_exit_a_takeovers_held_log_lines_are_written_not_dropped_after_a_seco
     FakeClock(monkeypatch, tick=0.005)  # 300 files, three looks or so each: about 5 s of writing
     supervisor = exiting_supervisor(tmp_path, held=200, ended=100)
     with capture_logs() as logs:
-        supervisor.write_held_log_lines(20.0)
+        supervisor.files.write_at_exit(20.0)
     assert written(tmp_path, "held", "trigger starting\n") == 200
     assert written(tmp_path, "ended", "trigger completed\n") == 100
-    assert not supervisor.ended_logs and not supervisor.log_pool.held
+    assert not supervisor.files.ended and not supervisor.files.pool.held
     assert [line["event"] for line in logs if line["log_level"] == "warning"] == []
 
 
-def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_exit_a_slow_remote_log_store_costs_no_local_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ended coroutines' files are closed, then uploaded off the loop (remote logging): a remote that
     takes seconds a file costs neither a held line nor a closed file; the exit says what it did not
     upload, in one line."""
@@ -393,8 +418,8 @@ def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
     FakeClock(monkeypatch, tick=0.0)
     supervisor = exiting_supervisor(tmp_path, held=50, ended=20)
     with capture_logs() as logs:
-        supervisor.write_held_log_lines(10.0)
-        supervisor.log_uploads.finish(0.2)
+        supervisor.files.write_at_exit(10.0)
+        supervisor.files.uploads.finish(0.2)
     release.set()
     assert written(tmp_path, "held", "trigger starting\n") == 50
     assert written(tmp_path, "ended", "trigger completed\n") == 20
@@ -405,17 +430,18 @@ def test_at_exit_a_slow_remote_log_store_costs_no_local_line(tmp_path: Path,
     assert left["left"] == 20 and left["uploaded"] == 0
 
 
-def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_exit_what_the_budget_leaves_unwritten_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from structlog.testing import capture_logs
 
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
 
-    monkeypatch.setattr(starting, "EXIT_SAY_FILES_FROM", 10)
+    monkeypatch.setattr(log_files, "EXIT_SAY_FILES_FROM", 10)
     FakeClock(monkeypatch, tick=0.1)  # three looks or so a file: a few files fit in 2 s
     supervisor = exiting_supervisor(tmp_path, held=50, ended=0)
     with capture_logs() as logs:
-        supervisor.write_held_log_lines(2.0)
+        supervisor.files.write_at_exit(2.0)
     done = written(tmp_path, "held", "trigger starting\n")
     assert 0 < done < 50
     said = {line["event"]: line for line in logs}
@@ -423,38 +449,40 @@ def test_at_exit_what_the_budget_leaves_unwritten_is_said(tmp_path: Path,
     assert said["trigger log lines not written at exit"]["files"] == 50 - done
 
 
-def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full disk or a read-only mount refuses every file alike: after ``EXIT_REFUSED_AT_MOST`` refused
     writes the rest are given up on, ended files included (one warning for each refused file, one for
     the rest), not tried for the whole budget. A file that was refused already while the instance ran
     (warned about then) counts too."""
     from structlog.testing import capture_logs
 
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import log_files
     from smart_triggerer.supervisor.trigger_logs import PooledLogFile, PooledTriggerLoggingFactory
 
-    monkeypatch.setattr(starting, "EXIT_REFUSED_AT_MOST", 5)
+    monkeypatch.setattr(log_files, "EXIT_REFUSED_AT_MOST", 5)
     FakeClock(monkeypatch, tick=0.0)  # time never runs out: only the refusals stop it
     supervisor = pacing_supervisor()
     blocked = tmp_path / "logs"
     blocked.write_text("a file where the log folder should be")
-    earlier = [PooledLogFile(blocked / "dag_id=d" / f"e{n}.log", supervisor.log_pool) for n in range(3)]
+    earlier = [PooledLogFile(blocked / "dag_id=d" / f"e{n}.log", supervisor.files.pool) for n in range(3)]
     for log_file in earlier:  # refused while the instance ran: warned about then
         log_file.write(b"trigger starting\n")
-    supervisor.log_pool.holding = True
+    supervisor.files.pool.holding = True
     for log_file in earlier:  # and lines held for them again since
         log_file.write(b"trigger fired\n")
     for n in range(30):
-        PooledLogFile(blocked / "dag_id=d" / f"t{n}.log", supervisor.log_pool).write(b"trigger starting\n")
+        PooledLogFile(blocked / "dag_id=d" / f"t{n}.log", supervisor.files.pool).write(b"trigger starting\n")
     for n in range(10):
-        factory = PooledTriggerLoggingFactory(log_path=str(blocked / "dag_id=d" / f"ended-{n}.log"), ti=None,
-                                              pool=supervisor.log_pool)
+        factory = PooledTriggerLoggingFactory(
+            log_path=str(blocked / "dag_id=d" / f"ended-{n}.log"), ti=None, pool=supervisor.files.pool
+        )
         factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")
-        supervisor.ended_logs[n] = factory
-    supervisor.log_pool.exiting = True
+        supervisor.files.ended[n] = factory
+    supervisor.files.pool.exiting = True
     with capture_logs() as logs:
-        supervisor.write_held_log_lines(60.0)
+        supervisor.files.write_at_exit(60.0)
     refused = [line for line in logs if line["event"].startswith("cannot write a trigger log file")]
     assert len(refused) == 2  # the three refused before warn no more: 5 refusals, 2 of them new files
     said = {line["event"]: line for line in logs}

@@ -45,8 +45,9 @@ def test_the_machine_lock_is_reentrant_within_a_process() -> None:
     assert system._depth[0] == 0
 
 
-def test_a_lock_file_another_user_made_is_shared_read_only(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lock_file_another_user_made_is_shared_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """flock needs no write access: a lock file this user may not append to is opened read-only, so
     root's runs and a user's take turns on the same file instead of running unlocked."""
     (tmp_path / system.LOCK_NAME).touch()
@@ -65,7 +66,8 @@ def test_a_lock_file_another_user_made_is_shared_read_only(tmp_path: Path,
 
 
 def test_a_package_that_cannot_be_installed_names_the_setting_to_point_at_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(system.FINDERS, "libfaketime", lambda: None)
     monkeypatch.setattr(system.shutil, "which", lambda _name: None)
     with pytest.raises(system.SetupError) as raised:

@@ -62,8 +62,13 @@ def test_a_group_listens_on_every_channel_of_its_members() -> None:
 
 @pytest.mark.parametrize(
     ("argument", "value"),
-    [("status_table", "meta.t; DROP TABLE x"), ("status_table", "a.b.c"), ("table_column", "name)"),
-     ("status_column", ""), ("time_column", 'at"')],
+    [
+        ("status_table", "meta.t; DROP TABLE x"),
+        ("status_table", "a.b.c"),
+        ("table_column", "name)"),
+        ("status_column", ""),
+        ("time_column", 'at"'),
+    ],
 )
 def test_identifiers_are_validated_naming_the_argument(argument: str, value: str) -> None:
     with pytest.raises(ValueError, match=argument):
@@ -77,10 +82,15 @@ def test_query_quotes_identifiers_and_parameterises_values() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
-    [({"conn_id": ""}, "conn_id"), ({"required_tables": []}, "required_tables"),
-     ({"required_tables": "dds.h_user"}, "required_tables"), ({"status_table": "x;y"}, "status_table"),
-     ({"notify_channel": "load done"}, "notify_channel"), ({"since": "yesterday"}, "since"),
-     ({"start_from_trigger": True, "deferrable": False}, "start_from_trigger")],
+    [
+        ({"conn_id": ""}, "conn_id"),
+        ({"required_tables": []}, "required_tables"),
+        ({"required_tables": "dds.h_user"}, "required_tables"),
+        ({"status_table": "x;y"}, "status_table"),
+        ({"notify_channel": "load done"}, "notify_channel"),
+        ({"since": "yesterday"}, "since"),
+        ({"start_from_trigger": True, "deferrable": False}, "start_from_trigger"),
+    ],
 )
 def test_sensor_rejects_bad_arguments_at_parse_time(kwargs: dict[str, Any], argument: str) -> None:
     arguments = {"task_id": "wait", "conn_id": "warehouse", "required_tables": ["dds.h_user"], **kwargs}
@@ -102,8 +112,14 @@ def test_trigger_serializes_and_identity_ignores_order_and_poll_interval() -> No
 
 
 def test_start_from_trigger_defers_from_the_scheduler_with_a_templated_since() -> None:
-    sensor = TableLoadSensor(task_id="wait", conn_id="wh", required_tables=["b", "a"],
-                             since="{{ data_interval_end }}", start_from_trigger=True, timeout=60)
+    sensor = TableLoadSensor(
+        task_id="wait",
+        conn_id="wh",
+        required_tables=["b", "a"],
+        since="{{ data_interval_end }}",
+        start_from_trigger=True,
+        timeout=60,
+    )
     args = sensor.start_trigger_args
     assert sensor.start_from_trigger and args is not None
     assert args.trigger_cls == "triggers.table_load.TableLoadTrigger"

@@ -58,9 +58,10 @@ def test_a_closed_file_gives_back_its_descriptor_and_refuses_writes(tmp_path: Pa
 def test_the_factory_writes_airflow_json_lines_through_the_pool(tmp_path: Path) -> None:
     pool = LogFilePool(limit=1)
     made = TriggerLoggingFactory(log_path=str(tmp_path / "a" / "attempt=1.log.trigger.7.log"), ti=None)
-    factories = [PooledTriggerLoggingFactory.replacing(made, pool),
-                 PooledTriggerLoggingFactory(log_path=str(tmp_path / "b.log.trigger.7.log"), ti=None,
-                                             pool=pool)]
+    factories = [
+        PooledTriggerLoggingFactory.replacing(made, pool),
+        PooledTriggerLoggingFactory(log_path=str(tmp_path / "b.log.trigger.7.log"), ti=None, pool=pool),
+    ]
     processors = [structlog.processors.JSONRenderer(), lambda _l, _m, text: text.encode()]
     loggers = [factory(processors) for factory in factories]
     assert factories[0](processors) is loggers[0]  # one logger per trigger, as Airflow's
@@ -117,8 +118,9 @@ class FakeRemoteLogs:
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["written at once", "held until the upload"])
-def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 held: bool) -> None:
+def test_remote_log_upload_finds_the_pooled_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
     """Airflow's upload reads the path from the factory's logger's file (``relative_path_from_logger``),
     whether the trigger's lines were written as they came or were still held when it ended."""
     import airflow.sdk.log
@@ -128,8 +130,9 @@ def test_remote_log_upload_finds_the_pooled_file(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
     pool = LogFilePool(limit=1)
     pool.holding = held
-    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
-                                          ti=None, pool=pool)
+    factory = PooledTriggerLoggingFactory(
+        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"), ti=None, pool=pool
+    )
     factory([lambda _l, _m, event: json.dumps(event).encode()]).log(20, "line")
     other = PooledLogFile(tmp_path / "other.log", pool)
     other.write(b"evicts the trigger's file\n")
@@ -161,15 +164,17 @@ def test_a_factory_that_wrote_nothing_uploads_and_closes_without_error(tmp_path:
     """A coroutine handed over before its first line has a factory but no file: ending it (upload, then
     close, as the supervisor does) must neither fail nor make a file."""
     pool = LogFilePool(limit=1)
-    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
-                                          ti=None, pool=pool)
+    factory = PooledTriggerLoggingFactory(
+        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"), ti=None, pool=pool
+    )
     factory.upload_to_remote()
     factory.close()
     assert not (tmp_path / "dag_id=d").exists() and len(pool) == 0
 
 
 def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_permissions(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The file is created by its first open (no separate touch), where Airflow's init_log_file would put
     it, with ``file_task_handler_new_file_permissions``; a missing folder is made with the folder's."""
     monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
@@ -200,7 +205,8 @@ def files_made_in_order(monkeypatch: pytest.MonkeyPatch) -> list[PooledLogFile]:
 
 
 def test_held_lines_are_written_first_in_order_when_their_files_are_made(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While a takeover hands out coroutines the pool holds the lines of files not made yet; each file is
     then made with its lines in order, by ``write_held`` or by its close. A line after the hold is held
     too (making thousands of files at once stopped the supervisor's loop), and its file is made first."""
@@ -225,8 +231,11 @@ def test_held_lines_are_written_first_in_order_when_their_files_are_made(
     for log_file in files:
         log_file.flush()
     assert [Path(f.name).read_text().splitlines() for f in files] == [
-        ["t0 starting", "t0 second line"], ["t1 starting", "t1 fired"], ["t2 starting"],
-        ["t3 starting", "t3 fired"]]
+        ["t0 starting", "t0 second line"],
+        ["t1 starting", "t1 fired"],
+        ["t2 starting"],
+        ["t3 starting", "t3 fired"],
+    ]
 
 
 def test_write_held_stops_at_its_budget_and_keeps_the_rest_in_order(tmp_path: Path) -> None:
@@ -242,7 +251,8 @@ def test_write_held_stops_at_its_budget_and_keeps_the_rest_in_order(tmp_path: Pa
 
 
 def test_held_lines_of_a_file_that_cannot_be_made_are_dropped_without_stopping_the_rest(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     pool = LogFilePool(limit=4)
     pool.holding = True
     (tmp_path / "not-a-folder").write_text("a file where the folder should be")
@@ -256,7 +266,8 @@ def test_held_lines_of_a_file_that_cannot_be_made_are_dropped_without_stopping_t
 
 
 def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_is_made(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """While the pool holds, Airflow's ``log(level, event, **kw)`` calls for a file not made yet are kept
     as they came: the processors (masking, rendering) run only when the file is made, in order with any
     line written after the hold, and the runner's own timestamp is the one written."""
@@ -287,10 +298,14 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
 
 
 def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alone(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uploaded: list[str] = []
-    monkeypatch.setattr(TriggerLoggingFactory, "upload_to_remote",
-                        lambda self: uploaded.append(Path(self.log_path).read_text()))
+    monkeypatch.setattr(
+        TriggerLoggingFactory,
+        "upload_to_remote",
+        lambda self: uploaded.append(Path(self.log_path).read_text()),
+    )
 
     def renderer(_logger: object, _method: str, event: dict[str, object]) -> bytes:
         if event.get("bad"):
@@ -327,7 +342,8 @@ def test_the_pool_knows_when_a_new_file_last_got_a_held_line(tmp_path: Path) -> 
 
 
 def test_a_closed_file_holds_its_lines_while_files_wait_to_be_made(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A handover cancels thousands of coroutines, each with a last line for a file the pool closed: while
     files wait to be made, those lines wait too (reopening each in the log path stopped the loop), and its
     file is written first; with nothing waiting, a line is written at once, reopening the file."""
@@ -361,7 +377,8 @@ def closed_files(tmp_path: Path, pool: LogFilePool, count: int) -> list[PooledLo
 
 
 def test_reopening_from_the_log_path_stops_at_its_budget(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With nothing waiting to be made, lines of closed files are written at once until this window's
     reopening time is spent (a handover after every file was made: thousands of last lines), then wait."""
     pool = LogFilePool(limit=1)
@@ -382,7 +399,8 @@ def test_reopening_from_the_log_path_stops_at_its_budget(
 
 
 def test_on_the_way_out_and_past_the_backlog_limit_lines_are_written_at_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pool = LogFilePool(limit=1)
     closed, other = closed_files(tmp_path, pool, 2)
     pool.holding = True
@@ -404,7 +422,8 @@ def test_on_the_way_out_and_past_the_backlog_limit_lines_are_written_at_once(
 
 
 def test_files_with_news_do_not_starve_files_holding_only_their_first_line(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pool = LogFilePool(limit=1)
     pool.holding = True
     quiet = [PooledLogFile(tmp_path / f"quiet{n}.log", pool) for n in range(2)]
@@ -435,7 +454,8 @@ def test_a_file_that_fails_to_close_when_evicted_costs_the_next_file_nothing(tmp
         second.flush()
     assert (tmp_path / "second.log").read_text() == "line\n"
     assert [(line["event"], line["path"]) for line in logs] == [
-        ("cannot close a trigger log file; its last lines are dropped", str(tmp_path / "first.log"))]
+        ("cannot close a trigger log file; its last lines are dropped", str(tmp_path / "first.log"))
+    ]
 
 
 class RefusingClose:
@@ -451,7 +471,8 @@ class RefusingClose:
 
 
 def test_past_the_byte_cap_held_lines_are_written_at_once_in_order(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A trigger that logs a lot while its file waits (a takeover's hold) must not grow the supervisor
     without end: past ``MAX_HELD_BYTES`` held in all, a line is written at once, after what its file held."""
     monkeypatch.setattr(trigger_logs, "MAX_HELD_BYTES", 100)

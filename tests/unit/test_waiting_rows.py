@@ -12,8 +12,13 @@ ROW = (7, 123456789, 3, True, json.dumps({"poll_interval": ["min", 30]}), None, 
 
 def test_a_row_becomes_a_waiting_trigger_with_its_execution_kwargs() -> None:
     waiting = _waiting(ROW)
-    assert (waiting.trigger_id, waiting.identity_hash, waiting.shard, waiting.dedupable, waiting.has_task) \
-        == (7, 123456789, 3, True, True)
+    assert (
+        waiting.trigger_id,
+        waiting.identity_hash,
+        waiting.shard,
+        waiting.dedupable,
+        waiting.has_task,
+    ) == (7, 123456789, 3, True, True)
     assert waiting.execution == {"poll_interval": ["min", 30]}
     assert waiting.hold_left == 0.0 and waiting.error is None and waiting.timeout_in is None
     assert waiting.held_event is None

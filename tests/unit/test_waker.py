@@ -92,7 +92,8 @@ def test_threads_of_ours_leave_stop_signals_to_the_main_thread() -> None:
         leave_stop_signals_to_the_main_thread()
         masks["ours"] = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
         child = threading.Thread(
-            target=lambda: masks.update(child=set(signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+            target=lambda: masks.update(child=set(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        )
         child.start()
         child.join()
 

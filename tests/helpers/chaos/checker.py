@@ -150,8 +150,15 @@ def _seconds_up(start: dt.datetime, end: dt.datetime, down: Windows) -> float:
     return (end - start).total_seconds() - _down_within(start, end, down)
 
 
-def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime | None,
-          bound: float, due: dt.datetime | None = None, *, down: Windows = ()) -> Outcome:
+def judge(
+    waiter: Waiter,
+    entries: list[dict[str, Any]],
+    condition: dt.datetime | None,
+    bound: float,
+    due: dt.datetime | None = None,
+    *,
+    down: Windows = (),
+) -> Outcome:
     """One waiter's audit trail against its condition and its deadline (``due``, as the harness set it)."""
     deferred = [e["at"] for e in entries if e["op"] == "deferred"]
     writes = [e for e in entries if e["op"] in ("resolved", "rewritten", "deleted")]
@@ -160,8 +167,10 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     first = writes[0]
     outcome = _classify(first)
     if len(writes) > 1 or len(deferred) > 1:
-        outcome.problems.append(f"doubled: {len(writes)} writes in transactions "
-                                f"{[w['txid'] for w in writes]} at {[w['at'].isoformat() for w in writes]}")
+        outcome.problems.append(
+            f"doubled: {len(writes)} writes in transactions "
+            f"{[w['txid'] for w in writes]} at {[w['at'].isoformat() for w in writes]}"
+        )
     start = max([t for t in (condition, *deferred[:1]) if t is not None], default=None)
     if waiter.identity.kind == POISON:
         _judge_poison(outcome, first, condition=condition, start=start, bound=bound, down=down)
@@ -174,8 +183,16 @@ def judge(waiter: Waiter, entries: list[dict[str, Any]], condition: dt.datetime 
     if outcome.verdict == "timed_out":
         _judge_timeout(outcome, first, due, expected, bound, down=down)
     else:
-        _judge_event(outcome, waiter, first, condition=condition, start=start, expected=expected, bound=bound,
-                     down=down)
+        _judge_event(
+            outcome,
+            waiter,
+            first,
+            condition=condition,
+            start=start,
+            expected=expected,
+            bound=bound,
+            down=down,
+        )
     return outcome
 
 
@@ -194,12 +211,20 @@ def _classify(entry: dict[str, Any]) -> Outcome:
     return Outcome("resumed")
 
 
-def _judge_poison(outcome: Outcome, entry: dict[str, Any], *, condition: dt.datetime | None,
-                  start: dt.datetime | None, bound: float, down: Windows = ()) -> None:
+def _judge_poison(
+    outcome: Outcome,
+    entry: dict[str, Any],
+    *,
+    condition: dt.datetime | None,
+    start: dt.datetime | None,
+    bound: float,
+    down: Windows = (),
+) -> None:
     """The poison group's tasks must fail with the cause ("could not be stored"), once, in time."""
     if outcome.verdict != "rejected":
-        outcome.problems.append(f"wrong: a poison event must fail its task with {REJECTED_MARK!r}; "
-                                f"it was {outcome.verdict}")
+        outcome.problems.append(
+            f"wrong: a poison event must fail its task with {REJECTED_MARK!r}; it was {outcome.verdict}"
+        )
         if outcome.verdict != "lost":
             outcome.verdict = "failed"
         return
@@ -227,8 +252,15 @@ def _expected(condition: dt.datetime | None, due: dt.datetime | None, bound: flo
     return "timeout" if gap > 0 else "event"
 
 
-def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | None, expected: str,
-                   bound: float, *, down: Windows = ()) -> None:
+def _judge_timeout(
+    outcome: Outcome,
+    entry: dict[str, Any],
+    due: dt.datetime | None,
+    expected: str,
+    bound: float,
+    *,
+    down: Windows = (),
+) -> None:
     if due is None:
         outcome.problems.append("wrong: timed out without a trigger_timeout")
         return
@@ -241,18 +273,30 @@ def _judge_timeout(outcome: Outcome, entry: dict[str, Any], due: dt.datetime | N
     stall = max(_seconds_up(due, entry["at"], down), 0.0)
     outcome.stall, outcome.window = stall, (due, entry["at"])
     if stall > bound:
-        outcome.problems.append(f"stalled: timed out {stall:.1f}s after due, less PostgreSQL's downtime "
-                                f"(bound {bound:.0f}s)")
+        outcome.problems.append(
+            f"stalled: timed out {stall:.1f}s after due, less PostgreSQL's downtime (bound {bound:.0f}s)"
+        )
 
 
-def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, condition: dt.datetime | None,
-                 start: dt.datetime | None, expected: str, bound: float, down: Windows = ()) -> None:
+def _judge_event(
+    outcome: Outcome,
+    waiter: Waiter,
+    entry: dict[str, Any],
+    *,
+    condition: dt.datetime | None,
+    start: dt.datetime | None,
+    expected: str,
+    bound: float,
+    down: Windows = (),
+) -> None:
     payload = as_dict(entry["next_kwargs"]).get("event")
     if not payload_matches(waiter.identity, payload):
         outcome.problems.append(f"wrong: event {payload!r} is not about {waiter.identity.key}")
     if condition is None or entry["at"] < condition:
-        outcome.problems.append(f"premature: resumed at {entry['at'].isoformat()} before its condition "
-                                f"held ({condition.isoformat() if condition else 'never'})")
+        outcome.problems.append(
+            f"premature: resumed at {entry['at'].isoformat()} before its condition "
+            f"held ({condition.isoformat() if condition else 'never'})"
+        )
         return
     if expected == "timeout":
         outcome.problems.append("wrong: resumed although its deadline passed well before its condition")
@@ -260,8 +304,9 @@ def _judge_event(outcome: Outcome, waiter: Waiter, entry: dict[str, Any], *, con
     stall = _seconds_up(start, entry["at"], down)
     outcome.stall, outcome.window = stall, (start, entry["at"])
     if stall > bound:
-        outcome.problems.append(f"stalled: resumed {stall:.1f}s after its condition held "
-                                f"(bound {bound:.0f}s)")
+        outcome.problems.append(
+            f"stalled: resumed {stall:.1f}s after its condition held (bound {bound:.0f}s)"
+        )
 
 
 @dataclass
@@ -278,8 +323,15 @@ class AssetOutcome:
     refired: list[str] = field(default_factory=list)  # events whose first holders were struck: how late
 
 
-def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: float = 0.0, *,
-                 wedged: Windows = (), stall: float = 0.0) -> AssetOutcome:
+def judge_assets(
+    observed: Observed,
+    bound: float,
+    down: Windows = (),
+    retake: float = 0.0,
+    *,
+    wedged: Windows = (),
+    stall: float = 0.0,
+) -> AssetOutcome:
     """Every SUCCESS row of a watched table -> exactly one event on that table's asset, and nothing else.
 
     An event fired by an instance that a fault struck before it stored it (its log says it fired, before
@@ -304,17 +356,19 @@ def judge_assets(observed: Observed, bound: float, down: Windows = (), retake: f
         struck = _struck_holders(observed, row_id, events)
         # a row whose watcher's runner may have been the stopped one (the wedge fault): + the threshold
         allowed = bound + (stall if overlaps(at, events[0][3] if events else None, wedged) else 0.0)
-        _judge_row(result, (row_id, table, at), uri, events, allowed, down=down, struck=struck,
-                   retake=retake)
+        _judge_row(result, (row_id, table, at), uri, events, allowed, down=down, struck=struck, retake=retake)
     for row_id, events in by_row.items():
         if row_id not in rows:
             result.wrong.append(f"events {[e[0] for e in events]} name no status row ({row_id})")
     return result
 
 
-def other_shard_holders(entries: list[dict[str, Any]], condition: dt.datetime | None,
-                        took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]],
-                        team: str | None = None) -> int:
+def other_shard_holders(
+    entries: list[dict[str, Any]],
+    condition: dt.datetime | None,
+    took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]],
+    team: str | None = None,
+) -> int:
     """Instance processes other than the one that resumed a wait which took the wait's shard while it
     waited (after its condition held and it deferred, before the resume): each was struck before it
     stored the event (killed, frozen, cut off, stopped), or handed the shard on, and the next owner had to
@@ -327,13 +381,17 @@ def other_shard_holders(entries: list[dict[str, Any]], condition: dt.datetime | 
         return 0
     first = writes[0]
     start = max([condition, *deferred[:1]])
-    takers = {process for at, process in took.get((team, int(first["shard"])), [])
-              if start < at < first["at"] and process != first["writer"]}
+    takers = {
+        process
+        for at, process in took.get((team, int(first["shard"])), [])
+        if start < at < first["at"] and process != first["writer"]
+    }
     return len(takers)
 
 
-def _struck_holders(observed: Observed, row_id: int,
-                    events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]) -> int:
+def _struck_holders(
+    observed: Observed, row_id: int, events: list[tuple[int, str, dict[str, Any], dt.datetime | None]]
+) -> int:
     """Instance processes that fired the row's event before another one stored it (none known: 0)."""
     if len(events) != 1 or events[0][3] is None:
         return 0
@@ -344,9 +402,17 @@ def _struck_holders(observed: Observed, row_id: int,
     return sum(1 for process, at in firings.items() if process != stored_by and at < stored_at)
 
 
-def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str,
-               events: list[tuple[int, str, dict[str, Any], dt.datetime | None]], bound: float, *,
-               down: Windows = (), struck: int = 0, retake: float = 0.0) -> None:
+def _judge_row(
+    result: AssetOutcome,
+    row: tuple[int, str, dt.datetime],
+    uri: str,
+    events: list[tuple[int, str, dict[str, Any], dt.datetime | None]],
+    bound: float,
+    *,
+    down: Windows = (),
+    struck: int = 0,
+    retake: float = 0.0,
+) -> None:
     row_id, table, at = row
     if not events or len(events) > 1:
         result.failing_rows.append(row_id)
@@ -355,24 +421,30 @@ def _judge_row(result: AssetOutcome, row: tuple[int, str, dt.datetime], uri: str
         result.lost.append(f"row {row_id} ({table} SUCCESS at {at.isoformat()}) has no asset event")
         return
     if len(events) > 1:
-        result.doubled.append(f"row {row_id} ({table}) has {len(events)} asset events "
-                              f"{[e[0] for e in events]}")
+        result.doubled.append(
+            f"row {row_id} ({table}) has {len(events)} asset events {[e[0] for e in events]}"
+        )
     for event_id, event_uri, extra, _at in events:
         payload = extra.get("payload") or {}
         if event_uri != uri or payload.get("table_name") != table:
-            result.wrong.append(f"event {event_id} for row {row_id} ({table}) is on {event_uri} with "
-                                f"table_name {payload.get('table_name')!r}")
+            result.wrong.append(
+                f"event {event_id} for row {row_id} ({table}) is on {event_uri} with "
+                f"table_name {payload.get('table_name')!r}"
+            )
     created = events[0][3]
     if created is not None:
         latency = _seconds_up(at, created, down)
         result.latencies.append(latency)
         allowed = bound + struck * retake
         if struck and latency > bound:
-            result.refired.append(f"row {row_id} ({table}): {latency:.1f}s, fired before it was stored by "
-                                  f"{struck} struck instance(s) (bound {allowed:g}s)")
+            result.refired.append(
+                f"row {row_id} ({table}): {latency:.1f}s, fired before it was stored by "
+                f"{struck} struck instance(s) (bound {allowed:g}s)"
+            )
         if latency > allowed:
-            result.stalled.append(f"row {row_id} ({table}): its event came {latency:.1f}s later "
-                                  f"(bound {allowed:g}s)")
+            result.stalled.append(
+                f"row {row_id} ({table}): its event came {latency:.1f}s later (bound {allowed:g}s)"
+            )
 
 
 @dataclass
@@ -395,14 +467,18 @@ def judge_bridge(observed: Observed) -> BridgeOutcome:
     result.nul_events = len(nul)
     if len(nul) != 1:
         kind = "lost" if not nul else "doubled"
-        result.violations.append(f"ASSET {kind}: the NUL extra's watcher made {len(nul)} asset events "
-                                 f"{[e[0] for e in nul]} (want exactly one)")
+        result.violations.append(
+            f"ASSET {kind}: the NUL extra's watcher made {len(nul)} asset events "
+            f"{[e[0] for e in nul]} (want exactly one)"
+        )
     for event_id, *_rest in nul:
         status, error = observed.outbox.get(event_id, ("no outbox row", None))
         result.nul_row = f"{status} ({error})" if error else status
         if status != "dead" or "jsonb" not in (error or ""):
-            result.violations.append(f"BRIDGE wrong: the NUL extra's event {event_id} has outbox row "
-                                     f"{result.nul_row!r}, want dead-lettered with jsonb's reason")
+            result.violations.append(
+                f"BRIDGE wrong: the NUL extra's event {event_id} has outbox row "
+                f"{result.nul_row!r}, want dead-lettered with jsonb's reason"
+            )
         if observed.delivered[event_id]:
             result.violations.append(f"BRIDGE wrong: the NUL extra's event {event_id} reached the inbox")
     for event_id, uri, _extra, _at in observed.asset_events:
@@ -414,8 +490,10 @@ def judge_bridge(observed: Observed) -> BridgeOutcome:
             result.delivered += 1
             result.redelivered += observed.delivered[event_id] - 1
         else:
-            result.violations.append(f"BRIDGE lost: event {event_id} ({uri}) outbox row {status!r} "
-                                     f"({error}), delivered {observed.delivered[event_id]} times")
+            result.violations.append(
+                f"BRIDGE lost: event {event_id} ({uri}) outbox row {status!r} "
+                f"({error}), delivered {observed.delivered[event_id]} times"
+            )
     return result
 
 
@@ -431,10 +509,14 @@ def on_host_clock(observed: Observed) -> Observed:
 
     audit = {ti: [{**e, "at": host(e["at"])} for e in entries] for ti, entries in observed.audit.items()}
     return dataclasses.replace(
-        observed, audit=audit, conditions={k: host(v) for k, v in observed.conditions.items()},
+        observed,
+        audit=audit,
+        conditions={k: host(v) for k, v in observed.conditions.items()},
         asset_rows=[(i, t, status, host(at)) for i, t, status, at in observed.asset_rows],
-        asset_events=[(i, uri, extra, None if at is None else host(at))
-                      for i, uri, extra, at in observed.asset_events])
+        asset_events=[
+            (i, uri, extra, None if at is None else host(at)) for i, uri, extra, at in observed.asset_events
+        ],
+    )
 
 
 def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[str, Any]) -> Report:
@@ -448,8 +530,11 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
     for waiter in plan.waiters:
         entries = observed.audit.get(waiter.ti_id, [])
         cond = condition_time(waiter.identity, observed.conditions)
-        due = (None if waiter.timeout_at is None else
-               continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps))
+        due = (
+            None
+            if waiter.timeout_at is None
+            else continuous(raw.t0 + dt.timedelta(seconds=waiter.timeout_at), raw.clock_steps)
+        )
         struck = other_shard_holders(entries, cond, observed.took, waiter.identity.team)
         bound = profile.bound(waiter.poll_interval) + struck * profile.retake
         written = next((e["at"] for e in entries if e["op"] in ("resolved", "rewritten", "deleted")), None)
@@ -461,13 +546,26 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
         if outcome.verdict in ("lost", "failed") or outcome.problems:
             trigger_ids.update(_trigger_ids(entries, observed.final.get(waiter.ti_id)))
             violations.append(_describe(waiter, outcome, cond, observed))
-    assets = judge_assets(observed, profile.bound(profile.asset_poll), down,
-                          retake=profile.retake, wedged=wedged, stall=profile.runner_stall_seconds)
+    assets = judge_assets(
+        observed,
+        profile.bound(profile.asset_poll),
+        down,
+        retake=profile.retake,
+        wedged=wedged,
+        stall=profile.runner_stall_seconds,
+    )
     for uri in assets.failing_assets:
         trigger_ids.add(observed.watchers.get(uri, -1))
-    violations += [f"ASSET {kind}: {text}" for kind, texts in
-                   (("lost", assets.lost), ("doubled", assets.doubled), ("wrong", assets.wrong),
-                    ("stalled", assets.stalled)) for text in texts]
+    violations += [
+        f"ASSET {kind}: {text}"
+        for kind, texts in (
+            ("lost", assets.lost),
+            ("doubled", assets.doubled),
+            ("wrong", assets.wrong),
+            ("stalled", assets.stalled),
+        )
+        for text in texts
+    ]
     bridge = judge_bridge(observed)
     violations += bridge.violations
     violations += [f"INSTANCE exited on its own: {text}" for text in run["unexpected_exits"]]
@@ -478,8 +576,7 @@ def check(plan: Plan, raw: Observed, faults: Sequence[FaultRecord], run: dict[st
     notes = list(run["notes"]) + [f"unclean stop: {u}" for u in run["unclean_stops"]]
     if violations:
         notes += observed.diagnostics
-    notes += [f"exited during start-up (database unreachable), restarted: {u}"
-              for u in run["startup_exits"]]
+    notes += [f"exited during start-up (database unreachable), restarted: {u}" for u in run["startup_exits"]]
     notes += notes_faults
     return Report(figures, violations, notes, trigger_ids, set(assets.failing_rows))
 
@@ -495,20 +592,26 @@ def judge_consumed(plan: Plan, observed: Observed) -> list[str]:
         takes = observed.takes.get(key, [])
         if len(takes) != 1:
             where = "left in the queue" if key in observed.queue_left else "never queued"
-            problems.append(f"CONSUME {key}: taken {len(takes)} times {takes}"
-                            + ("" if takes else f", {where}"))
+            problems.append(
+                f"CONSUME {key}: taken {len(takes)} times {takes}" + ("" if takes else f", {where}")
+            )
     return problems
 
 
-def _bridge_figures(bridge: BridgeOutcome, run: dict[str, Any],
-                    steps: Sequence[ClockStep]) -> list[tuple[str, str]]:
+def _bridge_figures(
+    bridge: BridgeOutcome, run: dict[str, Any], steps: Sequence[ClockStep]
+) -> list[tuple[str, str]]:
     return [
         ("NUL extra: asset events / its outbox row", f"{bridge.nul_events} / {bridge.nul_row[:120]}"),
-        ("bridge: status events delivered to the inbox / expected (redeliveries)",
-         f"{bridge.delivered} / {bridge.expected} ({bridge.redelivered})"),
+        (
+            "bridge: status events delivered to the inbox / expected (redeliveries)",
+            f"{bridge.delivered} / {bridge.expected} ({bridge.redelivered})",
+        ),
         ("inbox refusals (bad signature)", str(run.get("inbox_refusals", 0))),
-        ("database clock steps (s)", ", ".join(f"+{(s.after - s.before).total_seconds():.1f}" for s in steps)
-         or "none"),
+        (
+            "database clock steps (s)",
+            ", ".join(f"+{(s.after - s.before).total_seconds():.1f}" for s in steps) or "none",
+        ),
     ]
 
 
@@ -522,32 +625,47 @@ def _trigger_ids(entries: list[dict[str, Any]], final: tuple[str | None, int | N
 def _describe(waiter: Waiter, outcome: Outcome, cond: dt.datetime | None, observed: Observed) -> str:
     problems = "; ".join(outcome.problems)
     where = observed.stuck.get(waiter.ti_id, "")
-    timeout = (f" timeout_at=t0+{waiter.timeout_at:.1f}s" if waiter.timeout_at is not None else "")
+    timeout = f" timeout_at=t0+{waiter.timeout_at:.1f}s" if waiter.timeout_at is not None else ""
     written = next((e for e in observed.audit.get(waiter.ti_id, []) if e["op"] != "deferred"), None)
-    by = (f" written at {written['at'].isoformat()} by {written.get('writer') or '?'} (trigger "
-          f"{written['old_trigger_id']}, shard {written.get('shard')})" if written else "")
-    return (f"{outcome.verdict.upper()} {waiter.dag_id}[{waiter.map_index}] ti={waiter.ti_id} "
-            f"identity={waiter.identity.key} poll={waiter.poll_interval:g}s push={waiter.push}{timeout} "
-            f"condition={cond.isoformat() if cond else None}: {problems}{by} {where}".rstrip())
+    by = (
+        f" written at {written['at'].isoformat()} by {written.get('writer') or '?'} (trigger "
+        f"{written['old_trigger_id']}, shard {written.get('shard')})"
+        if written
+        else ""
+    )
+    return (
+        f"{outcome.verdict.upper()} {waiter.dag_id}[{waiter.map_index}] ti={waiter.ti_id} "
+        f"identity={waiter.identity.key} poll={waiter.poll_interval:g}s push={waiter.push}{timeout} "
+        f"condition={cond.isoformat() if cond else None}: {problems}{by} {where}".rstrip()
+    )
 
 
-def _stall_by_fault(outcomes: dict[int, Outcome], faults: Sequence[FaultRecord],
-                    lease: float) -> dict[str, float]:
+def _stall_by_fault(
+    outcomes: dict[int, Outcome], faults: Sequence[FaultRecord], lease: float
+) -> dict[str, float]:
     """The longest stall among waits that overlapped each kind of fault ('none': no fault nearby)."""
     worst: dict[str, float] = {}
     for outcome in outcomes.values():
         if outcome.stall is None or outcome.window is None:
             continue
         start, end = outcome.window
-        kinds = {f.kind for f in faults
-                 if f.started <= end and (f.ended or end) + dt.timedelta(seconds=lease) >= start}
+        kinds = {
+            f.kind
+            for f in faults
+            if f.started <= end and (f.ended or end) + dt.timedelta(seconds=lease) >= start
+        }
         for kind in kinds or {"none"}:
             worst[kind] = max(worst.get(kind, 0.0), outcome.stall)
     return worst
 
 
-def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, faults: Sequence[FaultRecord],
-             run: dict[str, Any]) -> list[tuple[str, str]]:
+def _figures(
+    plan: Plan,
+    outcomes: dict[int, Outcome],
+    assets: AssetOutcome,
+    faults: Sequence[FaultRecord],
+    run: dict[str, Any],
+) -> list[tuple[str, str]]:
     p = plan.profile
     verdicts = Counter(o.verdict for o in outcomes.values())
     problems = Counter(text.split(":")[0] for o in outcomes.values() for text in o.problems)
@@ -558,53 +676,83 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
     timed = [w for w in plan.waiters if w.timeout_at is not None]
     figures = [
         ("seed", str(p.seed)),
-        ("instances", f"{p.instances} of no team (+1 joining), {p.team_instances} of each team "
-                      f"({', '.join(p.teams) or 'none'}); {p.shards} shards per team space, "
-                      f"lease {p.lease_seconds:g}s"),
+        (
+            "instances",
+            f"{p.instances} of no team (+1 joining), {p.team_instances} of each team "
+            f"({', '.join(p.teams) or 'none'}); {p.shards} shards per team space, "
+            f"lease {p.lease_seconds:g}s",
+        ),
         ("chaos phase / total wall time (s)", f"{run['chaos_seconds']:.0f} / {run['wall_seconds']:.0f}"),
         ("faults", f"{len(faults)}: " + ", ".join(f"{k} {kinds[k]}" for k in FAULT_KINDS)),
         ("faults made as planned", _as_planned(faults)),
-        ("waiters / identities", f"{len(plan.waiters)} / {len(plan.identities)} "
-                                 f"({1 - len(plan.identities) / len(plan.waiters):.0%} duplicates)"),
-        ("waiters by trigger", ", ".join(f"{k} {n}" for k, n in
-                                         sorted(Counter(w.identity.kind for w in plan.waiters).items()))
-         + f"; push {sum(w.push for w in plan.waiters)}; second wave {sum(w.wave for w in plan.waiters)}"),
+        (
+            "waiters / identities",
+            f"{len(plan.waiters)} / {len(plan.identities)} "
+            f"({1 - len(plan.identities) / len(plan.waiters):.0%} duplicates)",
+        ),
+        (
+            "waiters by trigger",
+            ", ".join(f"{k} {n}" for k, n in sorted(Counter(w.identity.kind for w in plan.waiters).items()))
+            + f"; push {sum(w.push for w in plan.waiters)}; second wave {sum(w.wave for w in plan.waiters)}",
+        ),
         ("waiters with a timeout", str(len(timed))),
-        ("team waits resumed with their own team's mark / team waits (teams)",
-         f"{_own(plan, outcomes, TEAM)} / {sum(1 for w in plan.waiters if w.identity.kind == TEAM)} "
-         f"({', '.join(p.teams) or 'none'}, {p.team_instances} instances each)"),
-        ("consume-once waits resumed with their message / waits (messages, each taken once)",
-         f"{_own(plan, outcomes, CONSUME)} / {sum(1 for w in plan.waiters if w.identity.kind == CONSUME)} "
-         f"({len({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})})"),
+        (
+            "team waits resumed with their own team's mark / team waits (teams)",
+            f"{_own(plan, outcomes, TEAM)} / {sum(1 for w in plan.waiters if w.identity.kind == TEAM)} "
+            f"({', '.join(p.teams) or 'none'}, {p.team_instances} instances each)",
+        ),
+        (
+            "consume-once waits resumed with their message / waits (messages, each taken once)",
+            f"{_own(plan, outcomes, CONSUME)} / {sum(1 for w in plan.waiters if w.identity.kind == CONSUME)} "
+            f"({len({w.identity.name for w in plan.waiters if w.identity.kind == CONSUME})})",
+        ),
         ("resumed", str(verdicts["resumed"])),
         ("timed out", str(verdicts["timed_out"])),
-        ("poison waiters failed with the cause (expected) / poison waiters",
-         f"{verdicts['rejected']} / {sum(1 for w in plan.waiters if w.identity.kind == POISON)}"),
+        (
+            "poison waiters failed with the cause (expected) / poison waiters",
+            f"{verdicts['rejected']} / {sum(1 for w in plan.waiters if w.identity.kind == POISON)}",
+        ),
         ("failed", str(verdicts["failed"])),
         ("lost", str(verdicts["lost"])),
         ("doubled", str(problems["doubled"])),
-        ("wrong (wrong event/outcome, premature, early timeout)",
-         str(problems["wrong"] + problems["premature"] + problems["early"])),
+        (
+            "wrong (wrong event/outcome, premature, early timeout)",
+            str(problems["wrong"] + problems["premature"] + problems["early"]),
+        ),
         ("stalled over bound", str(problems["stalled"])),
-        ("max stall / bound (s)", f"{stalls[-1] if stalls else 0:.2f} / "
-                                  f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3, plus "
-                                  f"{p.retake:g} per other instance that took its shard meanwhile, "
-                                  f"{p.runner_stall_seconds:g} during a wedged runner)"),
-        ("waits whose shard another instance took while they waited",
-         str(sum(1 for o in outcomes.values() if o.struck))),
+        (
+            "max stall / bound (s)",
+            f"{stalls[-1] if stalls else 0:.2f} / "
+            f"{bounds[0]:g}-{bounds[-1]:g} (lease + poll interval + 3, plus "
+            f"{p.retake:g} per other instance that took its shard meanwhile, "
+            f"{p.runner_stall_seconds:g} during a wedged runner)",
+        ),
+        (
+            "waits whose shard another instance took while they waited",
+            str(sum(1 for o in outcomes.values() if o.struck)),
+        ),
         ("stall p50 / p99 (s)", f"{_pct(stalls, 0.5):.2f} / {_pct(stalls, 0.99):.2f}"),
         ("max stall by fault kind (s)", ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_fault.items()))),
         ("status rows SUCCESS / asset events", f"{assets.success_rows} / {assets.events}"),
-        ("asset events lost / doubled / wrong / stalled",
-         f"{len(assets.lost)} / {len(assets.doubled)} / {len(assets.wrong)} / {len(assets.stalled)}"),
-        ("asset event latency max (s)", f"{max(assets.latencies, default=0):.2f} "
-                                        f"(bound {p.bound(p.asset_poll):g}, plus "
-                                        f"{p.retake:g} per holder struck before "
-                                        "storing it)"),
-        ("asset events over the bound whose holder was struck before storing",
-         "; ".join(assets.refired) if assets.refired else "0"),
-        ("instances that exited on their own (while up / during start-up)",
-         f"{len(run['unexpected_exits'])} / {len(run['startup_exits'])}"),
+        (
+            "asset events lost / doubled / wrong / stalled",
+            f"{len(assets.lost)} / {len(assets.doubled)} / {len(assets.wrong)} / {len(assets.stalled)}",
+        ),
+        (
+            "asset event latency max (s)",
+            f"{max(assets.latencies, default=0):.2f} "
+            f"(bound {p.bound(p.asset_poll):g}, plus "
+            f"{p.retake:g} per holder struck before "
+            "storing it)",
+        ),
+        (
+            "asset events over the bound whose holder was struck before storing",
+            "; ".join(assets.refired) if assets.refired else "0",
+        ),
+        (
+            "instances that exited on their own (while up / during start-up)",
+            f"{len(run['unexpected_exits'])} / {len(run['startup_exits'])}",
+        ),
         ("unclean stops (SIGTERM exit != 0)", str(len(run["unclean_stops"]))),
         ("exit after SIGTERM max (s)", f"{max(run['term_exit_seconds'], default=0):.1f}"),
         ("HTTP polls", str(run["polls"])),
@@ -614,18 +762,27 @@ def _figures(plan: Plan, outcomes: dict[int, Outcome], assets: AssetOutcome, fau
 
 def _own(plan: Plan, outcomes: dict[int, Outcome], kind: str) -> int:
     """Waiters of ``kind`` resumed once with their own event (no problem at all)."""
-    return sum(1 for w in plan.waiters if w.identity.kind == kind
-               and outcomes[w.index].verdict == "resumed" and not outcomes[w.index].problems)
+    return sum(
+        1
+        for w in plan.waiters
+        if w.identity.kind == kind
+        and outcomes[w.index].verdict == "resumed"
+        and not outcomes[w.index].problems
+    )
 
 
 def _as_planned(faults: Sequence[FaultRecord]) -> str:
     """Faults whose effect is confirmed, of those that need it: a freeze caught inside a transaction, a
     DB error that reached the loop right after a renewal."""
     parts = []
-    for kind, what in (("freeze", "frozen inside a transaction"), ("db_error", "error reached the loop"),
-                       ("lag", "shed shards while lagging"), ("wedge", "handed every shard over"),
-                       ("log_hang", "uploads hung"),
-                       ("consume", "the stopped instance had taken messages")):
+    for kind, what in (
+        ("freeze", "frozen inside a transaction"),
+        ("db_error", "error reached the loop"),
+        ("lag", "shed shards while lagging"),
+        ("wedge", "handed every shard over"),
+        ("log_hang", "uploads hung"),
+        ("consume", "the stopped instance had taken messages"),
+    ):
         made = [f for f in faults if f.kind == kind]
         parts.append(f"{kind}: {sum(f.effective for f in made)}/{len(made)} {what}")
     return ", ".join(parts)

@@ -38,19 +38,25 @@ def wall_clock() -> dt.datetime:
 
 
 JOB_ID = re.compile(STARTED_MARK + r".*?\bjob_id=(\d+)")
-IN_TRANSACTION = ("SELECT pid FROM pg_stat_activity WHERE application_name = %s "
-                  "AND datname = current_database() AND xact_start IS NOT NULL "
-                  "AND state IN ('active', 'idle in transaction')")
+IN_TRANSACTION = (
+    "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+    "AND datname = current_database() AND xact_start IS NOT NULL "
+    "AND state IN ('active', 'idle in transaction')"
+)
 LEASE_EXPIRY = "SELECT max(expires_at) FROM smart_triggerer.shard_lease WHERE owner_job_id = %s"
-TERMINATE = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s "
-             "AND datname = current_database() AND pid <> pg_backend_pid()")
+TERMINATE = (
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s "
+    "AND datname = current_database() AND pid <> pg_backend_pid()"
+)
 DB_UNAVAILABLE = "database unavailable"
 SHEDDING_MARK = "over a limit: taking no new shards"  # supervisor/load.py's line when shedding starts
 WEDGED_MARK = "event loop is blocked; handing every shard over"  # supervisor/stall.py's step-out line
 THROTTLE_STOPPED, THROTTLE_PERIOD = 1.2, 1.5  # a lag of about 1.2 s: over the run's max_loop_lag_ms
 # the instance's leases: how many, and the least renewed one's expiry (database clock)
-OWNED = ("SELECT count(*), min(expires_at), clock_timestamp() FROM smart_triggerer.shard_lease "
-         "WHERE owner_job_id = %s")
+OWNED = (
+    "SELECT count(*), min(expires_at), clock_timestamp() FROM smart_triggerer.shard_lease "
+    "WHERE owner_job_id = %s"
+)
 # every instance uploads its ended triggers' logs to a remote store that hangs while the log_hang fault
 # holds (tests/helpers/remote_logs.py: an upload blocks until the file "release" exists in its folder)
 REMOTE_LOGS = {"AIRFLOW__LOGGING__LOGGING_CONFIG_CLASS": "tests.helpers.remote_logs.LOGGING_CONFIG"}
@@ -65,8 +71,16 @@ class Cluster:
     whose process exited is an unexpected exit: recorded and restarted.
     """
 
-    def __init__(self, stack: AirflowStack, server: EmbeddedPostgres, log: Log, proxies: Proxies, *,
-                 lease_seconds: float, uploads: Path) -> None:
+    def __init__(
+        self,
+        stack: AirflowStack,
+        server: EmbeddedPostgres,
+        log: Log,
+        proxies: Proxies,
+        *,
+        lease_seconds: float,
+        uploads: Path,
+    ) -> None:
         self.stack, self.server, self.log, self.proxies = stack, server, log, proxies
         self.lease_seconds = lease_seconds
         self.uploads = uploads  # one folder per instance process: its remote log store
@@ -99,9 +113,14 @@ class Cluster:
         store = self.uploads / name
         store.mkdir(parents=True, exist_ok=True)
         (store / "release").touch()
-        env = {"PGAPPNAME": name, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through),
-               # capacity is a cap: the survivors of a fault must have room for every wait
-               "AIRFLOW__TRIGGERER__CAPACITY": "100000", **REMOTE_LOGS, "HANGING_UPLOADS_DIR": str(store)}
+        env = {
+            "PGAPPNAME": name,
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(through),
+            # capacity is a cap: the survivors of a fault must have room for every wait
+            "AIRFLOW__TRIGGERER__CAPACITY": "100000",
+            **REMOTE_LOGS,
+            "HANGING_UPLOADS_DIR": str(store),
+        }
         team = team_of(slot)
         if team is not None:
             env[TEAM_MARK_ENV] = team
@@ -152,8 +171,9 @@ class Cluster:
                 continue
             self.stopping.remove(entry)
             if code is None:
-                self.unclean_stops.append(f"{component.name} still running {deadline - since:.0f}s after "
-                                          "SIGTERM; killed")
+                self.unclean_stops.append(
+                    f"{component.name} still running {deadline - since:.0f}s after SIGTERM; killed"
+                )
                 component.signal(signal.SIGKILL)
                 component.process.wait(10)
                 continue
@@ -170,8 +190,10 @@ class Cluster:
         # the supervisor's one child, Airflow's trigger runner: a slot restarted a moment ago (after a
         # freeze, a kill) forks it once its start-up is done
         tree = wait_for(component.tree, lambda t: len(t) > 1, 60, f"{component.name}'s trigger runner", 0.1)
-        self.throttled[slot] = (RunnerThrottle(tree[1], stopped=THROTTLE_STOPPED, period=THROTTLE_PERIOD),
-                                component.log_path.stat().st_size)
+        self.throttled[slot] = (
+            RunnerThrottle(tree[1], stopped=THROTTLE_STOPPED, period=THROTTLE_PERIOD),
+            component.log_path.stat().st_size,
+        )
         self.throttled[slot][0].start()
 
     def unthrottle(self, slot: str) -> tuple[bool, str]:
@@ -225,9 +247,11 @@ class Cluster:
             (hang.store / "release").touch()
         renewed = least is not None and least > hang.since + dt.timedelta(seconds=self.lease_seconds)
         if hang.owned and not (owned and renewed):
-            self.lapses.append(f"{hang.process} held {hang.owned} shards when its remote log store began to "
-                               f"hang at {hang.since.isoformat()}; {owned} when it answered again, the "
-                               f"least renewed lease expiring {least.isoformat() if least else None}")
+            self.lapses.append(
+                f"{hang.process} held {hang.owned} shards when its remote log store began to "
+                f"hang at {hang.since.isoformat()}; {owned} when it answered again, the "
+                f"least renewed lease expiring {least.isoformat() if least else None}"
+            )
         said = f"{len(hung)} uploads hung" if hung else "no upload began while it hung"
         return bool(hung) and bool(hang.owned), f"{said}; shards held {hang.owned} -> {owned}"
 
@@ -275,8 +299,9 @@ class Cluster:
                         self.frozen.add(slot)
                         cur.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", (held[0],))
                         last = " ".join(str((cur.fetchone() or ("?",))[0]).split())[:120]
-                        return True, (f"backend {held[0]} idle in transaction ({len(states)} sessions) "
-                                      f"after {last!r}")
+                        return True, (
+                            f"backend {held[0]} idle in transaction ({len(states)} sessions) after {last!r}"
+                        )
                     component.signal(signal.SIGCONT)
         finally:
             conn.close()
@@ -288,8 +313,13 @@ class Cluster:
         """The instance's job id, from its start-up line (waited for, bounded)."""
         from tests.helpers.waiting import wait_for
 
-        found = wait_for(lambda: JOB_ID.search(_log_head(component)), bool, within,
-                         f"{component.name} to log its start", 0.1)
+        found = wait_for(
+            lambda: JOB_ID.search(_log_head(component)),
+            bool,
+            within,
+            f"{component.name} to log its start",
+            0.1,
+        )
         assert found is not None
         return int(found.group(1))
 
@@ -406,8 +436,11 @@ def _settled(cur: Any, application: str, within: float = 2.0) -> list[tuple[int,
     flight finishes and the session waits for its client), bounded."""
     deadline = time.monotonic() + within
     while True:
-        cur.execute("SELECT pid, state FROM pg_stat_activity WHERE application_name = %s "
-                    "AND datname = current_database()", (application,))
+        cur.execute(
+            "SELECT pid, state FROM pg_stat_activity WHERE application_name = %s "
+            "AND datname = current_database()",
+            (application,),
+        )
         states = [(int(r[0]), str(r[1])) for r in cur.fetchall()]
         if all(state != "active" for _pid, state in states) or time.monotonic() > deadline:
             return states

@@ -20,8 +20,24 @@ QUEUE_TABLE, TAKEN_TABLE = "chaos.queue", "chaos.queue_taken"
 STATUS_TABLE = "meta.detail_process_table_status"
 LOAD_CHANNEL, FLAG_CHANNEL, ASSET_CHANNEL = "table_loads", "flags", "status_rows"
 FLAG_SQL = "SELECT value FROM chaos.flags WHERE name = $1"
-FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "join", "leave", "pg_restart", "freeze", "partition",
-               "db_error", "clock_step", "poison", "nul_extra", "lag", "wedge", "log_hang", "consume")
+FAULT_KINDS = (
+    "sigkill",
+    "sigstop",
+    "sigterm",
+    "join",
+    "leave",
+    "pg_restart",
+    "freeze",
+    "partition",
+    "db_error",
+    "clock_step",
+    "poison",
+    "nul_extra",
+    "lag",
+    "wedge",
+    "log_hang",
+    "consume",
+)
 ONCE = ("poison", "nul_extra")  # faults of the workload: once per run
 POISON_MEMBERS = 2  # tasks that share the poison event (one group)
 NUL_KEY, NUL_ASSET = "nul-extra", "chaos://extra/nul"

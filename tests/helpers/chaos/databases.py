@@ -141,8 +141,12 @@ def doubled_resumes(dsn: str) -> dict[str, int]:
     """Task instances that the audit trail (``AUDIT_DDL``, installed before the waits resumed) shows
     written more than once as they left DEFERRED (resolved, then rewritten or resolved again): ti id ->
     writes. A resume the fencing let through twice shows here, whatever any counter says."""
-    found = execute(dsn, "SELECT ti_id::text, count(*) FROM chaos.ti_audit WHERE op IN ('resolved', "
-                         "'rewritten') GROUP BY ti_id HAVING count(*) > 1", fetch=True)
+    found = execute(
+        dsn,
+        "SELECT ti_id::text, count(*) FROM chaos.ti_audit WHERE op IN ('resolved', "
+        "'rewritten') GROUP BY ti_id HAVING count(*) > 1",
+        fetch=True,
+    )
     return {ti_id: int(writes) for ti_id, writes in found}
 
 
@@ -187,36 +191,56 @@ class Warehouse:
 
     def flip(self, ident: Identity, source: KeySource) -> None:
         if ident.kind == TABLE:
-            execute(self.dsn, f"INSERT INTO {STATUS_TABLE} (table_name, status) SELECT %(t)s, 'SUCCESS' "
-                              f"WHERE NOT EXISTS (SELECT 1 FROM {STATUS_TABLE} WHERE table_name = %(t)s "
-                              f"AND status = 'SUCCESS'); NOTIFY {LOAD_CHANNEL}", {"t": ident.name})
+            execute(
+                self.dsn,
+                f"INSERT INTO {STATUS_TABLE} (table_name, status) SELECT %(t)s, 'SUCCESS' "
+                f"WHERE NOT EXISTS (SELECT 1 FROM {STATUS_TABLE} WHERE table_name = %(t)s "
+                f"AND status = 'SUCCESS'); NOTIFY {LOAD_CHANNEL}",
+                {"t": ident.name},
+            )
         elif ident.kind == FLAG:
-            execute(self.dsn, "UPDATE chaos.flags SET value = true, flipped_at = clock_timestamp() "
-                              f"WHERE name = %s AND NOT value; NOTIFY {FLAG_CHANNEL}", (ident.name,))
+            execute(
+                self.dsn,
+                "UPDATE chaos.flags SET value = true, flipped_at = clock_timestamp() "
+                f"WHERE name = %s AND NOT value; NOTIFY {FLAG_CHANNEL}",
+                (ident.name,),
+            )
         elif ident.kind == CONSUME:
-            execute(self.dsn, "WITH q AS (INSERT INTO chaos.queued (key, message, at) VALUES (%s, %s, "
-                              "clock_timestamp()) ON CONFLICT DO NOTHING RETURNING key, message) "
-                              "INSERT INTO chaos.queue (key, message) SELECT key, message FROM q",
-                    (ident.name, ident.message))
+            execute(
+                self.dsn,
+                "WITH q AS (INSERT INTO chaos.queued (key, message, at) VALUES (%s, %s, "
+                "clock_timestamp()) ON CONFLICT DO NOTHING RETURNING key, message) "
+                "INSERT INTO chaos.queue (key, message) SELECT key, message FROM q",
+                (ident.name, ident.message),
+            )
         else:
             # recorded first, then served: the recorded time is never later than the real flip
-            execute(self.dsn, "INSERT INTO chaos.http_flip (key, at) VALUES (%s, clock_timestamp()) "
-                              "ON CONFLICT DO NOTHING", (ident.name,))
+            execute(
+                self.dsn,
+                "INSERT INTO chaos.http_flip (key, at) VALUES (%s, clock_timestamp()) ON CONFLICT DO NOTHING",
+                (ident.name,),
+            )
             if ident.kind == POISON:
                 source.events[ident.name] = {"key": ident.name, "note": NUL_NOTE}
             source.ready.add(ident.name)
 
     def status_row(self, table_name: str, status: str) -> None:
-        execute(self.dsn, f"INSERT INTO {STATUS_TABLE} (table_name, status) VALUES (%s, %s); "
-                          f"NOTIFY {ASSET_CHANNEL}", (table_name, status))
+        execute(
+            self.dsn,
+            f"INSERT INTO {STATUS_TABLE} (table_name, status) VALUES (%s, %s); NOTIFY {ASSET_CHANNEL}",
+            (table_name, status),
+        )
 
     def condition_times(self) -> dict[str, dt.datetime]:
         """When each table, flag and HTTP key flipped, by name."""
         found: dict[str, dt.datetime] = {}
-        queries = (f"SELECT table_name, min(created_dttm) FROM {STATUS_TABLE} "
-                   "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%' GROUP BY table_name",
-                   "SELECT name, flipped_at FROM chaos.flags WHERE value",
-                   "SELECT key, at FROM chaos.http_flip", "SELECT key, at FROM chaos.queued")
+        queries = (
+            f"SELECT table_name, min(created_dttm) FROM {STATUS_TABLE} "
+            "WHERE status = 'SUCCESS' AND table_name LIKE 'load.%' GROUP BY table_name",
+            "SELECT name, flipped_at FROM chaos.flags WHERE value",
+            "SELECT key, at FROM chaos.http_flip",
+            "SELECT key, at FROM chaos.queued",
+        )
         for query in queries:
             found.update({r[0]: r[1] for r in execute(self.dsn, query, fetch=True)})
         return found
@@ -224,13 +248,20 @@ class Warehouse:
     def takes(self) -> tuple[dict[str, list[tuple[str, str]]], list[str]]:
         """Each queued message's takes (message, taker), by key; and the keys still in the queue."""
         taken: dict[str, list[tuple[str, str]]] = {}
-        for key, message, taker in execute(self.dsn, "SELECT key, message, taker FROM chaos.queue_taken "
-                                                     "ORDER BY at", fetch=True):
+        for key, message, taker in execute(
+            self.dsn, "SELECT key, message, taker FROM chaos.queue_taken ORDER BY at", fetch=True
+        ):
             taken.setdefault(key, []).append((message, taker))
         left = [r[0] for r in execute(self.dsn, "SELECT key FROM chaos.queue ORDER BY key", fetch=True)]
         return taken, left
 
     def asset_rows(self) -> list[tuple[int, str, str, dt.datetime]]:
-        return [(int(r[0]), r[1], r[2], r[3]) for r in execute(
-            self.dsn, f"SELECT id, table_name, status, created_dttm FROM {STATUS_TABLE} "
-                      "WHERE table_name LIKE 'asset.%' ORDER BY id", fetch=True)]
+        return [
+            (int(r[0]), r[1], r[2], r[3])
+            for r in execute(
+                self.dsn,
+                f"SELECT id, table_name, status, created_dttm FROM {STATUS_TABLE} "
+                "WHERE table_name LIKE 'asset.%' ORDER BY id",
+                fetch=True,
+            )
+        ]

@@ -83,7 +83,8 @@ class Profile:
     def slots(self) -> list[str]:
         """Every instance slot a fault may strike: those of no team (smart-N), then each team's."""
         return [f"smart-{n + 1}" for n in range(self.instances)] + [
-            f"{team}-{n + 1}" for team in self.teams for n in range(self.team_instances)]
+            f"{team}-{n + 1}" for team in self.teams for n in range(self.team_instances)
+        ]
 
 
 @dataclass
@@ -130,13 +131,21 @@ class Waiter:
         if ident.kind == CONSUME:
             return {"conn_id": "warehouse", "key": ident.name, "poll_interval": self.poll_interval}
         if ident.kind == TABLE:
-            return {"conn_id": "warehouse", "required_tables": list(ident.tables),
-                    "status_table": STATUS_TABLE, "poll_interval": self.poll_interval,
-                    "notify_channel": LOAD_CHANNEL if self.push else None}
+            return {
+                "conn_id": "warehouse",
+                "required_tables": list(ident.tables),
+                "status_table": STATUS_TABLE,
+                "poll_interval": self.poll_interval,
+                "notify_channel": LOAD_CHANNEL if self.push else None,
+            }
         if ident.kind == FLAG:
-            return {"conn_id": "warehouse", "sql": FLAG_SQL, "parameters": [ident.name],
-                    "poll_interval": self.poll_interval,
-                    "notify_channel": FLAG_CHANNEL if self.push else None}
+            return {
+                "conn_id": "warehouse",
+                "sql": FLAG_SQL,
+                "parameters": [ident.name],
+                "poll_interval": self.poll_interval,
+                "notify_channel": FLAG_CHANNEL if self.push else None,
+            }
         return {"url": http_url, "key": ident.name, "poll_interval": self.poll_interval}
 
 
@@ -160,12 +169,14 @@ class Plan:
     def describe(self) -> str:
         kinds = Counter(w.identity.kind for w in self.waiters)
         timeouts = sum(1 for w in self.waiters if w.timeout_at is not None)
-        lines = [f"seed {self.profile.seed}: {len(self.waiters)} waiters on {len(self.identities)} "
-                 "identities "
-                 f"({dict(kinds)}), {timeouts} with a timeout, {len(self.rows)} status rows, "
-                 f"{len(self.faults)} faults, wave 2 at {self.wave_at:.0f}s",
-                 "fault schedule: " + ", ".join(f"{f.at:.0f}s {f.kind} {f.slot} ({f.hold:.1f}s)"
-                                                for f in self.faults)]
+        lines = [
+            f"seed {self.profile.seed}: {len(self.waiters)} waiters on {len(self.identities)} "
+            "identities "
+            f"({dict(kinds)}), {timeouts} with a timeout, {len(self.rows)} status rows, "
+            f"{len(self.faults)} faults, wave 2 at {self.wave_at:.0f}s",
+            "fault schedule: "
+            + ", ".join(f"{f.at:.0f}s {f.kind} {f.slot} ({f.hold:.1f}s)" for f in self.faults),
+        ]
         return "\n".join(lines)
 
 
@@ -183,8 +194,9 @@ def make_plan(profile: Profile) -> Plan:
     # the poison group: first-wave waiters of one identity whose condition is the poison fault
     poison = Identity(POISON, "p_poison", flip_at=next((f.at for f in faults if f.kind == "poison"), total))
     identities.append(poison)
-    waiters += [Waiter(len(waiters) + n, poison, 0, rng.choice(profile.polls), False)
-                for n in range(POISON_MEMBERS)]
+    waiters += [
+        Waiter(len(waiters) + n, poison, 0, rng.choice(profile.polls), False) for n in range(POISON_MEMBERS)
+    ]
     _plan_consumed(profile, faults, identities, waiters)
     return Plan(profile, identities, waiters, _plan_rows(rng, profile), faults, wave_at=0.3 * total)
 
@@ -220,8 +232,9 @@ def _plan_team_twins(rng: random.Random, profile: Profile, identities: list[Iden
     return twins
 
 
-def _plan_consumed(profile: Profile, faults: list[FaultPlan], identities: list[Identity],
-                   waiters: list[Waiter]) -> None:
+def _plan_consumed(
+    profile: Profile, faults: list[FaultPlan], identities: list[Identity], waiters: list[Waiter]
+) -> None:
     """The consume-once waits: ``consume_waits`` per consume fault (first wave, no deadline), each on a
     message of its own (a consumed event is never shared: its trigger is not deduplicable), which that
     fault puts in the queue."""
@@ -255,8 +268,9 @@ def _plan_timeouts(rng: random.Random, profile: Profile, waiters: list[Waiter]) 
     total, margin = profile.seconds, profile.margin
     wanted = round(len(waiters) * profile.timeout_share)
     # twins share their flip: a deadline constrains one identity's flip only
-    candidates = [w for w in waiters
-                  if w.wave == 0 and len(w.identity.tables) <= 1 and w.identity.kind != TEAM]
+    candidates = [
+        w for w in waiters if w.wave == 0 and len(w.identity.tables) <= 1 and w.identity.kind != TEAM
+    ]
     for waiter in rng.sample(candidates, min(wanted, len(candidates))):
         ident = waiter.identity
         if rng.random() < 0.7:
@@ -314,8 +328,25 @@ INSTANT = ("clock_step", "poison", "nul_extra")  # faults that take no time of t
 
 def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
     """Sequential fault episodes: first one of each kind (join before leave), then random ones."""
-    first = rng.sample(["sigkill", "sigstop", "sigterm", "pg_restart", "freeze", "partition", "db_error",
-                        "clock_step", "poison", "nul_extra", "lag", "wedge", "log_hang", "consume"], 14)
+    first = rng.sample(
+        [
+            "sigkill",
+            "sigstop",
+            "sigterm",
+            "pg_restart",
+            "freeze",
+            "partition",
+            "db_error",
+            "clock_step",
+            "poison",
+            "nul_extra",
+            "lag",
+            "wedge",
+            "log_hang",
+            "consume",
+        ],
+        14,
+    )
     join_at = rng.randrange(len(first) + 1)
     first.insert(join_at, "join")
     first.insert(rng.randrange(join_at + 1, len(first) + 1), "leave")
@@ -327,13 +358,18 @@ def _plan_faults(rng: random.Random, profile: Profile) -> list[FaultPlan]:
         kind = first[len(faults)] if len(faults) < len(first) else _random_kind(rng, joined)
         hold = _HOLDS[kind](rng, profile)
         if kind in ("consume", "log_hang"):  # away from the end of the last fault that leaves stale
-            at = max(at, stale_until)               # coroutines (or lapses) behind
+            at = max(at, stale_until)  # coroutines (or lapses) behind
         takes = 0.0 if kind in INSTANT else hold
         if at + takes > profile.seconds - 8:
             break
-        slot = ({"join": extra, "leave": extra, "pg_restart": "postgres", "clock_step": "postgres",
-                 "poison": "source", "nul_extra": "source"}.get(kind)
-                or rng.choice(_strikable(profile, kind, at, struck)))
+        slot = {
+            "join": extra,
+            "leave": extra,
+            "pg_restart": "postgres",
+            "clock_step": "postgres",
+            "poison": "source",
+            "nul_extra": "source",
+        }.get(kind) or rng.choice(_strikable(profile, kind, at, struck))
         faults.append(FaultPlan(kind, at, hold, slot))
         struck[slot] = at + takes
         if kind in STALE_AFTER:
@@ -352,17 +388,35 @@ def _strikable(profile: Profile, kind: str, at: float, struck: dict[str, float])
     """The slots a fault of ``kind`` may strike at ``at``: those of no team for the consume fault (its waits
     are of no team) and the log_hang fault (they end most triggers, so uploads happen); a team's slot only
     when the team's other instances have recovered from their last fault."""
-    teamless = profile.slots[:profile.instances]
+    teamless = profile.slots[: profile.instances]
     if kind in ("consume", "log_hang"):
         return teamless
-    ready = [slot for slot in profile.slots[profile.instances:]
-             if all(at - struck.get(other, -1e9) >= TEAM_RECOVERY_SECONDS
-                    for other in profile.slots[profile.instances:]
-                    if other != slot and team_of(other) == team_of(slot))]
+    ready = [
+        slot
+        for slot in profile.slots[profile.instances :]
+        if all(
+            at - struck.get(other, -1e9) >= TEAM_RECOVERY_SECONDS
+            for other in profile.slots[profile.instances :]
+            if other != slot and team_of(other) == team_of(slot)
+        )
+    ]
     return teamless + ready
 
 
 def _random_kind(rng: random.Random, joined: bool) -> str:
-    kinds = ["sigkill", "sigstop", "sigterm", "pg_restart", "leave" if joined else "join", "freeze",
-             "partition", "db_error", "clock_step", "lag", "wedge", "log_hang", "consume"]
+    kinds = [
+        "sigkill",
+        "sigstop",
+        "sigterm",
+        "pg_restart",
+        "leave" if joined else "join",
+        "freeze",
+        "partition",
+        "db_error",
+        "clock_step",
+        "lag",
+        "wedge",
+        "log_hang",
+        "consume",
+    ]
     return rng.choices(kinds, weights=(3, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1, 1, 1))[0]

@@ -97,8 +97,9 @@ class ChaosRun:
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
-    def _run_on(self, server: EmbeddedPostgres, source: KeySource, root: Path,
-                resources: contextlib.ExitStack) -> Report:
+    def _run_on(
+        self, server: EmbeddedPostgres, source: KeySource, root: Path, resources: contextlib.ExitStack
+    ) -> Report:
         self.source = source
         airflow_dsn, warehouse_dsn = self._databases(server, root)
         self.airflow_dsn = airflow_dsn
@@ -108,8 +109,14 @@ class ChaosRun:
         stack = AirflowStack(self._config(root, airflow_dsn, warehouse_dsn, routes))
         stack.config.dags_folder.mkdir(parents=True, exist_ok=True)
         self.stack = stack
-        cluster = Cluster(stack, server, self.log, self.proxies, lease_seconds=self.profile.lease_seconds,
-                          uploads=root / "uploads")
+        cluster = Cluster(
+            stack,
+            server,
+            self.log,
+            self.proxies,
+            lease_seconds=self.profile.lease_seconds,
+            uploads=root / "uploads",
+        )
         self.cluster = cluster
         resources.callback(self._stop_everything)
         self._sync_assets()
@@ -133,20 +140,39 @@ class ChaosRun:
     def _databases(self, server: EmbeddedPostgres, root: Path) -> tuple[str, str]:
         self.log("migrating a fresh Airflow metadata database")
         airflow_dsn = create_database(server.dsn, "chaos_airflow")
-        migrate(AirflowConfig(home=root / "migrate", database_dsn=airflow_dsn, dags_folder=root / "dags",
-                              fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"]))
+        migrate(
+            AirflowConfig(
+                home=root / "migrate",
+                database_dsn=airflow_dsn,
+                dags_folder=root / "dags",
+                fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+            )
+        )
         execute(airflow_dsn, AUDIT_DDL)
         if self.profile.teams:
-            execute(airflow_dsn, "INSERT INTO team (name) SELECT unnest(%s::text[])",
-                    (list(self.profile.teams),))
+            execute(
+                airflow_dsn, "INSERT INTO team (name) SELECT unnest(%s::text[])", (list(self.profile.teams),)
+            )
         return airflow_dsn, create_database(server.dsn, "chaos_warehouse")
 
     def _routes(self, root: Path) -> Path:
         """The bridge's routes: every chaos asset to the inbox stub."""
         assets = [f"chaos://status/a{k}" for k in range(self.profile.assets)] + [NUL_ASSET]
         path = root / "routes.json"
-        path.write_text(json.dumps({"source": BRIDGE_SOURCE, "targets": {SINK: {
-            "url": f"{self.source.url}/inbox", "secret_env": SINK_SECRET_ENV, "assets": assets}}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "source": BRIDGE_SOURCE,
+                    "targets": {
+                        SINK: {
+                            "url": f"{self.source.url}/inbox",
+                            "secret_env": SINK_SECRET_ENV,
+                            "assets": assets,
+                        }
+                    },
+                }
+            )
+        )
         return path
 
     def _bridge(self, routes: Path) -> None:
@@ -156,8 +182,9 @@ class ChaosRun:
         import sys
 
         command = [str(Path(sys.executable).with_name("dataset-bridge")), "init", "--routes", str(routes)]
-        result = subprocess.run(command, env=self.stack.config.env(), capture_output=True, text=True,
-                                timeout=300, check=False)
+        result = subprocess.run(
+            command, env=self.stack.config.env(), capture_output=True, text=True, timeout=300, check=False
+        )
         if result.returncode != 0:
             raise RuntimeError(f"dataset-bridge init failed ({result.returncode}): {result.stderr[-3000:]}")
         self.cluster.start_relay(["--routes", str(routes)])
@@ -184,8 +211,13 @@ class ChaosRun:
             # a two-team fleet: every instance filters by team, those of no team serve rows of no team
             "AIRFLOW__CORE__MULTI_TEAM": str(bool(self.profile.teams)),
         }
-        return AirflowConfig(home=home, database_dsn=airflow_dsn, dags_folder=root / "dags",
-                             fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"], extra=extra)
+        return AirflowConfig(
+            home=home,
+            database_dsn=airflow_dsn,
+            dags_folder=root / "dags",
+            fernet_key=os.environ["AIRFLOW__CORE__FERNET_KEY"],
+            extra=extra,
+        )
 
     def _stop_everything(self) -> None:
         """Every process this run started, stopped (idempotent; also runs on errors)."""
@@ -209,13 +241,28 @@ class ChaosRun:
 
         p = self.profile
         path = self.stack.config.dags_folder / f"{ASSET_DAG}.py"
-        path.write_text(textwrap.dedent(ASSET_DAG_FILE.format(
-            status=STATUS_TABLE, poll=p.asset_poll, channel=ASSET_CHANNEL, dag_id=ASSET_DAG, count=p.assets,
-            nul_uri=NUL_ASSET, source_url=self.source.url, nul_key=NUL_KEY)))
+        path.write_text(
+            textwrap.dedent(
+                ASSET_DAG_FILE.format(
+                    status=STATUS_TABLE,
+                    poll=p.asset_poll,
+                    channel=ASSET_CHANNEL,
+                    dag_id=ASSET_DAG,
+                    count=p.assets,
+                    nul_uri=NUL_ASSET,
+                    source_url=self.source.url,
+                    nul_key=NUL_KEY,
+                )
+            )
+        )
         use_airflow_db(self.airflow_dsn)
         _sync_dag(path, self.stack.config.dags_folder)
-        watchers = execute(self.airflow_dsn, "SELECT count(*) FROM asset_watcher w JOIN asset a "
-                                             "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%'", fetch=True)
+        watchers = execute(
+            self.airflow_dsn,
+            "SELECT count(*) FROM asset_watcher w JOIN asset a "
+            "ON a.id = w.asset_id WHERE a.uri LIKE 'chaos://%'",
+            fetch=True,
+        )
         if watchers[0][0] != p.assets + 1:
             raise RuntimeError(f"expected {p.assets + 1} asset watchers, Airflow created {watchers[0][0]}")
 
@@ -224,17 +271,27 @@ class ChaosRun:
 
         for kind, classpath in CLASSPATHS.items():
             for team in (None, *self.profile.teams):
-                members = [w for w in self.plan.waiters
-                           if w.wave == wave and w.identity.kind == kind and w.identity.team == team]
+                members = [
+                    w
+                    for w in self.plan.waiters
+                    if w.wave == wave and w.identity.kind == kind and w.identity.team == team
+                ]
                 if not members:
                     continue
                 seeded = seed_deferred(
-                    self.airflow_dsn, self.stack.config.dags_folder, count=len(members), classpath=classpath,
+                    self.airflow_dsn,
+                    self.stack.config.dags_folder,
+                    count=len(members),
+                    classpath=classpath,
                     kwargs_for=partial(_kwargs_of, members, self.source.url),
-                    dag_id=f"chaos_w{wave}_{kind}" + (f"_{team}" if team else ""))
+                    dag_id=f"chaos_w{wave}_{kind}" + (f"_{team}" if team else ""),
+                )
                 if team is not None:  # as Airflow sets it from the DAG's bundle; before any instance reads
-                    execute(self.airflow_dsn, "UPDATE trigger SET team_name = %s WHERE id = ANY(%s)",
-                            (team, list(seeded.trigger_ids)))
+                    execute(
+                        self.airflow_dsn,
+                        "UPDATE trigger SET team_name = %s WHERE id = ANY(%s)",
+                        (team, list(seeded.trigger_ids)),
+                    )
                 for map_index, (waiter, ti_id) in enumerate(zip(members, seeded.ti_ids, strict=True)):
                     waiter.ti_id, waiter.dag_id, waiter.map_index = ti_id, seeded.dag_id, map_index
         self.log(f"seeded wave {wave + 1}: {sum(1 for w in self.plan.waiters if w.wave == wave)} waiters")
@@ -245,9 +302,14 @@ class ChaosRun:
 
         def unclaimed() -> int:
             self.cluster.watch()
-            return int(execute(self.airflow_dsn, "SELECT count(*) FROM trigger t JOIN task_instance ti "
-                                                 "ON ti.trigger_id = t.id WHERE t.triggerer_id IS NULL",
-                               fetch=True)[0][0])
+            return int(
+                execute(
+                    self.airflow_dsn,
+                    "SELECT count(*) FROM trigger t JOIN task_instance ti "
+                    "ON ti.trigger_id = t.id WHERE t.triggerer_id IS NULL",
+                    fetch=True,
+                )[0][0]
+            )
 
         wait_for(unclaimed, lambda n: n == 0, 240, "every first-wave waiter claimed by an instance", 0.5)
 
@@ -277,10 +339,12 @@ class ChaosRun:
         self.t0_db = db_now(self.airflow_dsn) + dt.timedelta(seconds=T0_LEAD)
         timed = [w for w in self.plan.waiters if w.timeout_at is not None]
         if timed:
-            execute(self.airflow_dsn,
-                    "UPDATE task_instance ti SET trigger_timeout = %s + make_interval(secs => v.offs) "
-                    "FROM unnest(%s::uuid[], %s::float8[]) AS v(id, offs) WHERE ti.id = v.id",
-                    (self.t0_db, [w.ti_id for w in timed], [w.timeout_at for w in timed]))
+            execute(
+                self.airflow_dsn,
+                "UPDATE task_instance ti SET trigger_timeout = %s + make_interval(secs => v.offs) "
+                "FROM unnest(%s::uuid[], %s::float8[]) AS v(id, offs) WHERE ti.id = v.id",
+                (self.t0_db, [w.ti_id for w in timed], [w.timeout_at for w in timed]),
+            )
 
     def _wait_for_t0(self) -> float:
         """Wait for the planned t0 (database clock, not stepped yet), watching the instances meanwhile.
@@ -290,25 +354,44 @@ class ChaosRun:
             self.cluster.watch()
             time.sleep(min(0.2, -late))
         if late > 1.0:
-            self.notes.append(f"the first wave was claimed {late:.1f}s after the planned chaos start "
-                              f"(T0_LEAD {T0_LEAD:g}s): the timeline's first {late:.1f}s ran at once")
+            self.notes.append(
+                f"the first wave was claimed {late:.1f}s after the planned chaos start "
+                f"(T0_LEAD {T0_LEAD:g}s): the timeline's first {late:.1f}s ran at once"
+            )
         return late
 
     def _actions(self) -> list[Action]:
         seq = iter(range(1_000_000))
         flip = self.warehouse.flip
         # the poison group's condition is its fault, the consume-once waits' messages theirs
-        actions = [Action(i.flip_at, next(seq), f"flip {i.name}", partial(flip, i, self.source))
-                   for i in self.plan.identities if i.kind not in (POISON, CONSUME)]
-        actions += [Action(at, next(seq), f"row {t} {s}", partial(self.warehouse.status_row, t, s))
-                    for at, t, s in self.plan.rows]
+        actions = [
+            Action(i.flip_at, next(seq), f"flip {i.name}", partial(flip, i, self.source))
+            for i in self.plan.identities
+            if i.kind not in (POISON, CONSUME)
+        ]
+        actions += [
+            Action(at, next(seq), f"row {t} {s}", partial(self.warehouse.status_row, t, s))
+            for at, t, s in self.plan.rows
+        ]
         actions.append(Action(self.plan.wave_at, next(seq), "wave 2", partial(self._seed_wave, 1)))
         for fault in self.plan.faults:
             record = FaultRecord(fault.kind, fault.slot, wall_clock())
-            actions.append(Action(fault.at, next(seq), f"{fault.kind} {fault.slot}",
-                                  partial(self._fault_start, fault, record)))
-            actions.append(Action(fault.at + fault.hold, next(seq), f"end {fault.kind} {fault.slot}",
-                                  partial(self._fault_end, fault, record)))
+            actions.append(
+                Action(
+                    fault.at,
+                    next(seq),
+                    f"{fault.kind} {fault.slot}",
+                    partial(self._fault_start, fault, record),
+                )
+            )
+            actions.append(
+                Action(
+                    fault.at + fault.hold,
+                    next(seq),
+                    f"end {fault.kind} {fault.slot}",
+                    partial(self._fault_end, fault, record),
+                )
+            )
         return actions
 
     def _fault_start(self, fault: FaultPlan, record: FaultRecord) -> None:
@@ -316,9 +399,14 @@ class ChaosRun:
         self.faults.append(record)
         cluster = self.cluster
         simple: dict[str, Callable[[str], object]] = {
-            "sigkill": cluster.kill, "sigstop": cluster.pause, "sigterm": cluster.terminate,
-            "leave": cluster.terminate, "join": cluster.start, "partition": self.proxies.partition,
-            "lag": cluster.throttle}
+            "sigkill": cluster.kill,
+            "sigstop": cluster.pause,
+            "sigterm": cluster.terminate,
+            "leave": cluster.terminate,
+            "join": cluster.start,
+            "partition": self.proxies.partition,
+            "lag": cluster.throttle,
+        }
         if fault.kind in simple:
             simple[fault.kind](fault.slot)
         elif fault.kind == "pg_restart":
@@ -372,8 +460,9 @@ class ChaosRun:
     def _consumed(self, fault: FaultPlan) -> tuple[bool, str]:
         """Who took the consume fault's messages: made as planned when the stopped instance took some."""
         takes = self.warehouse.takes()[0]
-        takers = Counter(taker for ident in self._queued_by(fault)
-                         for _message, taker in takes.get(ident.name, []))
+        takers = Counter(
+            taker for ident in self._queued_by(fault) for _message, taker in takes.get(ident.name, [])
+        )
         stopped = self.cluster.process_name(fault.slot)  # not restarted yet
         said = ", ".join(f"{n} by {taker}" for taker, n in sorted(takers.items()))
         return takers[stopped] > 0, f"taken: {said or 'none yet'} ({stopped} was stopped)"
@@ -423,11 +512,18 @@ class ChaosRun:
 
     def _progress(self, elapsed: float) -> None:
         with contextlib.suppress(psycopg2.Error):
-            found = execute(self.airflow_dsn, "SELECT count(*) FILTER (WHERE op = 'resolved'), "
-                                              "(SELECT count(*) FROM chaos.asset_event_audit) "
-                                              "FROM chaos.ti_audit", fetch=True, retry_for=0)[0]
-            self.log(f"  {elapsed:6.1f}s faults {len(self.faults)}, resolved {found[0]}/"
-                     f"{len(self.plan.waiters)}, asset events {found[1]}, polls {self.source.polls}")
+            found = execute(
+                self.airflow_dsn,
+                "SELECT count(*) FILTER (WHERE op = 'resolved'), "
+                "(SELECT count(*) FROM chaos.asset_event_audit) "
+                "FROM chaos.ti_audit",
+                fetch=True,
+                retry_for=0,
+            )[0]
+            self.log(
+                f"  {elapsed:6.1f}s faults {len(self.faults)}, resolved {found[0]}/"
+                f"{len(self.plan.waiters)}, asset events {found[1]}, polls {self.source.polls}"
+            )
 
     # --- the end ---
 
@@ -441,18 +537,27 @@ class ChaosRun:
 
         def pending() -> tuple[int, int, int, int]:
             self.cluster.watch()
-            found = execute(self.airflow_dsn, "SELECT (SELECT count(*) FROM task_instance WHERE state = "
-                                              "'deferred'), (SELECT count(*) FROM chaos.asset_event_audit), "
-                                              "(SELECT count(*) FROM dataset_bridge.outbox WHERE status = "
-                                              "'pending'), (SELECT count(*) FROM dataset_bridge.outbox "
-                                              "WHERE status = 'dead')", fetch=True)[0]
+            found = execute(
+                self.airflow_dsn,
+                "SELECT (SELECT count(*) FROM task_instance WHERE state = "
+                "'deferred'), (SELECT count(*) FROM chaos.asset_event_audit), "
+                "(SELECT count(*) FROM dataset_bridge.outbox WHERE status = "
+                "'pending'), (SELECT count(*) FROM dataset_bridge.outbox "
+                "WHERE status = 'dead')",
+                fetch=True,
+            )[0]
             return int(found[0]), int(found[1]), int(found[2]), int(found[3])
 
         try:
             # the NUL extra's event too, and its dead letter (the relay sweeps every 10 s)
-            wait_for(pending, lambda v: v[0] == 0 and v[1] >= success_rows + 1 and v[2] == 0 and v[3] >= 1,
-                     worst + 60, "quiescence (no deferred waiter, one event per SUCCESS row and the NUL "
-                                 "extra's, nothing left to relay, the NUL extra's event dead-lettered)", 0.5)
+            wait_for(
+                pending,
+                lambda v: v[0] == 0 and v[1] >= success_rows + 1 and v[2] == 0 and v[3] >= 1,
+                worst + 60,
+                "quiescence (no deferred waiter, one event per SUCCESS row and the NUL "
+                "extra's, nothing left to relay, the NUL extra's event dead-lettered)",
+                0.5,
+            )
         except AssertionError as err:
             self.notes.append(str(err))
             self.log(str(err))
@@ -462,30 +567,68 @@ class ChaosRun:
     def _observe(self, diagnostics: list[str]) -> Observed:
         dsn = self.airflow_dsn
         audit: dict[str, list[dict[str, Any]]] = {}
-        columns = ("ti_id", "at", "op", "new_state", "old_trigger_id", "next_method", "next_kwargs",
-                   "trigger_timeout", "txid", "writer", "shard")
+        columns = (
+            "ti_id",
+            "at",
+            "op",
+            "new_state",
+            "old_trigger_id",
+            "next_method",
+            "next_kwargs",
+            "trigger_timeout",
+            "txid",
+            "writer",
+            "shard",
+        )
         for row in execute(dsn, f"SELECT {', '.join(columns)} FROM chaos.ti_audit ORDER BY seq", fetch=True):
             entry = dict(zip(columns, row, strict=True))
             audit.setdefault(str(entry["ti_id"]), []).append(entry)
-        final = {str(r[0]): (r[1], r[2]) for r in execute(
-            dsn, "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%'", fetch=True)}
+        final = {
+            str(r[0]): (r[1], r[2])
+            for r in execute(
+                dsn,
+                "SELECT id, state, trigger_id FROM task_instance WHERE dag_id LIKE 'chaos_w%'",
+                fetch=True,
+            )
+        }
         found = execute(
-            dsn, "SELECT e.id, a.uri, e.extra, au.at, au.app "
-                 "FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                 "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
-                 "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id", fetch=True)
+            dsn,
+            "SELECT e.id, a.uri, e.extra, au.at, au.app "
+            "FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+            "LEFT JOIN chaos.asset_event_audit au ON au.event_id = e.id "
+            "WHERE a.uri LIKE 'chaos://%' ORDER BY e.id",
+            fetch=True,
+        )
         events = [(int(r[0]), r[1], as_dict(r[2]), r[3]) for r in found]
         stored_by = {int(r[0]): r[4] for r in found if r[4]}
         takes, left = self.warehouse.takes()
-        outbox = {int(r[0]): (str(r[1]), r[2]) for r in execute(
-            dsn, "SELECT asset_event_id, status, last_error FROM dataset_bridge.outbox WHERE target = %s",
-            (SINK,), fetch=True)}
-        return Observed(audit, final, self._stuck(final), self.warehouse.condition_times(),
-                        self.warehouse.asset_rows(), events, self.t0_db, diagnostics,
-                        clock_steps=list(self.clock_steps), outbox=outbox,
-                        delivered=Counter(self.source.received), fired_by=fired_by(self.stack.log_dir),
-                        stored_by=stored_by, took=took_shards(self.stack.log_dir),
-                        takes=takes, queue_left=left)
+        outbox = {
+            int(r[0]): (str(r[1]), r[2])
+            for r in execute(
+                dsn,
+                "SELECT asset_event_id, status, last_error FROM dataset_bridge.outbox WHERE target = %s",
+                (SINK,),
+                fetch=True,
+            )
+        }
+        return Observed(
+            audit,
+            final,
+            self._stuck(final),
+            self.warehouse.condition_times(),
+            self.warehouse.asset_rows(),
+            events,
+            self.t0_db,
+            diagnostics,
+            clock_steps=list(self.clock_steps),
+            outbox=outbox,
+            delivered=Counter(self.source.received),
+            fired_by=fired_by(self.stack.log_dir),
+            stored_by=stored_by,
+            took=took_shards(self.stack.log_dir),
+            takes=takes,
+            queue_left=left,
+        )
 
     def _diagnostics(self) -> tuple[list[str], dict[str, int]]:
         """Taken before the instances stop: where each asset watcher runs, instances, status watermarks."""
@@ -494,15 +637,23 @@ class ChaosRun:
             "SELECT a.uri, w.trigger_id, t.triggerer_id, i.shard, l.owner_job_id, l.expires_at > now() "
             "FROM asset_watcher w JOIN asset a ON a.id = w.asset_id JOIN trigger t ON t.id = w.trigger_id "
             "LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
-            "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY a.uri", fetch=True)
-        found = [f"watcher {r[0]}: trigger {r[1]} triggerer_id={r[2]} shard={r[3]} lease owner={r[4]} "
-                 f"live={r[5]}" for r in watchers]
-        instances = execute(self.airflow_dsn, "SELECT job_id, now() - heartbeat_at, waiters, groups "
-                                              "FROM smart_triggerer.instance WHERE stopped_at IS NULL AND "
-                                              "heartbeat_at > now() - interval '30 seconds' ORDER BY job_id",
-                            fetch=True)
-        found += [f"live instance job {r[0]}: heartbeat age={r[1]} waiters={r[2]} groups={r[3]}"
-                  for r in instances]
+            "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard ORDER BY a.uri",
+            fetch=True,
+        )
+        found = [
+            f"watcher {r[0]}: trigger {r[1]} triggerer_id={r[2]} shard={r[3]} lease owner={r[4]} live={r[5]}"
+            for r in watchers
+        ]
+        instances = execute(
+            self.airflow_dsn,
+            "SELECT job_id, now() - heartbeat_at, waiters, groups "
+            "FROM smart_triggerer.instance WHERE stopped_at IS NULL AND "
+            "heartbeat_at > now() - interval '30 seconds' ORDER BY job_id",
+            fetch=True,
+        )
+        found += [
+            f"live instance job {r[0]}: heartbeat age={r[1]} waiters={r[2]} groups={r[3]}" for r in instances
+        ]
         # the NUL extra's event is left out: its extra cannot be cast to jsonb
         orphan_keys = execute(
             self.airflow_dsn,
@@ -511,12 +662,17 @@ class ChaosRun:
             "(SELECT 1 FROM asset_event e WHERE e.asset_id = k.asset_id "
             # CASE: the planner may read the NUL extra's row too, whatever the join says
             "AND CASE WHEN position('\\u0000' in e.extra::text) > 0 THEN false ELSE "
-            "CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' = k.idempotency_key END)", fetch=True)
+            "CAST(e.extra AS jsonb) -> 'payload' ->> 'idempotency_key' = k.idempotency_key END)",
+            fetch=True,
+        )
         found += [f"idempotency key claimed without an asset event: asset {r[0]} {r[1]}" for r in orphan_keys]
         with contextlib.suppress(psycopg2.Error):
-            marks = execute(self.warehouse.dsn, "SELECT table_name, last_id, updated_at FROM "
-                                                "dataset_bridge.status_watermark ORDER BY table_name",
-                            fetch=True)
+            marks = execute(
+                self.warehouse.dsn,
+                "SELECT table_name, last_id, updated_at FROM "
+                "dataset_bridge.status_watermark ORDER BY table_name",
+                fetch=True,
+            )
             found += [f"status watermark {r[0]}: last_id={r[1]} updated_at={r[2]}" for r in marks]
         return found, {r[0]: int(r[1]) for r in watchers}
 
@@ -525,24 +681,38 @@ class ChaosRun:
         ids = [t for ti, (state, t) in final.items() if state == "deferred" and t is not None]
         if not ids:
             return {}
-        rows = execute(self.airflow_dsn,
-                       "SELECT t.id, t.triggerer_id, i.shard, i.error, l.owner_job_id, l.expires_at "
-                       "FROM trigger t LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
-                       "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard WHERE t.id = ANY(%s)",
-                       (ids,), fetch=True)
-        where = {r[0]: f"trigger {r[0]} triggerer_id={r[1]} shard={r[2]} identity_error={r[3]!r} "
-                       f"lease owner={r[4]} expires={r[5]}" for r in rows}
-        return {ti: where.get(t, f"trigger {t}") for ti, (state, t) in final.items()
-                if state == "deferred" and t is not None}
+        rows = execute(
+            self.airflow_dsn,
+            "SELECT t.id, t.triggerer_id, i.shard, i.error, l.owner_job_id, l.expires_at "
+            "FROM trigger t LEFT JOIN smart_triggerer.trigger_identity i ON i.trigger_id = t.id "
+            "LEFT JOIN smart_triggerer.shard_lease l ON l.shard = i.shard WHERE t.id = ANY(%s)",
+            (ids,),
+            fetch=True,
+        )
+        where = {
+            r[0]: f"trigger {r[0]} triggerer_id={r[1]} shard={r[2]} identity_error={r[3]!r} "
+            f"lease owner={r[4]} expires={r[5]}"
+            for r in rows
+        }
+        return {
+            ti: where.get(t, f"trigger {t}")
+            for ti, (state, t) in final.items()
+            if state == "deferred" and t is not None
+        }
 
     def _figures_in(self) -> dict[str, Any]:
-        return {"chaos_seconds": self.chaos_seconds, "wall_seconds": time.monotonic() - self.started,
-                "unexpected_exits": list(self.cluster.unexpected_exits),
-                "startup_exits": list(self.cluster.startup_exits),
-                "unclean_stops": list(self.cluster.unclean_stops), "notes": list(self.notes),
-                "term_exit_seconds": list(self.cluster.term_exit_seconds),
-                "polls": self.source.polls, "inbox_refusals": self.source.inbox_refusals,
-                "lapses": list(self.cluster.lapses)}
+        return {
+            "chaos_seconds": self.chaos_seconds,
+            "wall_seconds": time.monotonic() - self.started,
+            "unexpected_exits": list(self.cluster.unexpected_exits),
+            "startup_exits": list(self.cluster.startup_exits),
+            "unclean_stops": list(self.cluster.unclean_stops),
+            "notes": list(self.notes),
+            "term_exit_seconds": list(self.cluster.term_exit_seconds),
+            "polls": self.source.polls,
+            "inbox_refusals": self.source.inbox_refusals,
+            "lapses": list(self.cluster.lapses),
+        }
 
     def _evidence(self, trigger_ids: set[int], row_ids: set[int], per_component: int = 12) -> list[str]:
         """Log lines that name a failing waiter's trigger or a lost status row, and each component's last
@@ -551,8 +721,9 @@ class ChaosRun:
         row = re.compile(r"'row_id': (\d+)")
 
         def names(line: str) -> bool:
-            return (any(int(m) in trigger_ids for m in trigger.findall(line))
-                    or any(int(m) in row_ids for m in row.findall(line)))
+            return any(int(m) in trigger_ids for m in trigger.findall(line)) or any(
+                int(m) in row_ids for m in row.findall(line)
+            )
 
         lines: list[str] = []
         for log_file in sorted(self.stack.log_dir.glob("*.log")):
@@ -569,8 +740,9 @@ FIRED_LINE = re.compile(r"^(\S+Z) .*Trigger fired event.*'row_id': (\d+)")
 TOOK_LINE = re.compile(r"^(\S+Z) .*took shards .*shards=\[([\d, ]*)\]")
 
 
-def _matching_lines(log_dir: Path,
-                    pattern: re.Pattern[str]) -> Iterator[tuple[str, dt.datetime, re.Match[str]]]:
+def _matching_lines(
+    log_dir: Path, pattern: re.Pattern[str]
+) -> Iterator[tuple[str, dt.datetime, re.Match[str]]]:
     """(instance process, the line's time, the match) of every instance log line ``pattern`` matches; the
     pattern's first group is the line's timestamp."""
     for log_file in sorted(f for f in log_dir.glob("*.log") if INSTANCE_LOG.match(f.stem)):

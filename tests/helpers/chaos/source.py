@@ -49,8 +49,9 @@ class KeySource:
 
         body = await request.read()
         try:
-            signing.verify({BRIDGE_SOURCE: self.secret}, {k.lower(): v for k, v in request.headers.items()},
-                           body)
+            signing.verify(
+                {BRIDGE_SOURCE: self.secret}, {k.lower(): v for k, v in request.headers.items()}, body
+            )
         except signing.SignatureError as err:
             self.inbox_refusals += 1
             return web.json_response({"detail": str(err)}, status=401)
