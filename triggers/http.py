@@ -3,10 +3,9 @@
 One aiohttp session per event loop serves every HTTP trigger of the process, and ``shared_request`` lets
 at most as many requests in as the session has connections: a takeover or a start of thousands makes
 thousands of first polls at once, and requests queued inside aiohttp's connector cost it more CPU than
-those that wait outside (measured: 0.11-0.16 ms against 0.17-0.20 ms a request for 15,000 at once,
-bench/RESULTS.md). TLS certificates are verified unless the sensor says otherwise. 5xx, 408 and 429 mean
-"not yet" (the service is busy or down); any other unexpected status, and an invalid URL, end the wait
-with the cause.
+those that wait outside (docs/design.md, Measurements behind the code). TLS certificates are verified
+unless the sensor says otherwise. 5xx, 408 and 429 mean "not yet" (the service is busy or down); any other
+unexpected status, and an invalid URL, end the wait with the cause.
 """
 
 from __future__ import annotations

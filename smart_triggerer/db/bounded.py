@@ -15,8 +15,8 @@ them. So the triggerer's connections carry, from the moment they open:
 They carry ``jit = off`` too. Our statements are short indexed reads and writes, which compiling never
 speeds up; but PostgreSQL decides to compile by the planner's estimated cost, and while the statistics lag
 a burst of deferrals (or autovacuum is off) a batch read of 250 rows can be estimated above
-``jit_above_cost``: measured at 50,000 waiters, 0.7 s of compiling for a 2 ms read, once per batch of a
-takeover.
+``jit_above_cost``, and compiling then costs far more than the read itself, once per batch of a takeover
+(docs/design.md, Measurements behind the code).
 
 They are set as startup parameters of each connection, so they win over the database's and the role's
 defaults. PgBouncer refuses unknown startup parameters (``options`` before 1.20; since then ``-c`` settings

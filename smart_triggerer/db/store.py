@@ -128,9 +128,9 @@ class NewIdentity:
 PAGE_GROUPS_PLANNER = "SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"
 # a sweep reads rows without an identity in id order from where its last batch ended, and stops at the
 # batch's limit; estimating the anti-join to leave a row or two (no statistics yet after a burst), the
-# planner would rather scan every trigger row, probe each one's identity and sort what is left: 150-190 ms
-# a batch at 50,000 rows against 4 ms, once per batch of a start. For the batch's transaction: its insert
-# of the identities (from unnest, no index to choose) plans the same either way
+# planner would rather scan every trigger row, probe each one's identity and sort what is left, once per
+# batch of a start (measured: docs/design.md). For the batch's transaction: its insert of the identities
+# (from unnest, no index to choose) plans the same either way
 SWEEP_PLANNER = "SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off"
 
 
@@ -604,7 +604,8 @@ def _execution(stored: str | None) -> dict[str, Any]:
 @lru_cache(maxsize=4096)
 def _parsed_execution(stored: str) -> Mapping[str, Any]:
     # Parsed once per distinct text: a takeover reads tens of thousands of rows that carry a few settings
-    # (a poll interval), and psycopg2's per-row JSON decoding was a tenth of the supervisor's takeover CPU.
+    # (a poll interval), and psycopg2 decoding each row's JSON took the supervisor's CPU at a takeover
+    # (measured: docs/design.md).
     # Nothing changes a member's settings in place (groups merge them into new values).
     parsed: dict[str, Any] = json.loads(stored)
     return parsed

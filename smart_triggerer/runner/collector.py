@@ -1,5 +1,5 @@
 """Python's cyclic garbage collector, set for processes that hold tens of thousands of live objects:
-a young threshold of ``YOUNG_THRESHOLD`` (the defaults spent most of a takeover's CPU in the collector),
+a young threshold of ``YOUNG_THRESHOLD`` (the defaults scan those objects again and again at a takeover),
 and ``StartFreezer``/``OlderHeld`` around a big start, so that coroutines that wait are never scanned
 again while they wait. Frozen objects are never given back to the collector (a full collection over them
 would copy the pages the runner shares with its supervisor). Why, and what each setting was measured to
@@ -34,9 +34,9 @@ def tune_collector() -> None:
 def collect_young_while_idle() -> bool:
     """Collect the young generation now if it is half way to its threshold; for a loop with nothing to
     do. Between collections the young generation gathers what waiting coroutines keep (their current
-    sleeps, their last responses: at 25,000 waits a young collection scanning them took 150-280 ms of
-    the runner's loop), and the allocations of a takeover's first piles, before ``StartFreezer`` sees a
-    big start, made that collection fall inside the takeover in two runs of three (bench/RESULTS.md).
+    sleeps, their last responses: a young collection scanning them stops the runner's loop), and the
+    allocations of a takeover's first piles, before ``StartFreezer`` sees a big start, made that
+    collection fall inside the takeover (docs/design.md, Measurements behind the code).
     Collected while idle, a takeover begins with half a threshold of room: its first piles collect
     nothing, and its big passes freeze the rest unscanned. Returns whether it collected."""
     if not gc.isenabled() or gc.get_count()[0] < max(gc.get_threshold()[0] // 2, 1):
@@ -59,9 +59,9 @@ class StartFreezer:
     hundred coroutines a pass while it reads its shards in phases), so a takeover of 15,000 is made of
     dozens of passes below ``FREEZE_FROM``. A pass that brings the coroutines created in the last
     ``BURST_WINDOW_SECONDS`` to ``FREEZE_FROM`` or more is frozen at its end. (Counted per pass, a
-    takeover handed over 250 at a time was never frozen: middle and full collections paused the loop for
-    0.2-0.4 s at 15,000 coroutines.) New waits arriving at a steady pace below that rate (100 a second)
-    are never frozen: their cycles are collected as before."""
+    takeover handed over 250 at a time was never frozen, and middle and full collections paused the loop;
+    docs/design.md, Measurements behind the code.) New waits arriving at a steady pace below that rate
+    (100 a second) are never frozen: their cycles are collected as before."""
 
     def __init__(self) -> None:
         self.frozen = 0  # passes frozen so far
@@ -100,8 +100,8 @@ class OlderHeld:
 
     A takeover of 15,000 groups makes hundreds of thousands of objects that live as long as their waits
     (groups, member records, deadlines), and each collection of the middle generation during it scans all
-    of those made so far and frees next to nothing: measured at 50,000 waiters, 253 ms in one go in the
-    middle of a SIGTERM takeover, while the runner waited for its next pile. Held from the moment
+    of those made so far and frees next to nothing, in one go in the middle of a takeover, while the
+    runner waits for its next pile (docs/design.md, Measurements behind the code). Held from the moment
     ``FREEZE_FROM`` groups wait to start until the start is over (or ``HOLD_AT_MOST_SECONDS`` passed),
     the thresholds are then restored and the collection that fell due runs at the next young collection,
     after the start. Nothing is frozen (unlike the runner's ``StartFreezer``): the supervisor's cycles

@@ -11,9 +11,9 @@ from triggers.identity import IDENTITY_KWARG
 
 def decode_kwargs(kwargs: dict[str, Any], *, as_is: str | None = None) -> dict[str, Any]:
     """Airflow's ``smart_decode_trigger_kwargs`` over each value (as its runner does), called only where it
-    can change something: it gives any value but a dict or a list back as it is, yet costs about 9 us a
-    call (it imports on every call). Most kwargs are strings and numbers: a trigger of ten kwargs spent
-    0.1 ms there, a third of the runner's CPU for a new coroutine. ``as_is``: a kwarg left undecoded."""
+    can change something: it gives any value but a dict or a list back as it is, yet costs an import on
+    every call, and most kwargs are strings and numbers (docs/design.md, Measurements behind the code).
+    ``as_is``: a kwarg left undecoded."""
     from airflow.serialization.decoders import smart_decode_trigger_kwargs
 
     return {
@@ -29,9 +29,10 @@ def decrypt_kwargs(encrypted: str) -> dict[str, Any]:
     """Airflow's ``Trigger._decrypt_kwargs`` (the same steps, the same fallback), except that the identity
     marker, when it is plain JSON as our own ``serialize()`` wrote it (``identity_marker``: strings,
     numbers, lists and dicts of them), is not passed through Airflow's deserializer, which would give it
-    back as it is: it is the biggest kwarg of most of our triggers (a tenth of the runner's CPU for a new
-    coroutine went to decrypting and decoding kwargs; a start hashes tens of thousands of rows). The
-    marker comes back as the last key (our ``serialize()`` writes it last; no reader depends on order)."""
+    back as it is: it is the biggest kwarg of most of our triggers (decrypting and decoding kwargs is paid
+    for each new coroutine, and a start hashes tens of thousands of rows; docs/design.md, Measurements
+    behind the code). The marker comes back as the last key (our ``serialize()`` writes it last; no reader
+    depends on order)."""
     from airflow.models.crypto import get_fernet
     from airflow.sdk.serde import deserialize
 
@@ -63,9 +64,9 @@ def _plain(value: Any) -> bool:
     """JSON as our ``identity_marker`` writes it: strings, numbers, lists and dicts of them, no key an
     encoding's tag (every one of Airflow's starts with ``__``). A marker that went through another
     serializer (an asset watcher's trigger, built from the serialized DAG, carries it encoded by Airflow's
-    older one) is not plain and is read Airflow's way. A tuple of types and a plain loop over a dict: with
-    a union type and generators it cost 4 us for our usual marker, 2 us so (once per new coroutine in the
-    runner, once per hashed row in the supervisor)."""
+    older one) is not plain and is read Airflow's way. A tuple of types and a plain loop over a dict, not a
+    union type and generators, which cost more (once per new coroutine in the runner, once per hashed row
+    in the supervisor; docs/design.md, Measurements behind the code)."""
     if value is None or isinstance(value, _SCALARS):
         return True
     if isinstance(value, list):

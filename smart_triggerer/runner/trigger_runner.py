@@ -87,8 +87,9 @@ def skip_untraced_spans() -> bool:
     """With tracing off, give Airflow's ``run_trigger`` one shared non-recording span; True if it did.
 
     Airflow opens an OpenTelemetry span for every coroutine it starts, also when no tracer provider is set
-    (``[traces] otel_on`` false): extracting the task's trace context and attaching a no-op span was 9% of
-    the runner's CPU in a 50,000-waiter takeover (bench/RESULTS.md). With a provider set, nothing changes.
+    (``[traces] otel_on`` false): extracting the task's trace context and attaching a no-op span for each
+    new coroutine of a takeover costs the runner CPU for nothing (docs/design.md, Measurements behind the
+    code). With a provider set, nothing changes.
     """
     from airflow.configuration import conf
     from airflow.jobs import triggerer_job_runner
@@ -171,10 +172,11 @@ def quick_jwt_redaction() -> int:
 def redact_jwt_quickly(logger: Any, method_name: str, event_dict: Any) -> Any:
     """Airflow's ``redact_jwt``, which gives a plain string back unchanged unless its pattern matches, and
     its pattern starts with the literal ``eyJ``: a plain string without it is passed over, not searched.
-    Airflow's ran ``re.sub`` (a cache lookup, then the search) over every string of every line: a quarter
-    of the cost of a coroutine's "trigger ... starting" line. A ``str`` subclass still goes through the
-    substitution, which gives it back as a plain ``str`` (rendered differently from the subclass). It is
-    installed only while Airflow's pattern is ``JWT_PATTERN``."""
+    Airflow's ran ``re.sub`` (a cache lookup, then the search) over every string of every line, a good
+    part of the cost of a coroutine's "trigger ... starting" line (docs/design.md, Measurements behind the
+    code). A ``str`` subclass still goes through the substitution, which gives it back as a plain ``str``
+    (rendered differently from the subclass). It is installed only while Airflow's pattern is
+    ``JWT_PATTERN``."""
     for key, value in event_dict.items():
         if isinstance(value, str) and (type(value) is not str or JWT_PREFIX in value):
             event_dict[key] = JWT_PATTERN.sub("eyJ***", value)
@@ -273,8 +275,8 @@ class _TriggerLog:
             return None
         # on the loop's own thread: structlog's ``ainfo`` hands each line to a thread pool so that a slow
         # write never blocks the loop, but the runner's channel only adds it to a batch (design: The log
-        # channel). Through
-        # the pool, the last lines of a handover's thousands of cancelled coroutines cost twice the CPU.
+        # channel). Through the pool, each of the last lines of a handover's thousands of cancelled
+        # coroutines also pays a hand-over to a thread (measured: docs/design.md).
         result = self._log.info(event, *args, **kw)
         if event == FIRED_LINE:
             # sent at once, as Airflow's own line is: an instance killed before its next sync leaves the

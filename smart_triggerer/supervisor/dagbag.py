@@ -2,9 +2,10 @@
 
 Airflow's ``_create_workload`` looks up the task's serialized DAG and deserializes it
 (``SerializedDagModel.dag``, uncached) for every trigger it starts, only to check the task's
-``start_from_trigger``; runs without a bundle version also cost one "latest version" query each. Starting
-30,000 coroutines spent 95% of the supervisor's CPU there. Within one build (one session, a few hundred
-triggers) a DAG version does not change, so its model and DAG are read once and shared.
+``start_from_trigger``; runs without a bundle version also cost one "latest version" query each. A start
+of thousands of coroutines spent nearly all of the supervisor's CPU there (docs/design.md, Measurements
+behind the code). Within one build (one session, a few hundred triggers) a DAG version does not change,
+so its model and DAG are read once and shared.
 
 A takeover or a start of thousands is many builds in a row: each build still reads its models (a DAG's
 latest version may change between builds), but a DAG whose version and hash it has deserialized in an

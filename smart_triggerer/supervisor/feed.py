@@ -17,7 +17,7 @@ from smart_triggerer.supervisor.state import Held, SupervisorState
 log = structlog.get_logger(logger_name=__name__)
 
 # a takeover of more groups than twice this reads about this many first and hands them to the runner
-# before it reads the rest (a thousand groups: a few of the runner's batches, a tenth of a second to read)
+# before it reads the rest (a thousand groups: a few of the runner's batches, a short read)
 FIRST_READ_GROUPS = 1000
 # a takeover's phases go on for at most this share of the lease after the renewal that took the shards
 # (the renewal itself is overdue at 0.6): the rest is read by the next loop, right after it renews
@@ -107,8 +107,9 @@ class FeedLoading(SupervisorState):
     def _hash_batches(self, after: str | None) -> int:
         """Hash rows without an identity, a committed batch at a time (peers share the work: SKIP LOCKED),
         while this loop's time budget lasts; returns how many. A sweep (``after`` None) reads on from where
-        its last batch ended, not from the first row again: at 50,000 rows a batch took 150-190 ms of the
-        database's CPU read from the first row, 4 ms from there."""
+        its last batch ended, not from the first row again: read from the first row, each batch makes the
+        database go over every row the sweep has hashed already (docs/design.md, Measurements behind the
+        code)."""
         batch = self.settings.max_new_per_loop * 4
         deadline = time.monotonic() + self._busy_budget()
         hashed = 0
@@ -149,10 +150,11 @@ class FeedLoading(SupervisorState):
         A takeover (or a start) of many groups reads its shards in phases, about ``FIRST_READ_GROUPS``
         groups first (by the loads their last owner published), then twice as many each time, and hands
         each phase's batches to the runner before reading the next: the runner starts coroutines while the
-        supervisor reads, and never waits for one big read (25,000 waiters took a second to read and claim,
-        with the runner idle). Shards of one read start soonest due first. The shards of later phases stay
-        in ``to_read`` until their read commits; past ``PHASES_WITHIN_LEASE`` of the lease since the
-        renewal, the next loop renews at once and reads them."""
+        supervisor reads, and never waits for one big read (tens of thousands of waiters take a while to
+        read and claim, and the runner sat idle meanwhile; docs/design.md, Measurements behind the code).
+        Shards of one read start soonest due first. The shards of later phases stay in ``to_read`` until
+        their read commits; past ``PHASES_WITHIN_LEASE`` of the lease since the renewal, the next loop
+        renews at once and reads them."""
         reread = self.load_xmin is None
         unread = set(self.owned) if reread else self.to_read & self.owned
         if reread and (self.member_info or self.held):

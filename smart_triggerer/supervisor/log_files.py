@@ -37,10 +37,10 @@ WRITE_HELD_SECONDS = 0.05
 WRITE_HELD_EVERY_SECONDS = 0.2
 
 # on the way out (the leases already released, at the lowest CPU priority): log files still to write, up
-# to this long after the stop signal. Made in the background at a quarter of a core, a takeover's held
-# first lines take tens of seconds to write at 25,000 waiters; a rolling restart stops the instance that
-# took them over within that time, and with a second for them 9,230 of those files lost their lines
-# (bench/RESULTS.md). Inside a grace period of 30 s (Kubernetes' default), with a few seconds to spare.
+# to this long after the stop signal. Made in the background at a quarter of a core, a big takeover's held
+# first lines take a long time to write; a rolling restart stops the instance that took them over within
+# that time, and with a second for them thousands of those files lost their lines (measured:
+# docs/design.md). Inside a grace period of 30 s (Kubernetes' default), with a few seconds to spare.
 EXIT_LOG_SECONDS = 25.0
 EXIT_REFUSED_AT_MOST = 100  # writes the file system refuses at exit before the rest are given up on
 EXIT_SAY_FILES_FROM = 1000  # so many files to write at exit: said before, as the exit takes seconds
@@ -147,8 +147,9 @@ class LogFiles:
     def close_later(self, finished: Any) -> None:
         """Airflow closes (and uploads) an ended coroutine's log file while it handles the runner's
         message. A handover of thousands ends thousands at once, each file made then if its lines were
-        still held: the loop stood for seconds, past the lease (bench/RESULTS.md). Their files are taken
-        out of Airflow's way here and closed a time budget per loop (``close_ended``)."""
+        still held: the loop stood for seconds, past the lease (docs/design.md, Measurements behind the
+        code). Their files are taken out of Airflow's way here and closed a time budget per loop
+        (``close_ended``)."""
         for trigger_id in finished:
             if (factory := self.logger_cache.pop(trigger_id, None)) is not None:
                 self.close_now(trigger_id)  # an older file of the same id first (it ended before)

@@ -24,8 +24,9 @@ from smart_triggerer.web.health import HealthServer
 
 log = structlog.get_logger(logger_name=__name__)
 
-# per signal of the runner's stop escalation; SIGTERM -> exit within about 2 s (4-6 s with 25,000 waiters;
-# up to EXIT_LOG_SECONDS after the signal while log files a recent takeover left are written)
+# per signal of the runner's stop escalation; SIGTERM -> exit within about 2 s (longer with tens of thousands
+# of waiters, measured: docs/design.md; up to EXIT_LOG_SECONDS after the signal while log files a recent
+# takeover left are written)
 STOP_GRACE_SECONDS = 0.75
 LEAVING_NICENESS = 19
 
@@ -145,7 +146,8 @@ def yield_cpu(runner_pid: int) -> None:
     """On the way out, what this instance still does (its runner cancelling thousands of coroutines,
     their last log lines) is cleanup: at the lowest priority, so that on a host it shares with the
     instance taking its shards over (two instances on one node, a rolling restart) the taker's start goes
-    first. Measured at 50,000 waiters on 2 cores: the stop's cleanup took 1.5 s of CPU.
+    first (the cleanup of tens of thousands of waiters takes CPU the taker needs; docs/design.md,
+    Measurements behind the code).
 
     Linux keeps a nice value per thread: every thread of the supervisor and of its runner is lowered
     (where /proc numbers processes otherwise, a PID namespace of a sandbox: the supervisor's Python
@@ -166,9 +168,9 @@ def yield_cpu(runner_pid: int) -> None:
 def leave_the_heap() -> None:
     """On the way out, once the leases are released (or their release failed: they then lapse as after
     a crash): no more collections. What is left is cleanup and the exit, and a collection then scans the
-    whole heap of groups being dropped (measured at 50,000 waiters: a full collection of 2.3 s in a
-    leaving supervisor, on the cores the next owner starts on). Frozen, the heap is not scanned at the
-    interpreter's exit either; the cycles made meanwhile are freed with the process."""
+    whole heap of groups being dropped, in a leaving supervisor, on the cores the next owner starts on
+    (docs/design.md, Measurements behind the code). Frozen, the heap is not scanned at the interpreter's
+    exit either; the cycles made meanwhile are freed with the process."""
     gc.disable()
     gc.freeze()
 
@@ -224,8 +226,8 @@ def preflight(settings: Settings, team_name: str | None = None) -> None:
 
 def log_server(skip: bool) -> contextlib.AbstractContextManager[object]:
     """Airflow's trigger log server beside the instance, as ``airflow triggerer`` runs it; skipped, its
-    module is not even imported (Airflow's own context manager imports the server's web stack either way:
-    about 0.4 s of every start under py-spy, two instances starting together on two cores)."""
+    module is not even imported (Airflow's own context manager imports the server's web stack either way,
+    a cost paid at every start; docs/design.md, Measurements behind the code)."""
     if skip:
         return contextlib.nullcontext()
     from airflow.cli.commands.triggerer_command import _serve_logs

@@ -48,8 +48,8 @@ LOG_READS_BEFORE_FINISHING = 1024  # reads of Airflow's 4 KB each: the runner's 
 def start_under_way(hash_xmin: str | None, sweep_after: int, to_read: set[int], owned: set[int]) -> bool:
     """A start or a takeover has more to hand out than the groups waiting now: a sweep's pass hashes on
     (its groups wait to be read), or shards of a phased takeover are still to be read. Between two loops
-    of a cold start the groups read so far may all be running: making their files then took a quarter of
-    the supervisor's CPU from the rest of the start (py-spy, 50,000 waiters)."""
+    of a cold start the groups read so far may all be running: making their files then took the
+    supervisor's CPU from the rest of the start (docs/design.md, Measurements behind the code)."""
     return (hash_xmin is None and sweep_after != 0) or bool(to_read & owned)
 
 
@@ -91,8 +91,8 @@ class GroupStarting(SupervisorState):
         lines of a big hand-out are still held. The last is the runner's own sign: the lines are held
         until none of a new coroutine came for a moment (``LogFiles.pace``), and Airflow counts a
         coroutine running as soon as the runner takes its pile, which it then creates for seconds. The
-        collection that fell due (300-400 ms at 25,000 waits) ran while it did, on the same two cores
-        (bench/RESULTS.md)."""
+        collection that fell due ran while it did, on the same two cores (docs/design.md, Measurements
+        behind the code)."""
         starting = self._start_backlog() or bool(self.to_read & self.owned) or self.log_files.pool.holding
         self.collector.update(len(self.groups.unstarted), starting)
 
@@ -226,8 +226,8 @@ class GroupStarting(SupervisorState):
 
     def fetch_trigger_details(self, trigger_ids: set[int], *, session: Session) -> dict[int, Trigger]:
         """Airflow's ``Trigger.bulk_fetch`` without what a workload never reads: it also joins each task
-        instance's trigger (the row just read, again) and that trigger's triggerer job, a sixth of a
-        takeover's build time at tens of thousands of triggers."""
+        instance's trigger (the row just read, again) and that trigger's triggerer job, for every trigger
+        of a takeover's build (docs/design.md, Measurements behind the code)."""
         each_statement_commits(session)  # the first statement of Airflow's build session (bounded.py)
         stmt = (
             select(Trigger)

@@ -3,9 +3,9 @@
 Airflow's supervisor writes each trigger's log lines to the task's trigger log file and keeps that file
 open from the trigger's first line ("trigger ... starting") until it ends: one descriptor per running
 coroutine. Past the process's ``RLIMIT_NOFILE`` every open fails, and the supervisor dies with
-"Too many open files" (the stock triggerer did at 23,000 triggers per instance under a limit of 20,000;
-a common soft limit is 1,024). A smart instance that takes over a dead peer's shards runs all their
-groups, so its count of coroutines is not bounded by its share.
+"Too many open files" (the stock triggerer does once its triggers outnumber the limit; a common soft
+limit is 1,024). A smart instance that takes over a dead peer's shards runs all their groups, so its
+count of coroutines is not bounded by its share.
 
 Here a trigger's file is opened when a line is written and stays open while it is among the most
 recently written ones; the least recently written is closed when the pool is full and opened again
@@ -15,16 +15,16 @@ trigger that logs every poll, with more of them than the pool holds, pays an ope
 While a takeover or a start hands out thousands of coroutines, the pool *holds* the lines of files not
 made yet (each coroutine's "trigger ... starting") in memory, and the supervisor makes those files after
 every coroutine polls, a time budget per loop (``write_held``). Making a file (and its task's folder, on a
-host where the task never ran) costs a few tenths of a millisecond of kernel time: at 50,000 waiters that
-was most of the supervisor's CPU while its coroutines waited to start. A line is held as it came from the
-runner, before Airflow's processors (secrets masking, rendering: another sixth of that CPU) run on it; they
+host where the task never ran) costs kernel time, and made with each first line, tens of thousands of
+files took the supervisor's CPU while its coroutines waited to start. A line is held as it came from the
+runner, before Airflow's processors (secrets masking, rendering: a cost of their own) run on it; they
 run when its file is made. The runner stamps each line with its time, so a held line keeps it. A file
 not made yet goes on holding its lines after the hold, and so does a file made but not open while files
 wait to be made: both are written sooner than the others, still within the budget. Making (or opening
 again) thousands at once in the log path, when thousands of coroutines logged together (a handover
-cancelling them, each with its "trigger completed"), stopped the supervisor's loop for 10-40 s on a slow
-disk, past its leases. A file that is closed, is uploaded or is asked for its descriptor is written at
-once, held lines first.
+cancelling them, each with its "trigger completed"), stopped the supervisor's loop on a slow disk, past
+its leases (measured: docs/design.md, Measurements behind the code). A file that is closed, is uploaded
+or is asked for its descriptor is written at once, held lines first.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ class PooledLogFile:
     The first open creates or truncates it, with Airflow's permissions for new log files, as Airflow's own
     trigger log file is; reopening appends. Its folder is made (as Airflow makes it) only when missing: a
     task's folder usually exists (its worker logged there before it deferred), and Airflow's way, a folder
-    check and a ``touch`` before every first open, was most of a takeover's supervisor CPU at thousands of
-    coroutines (bench/RESULTS.md).
+    check and a ``touch`` before every first open, costs system calls for each of a takeover's thousands
+    of new coroutines (docs/design.md, Measurements behind the code).
     """
 
     def __init__(self, path: str | os.PathLike[str], pool: LogFilePool) -> None:
@@ -223,7 +223,7 @@ class PooledLogFile:
             # its folder is missing (never made here: the worker ran elsewhere, or log retention removed it
             # while the trigger waited): made as Airflow's ``init_log_folder`` makes it (the configured mode
             # on the last folder), without its ``init_log_file`` reading three settings and touching the
-            # file first (half of a held file's cost after a takeover of thousands; bench/RESULTS.md)
+            # file first (work repeated for each held file after a takeover; measured: docs/design.md)
             folder_mode = self._pool.file_settings().folder_mode
             os.makedirs(os.path.dirname(self.name), mode=folder_mode, exist_ok=True)
             handle = self._open()
@@ -352,9 +352,9 @@ class _HoldingLogger:
     """The trigger's logger as Airflow's supervisor uses it (``log(level, event, **kw)`` per runner line):
     while its file is held, a call is kept unprocessed; otherwise, and for anything else, the logger. The
     logger itself is made at its first use, not with the first line: while a takeover's first lines are
-    held, making structlog's logger for each new coroutine (its ``BytesLogger`` and ``bind``, 28 us) was
-    0.4 s of the supervisor's CPU at 15,000 coroutines, spent while the runner still created them. It
-    refers to nothing of its factory's: a factory whose coroutine ended is freed at once, not left to
+    held, making structlog's logger for each new coroutine (its ``BytesLogger`` and ``bind``) took the
+    supervisor's CPU while the runner still created them (docs/design.md, Measurements behind the code).
+    It refers to nothing of its factory's: a factory whose coroutine ended is freed at once, not left to
     the collector."""
 
     def __init__(self, log_file: PooledLogFile, processors: Iterable[Any]) -> None:
@@ -405,8 +405,8 @@ class PooledTriggerLoggingFactory(TriggerLoggingFactory):
         if holding is not None:
             return holding
         base_folder = self.pool.file_settings().base_folder
-        # where Airflow's init_log_file places it; a plain string: parsing a Path for each new coroutine's
-        # first line cost 14 us a coroutine (5,000 first lines: 0.18 s, 0.11 s without; bench/RESULTS.md)
+        # where Airflow's init_log_file places it; a plain string: a Path would be parsed for each new
+        # coroutine's first line (measured: docs/design.md)
         path = os.path.join(base_folder, self.log_path)
         log_file = PooledLogFile(path, self.pool)
         self._filehandle = log_file  # type: ignore[assignment]
@@ -486,9 +486,9 @@ def reading_only_ready(read: Any) -> Any:
     """``read`` as the supervisor's loop calls it for the runner's log channel: only while the socket has
     data now (the loop's select may be stale: a runner request handled since may have read the channel
     through), and again while it still has, up to ``LOG_READS_PER_PASS`` reads. Airflow reads 4 KB per pass
-    of its loop: at the end of a takeover of 25,000 waits the runner's first lines (about 4 MB) took 1,200
-    passes of the whole loop in 0.6 s, each with its lease checks, metrics and a ``waitpid``, on the cores
-    the runner was starting them on (bench/RESULTS.md). ``raw`` is Airflow's reader, for reads that count
+    of its loop: at the end of a takeover the runner's first lines took a pass of the whole loop per 4 KB,
+    each with its lease checks, metrics and a ``waitpid``, on the cores the runner was starting them on
+    (docs/design.md, Measurements behind the code). ``raw`` is Airflow's reader, for reads that count
     its 4 KB reads themselves (and tells a wrapped reader)."""
 
     def reading(sock: Any) -> bool:

@@ -2,10 +2,10 @@
 
 Airflow's ``build_trigger_workloads`` loads each trigger and its task instance as ORM objects, reads each
 task's DAG run with a query of its own, and builds the task's ``TaskInstanceDTO`` from the ORM object
-(``model_validate(from_attributes=True)``). At a takeover of 15,000 waits that was most of the supervisor's
-CPU (bench/RESULTS.md): SQLAlchemy's instance state alone a seventh of it. Here one statement reads the
-columns a workload carries (trigger, task instance, the run's DAG version) for a whole batch, and the
-DTO is validated from a plain dict.
+(``model_validate(from_attributes=True)``). At a takeover that is where the supervisor's CPU goes, much of
+it to SQLAlchemy's instance state (docs/design.md, Measurements behind the code). Here one statement
+reads the columns a workload carries (trigger, task instance, the run's DAG version) for a whole batch,
+and the DTO is validated from a plain dict.
 
 The result is the workload Airflow would build: same fields, same log file name, same DAG version
 resolution (``DBDagBag.get_serialized_dag_model_for_run``, else the task instance's own version) to read
@@ -77,7 +77,7 @@ class TaskRow:
 
 
 # Airflow's default ``[logging] log_filename_template`` (3.x) and the same name made in Python: rendering it
-# with Jinja was a quarter of the CPU of building a workload (a takeover of 15,000 coroutines: about 0.2 s)
+# with Jinja for every workload was a large part of building one (measured: docs/design.md)
 AIRFLOW_DEFAULT_LOG_TEMPLATE = (
     "dag_id={{ ti.dag_id }}/run_id={{ ti.run_id }}/task_id={{ ti.task_id }}/"
     "{% if ti.map_index >= 0 %}map_index={{ ti.map_index }}/{% endif %}"
@@ -138,13 +138,13 @@ def task_rows(session: Session, trigger_ids: Iterable[int]) -> dict[int, TaskRow
     Read from each trigger id through the indexes: its task instance by ``ti_trigger_id``, that task's
     run by its key. Each step is a lateral subquery with ``OFFSET 0``, which PostgreSQL never merges into
     the join, so the order is not the planner's to choose: with statistics lagging a burst of deferrals
-    (50,000 task instances in one run) a plain join read every task instance of the run for each batch
-    of 250, 30-60 ms a batch against 2 ms.
+    (tens of thousands of task instances in one run) a plain join read every task instance of the run
+    for each batch.
 
     The statement is built once and run on the session's connection (plain rows, the columns' types
-    applied as through the ORM). This read was a fifth of a takeover's supervisor CPU under py-spy;
-    building the statement for each batch and reading it through the ORM's result machinery were 40% of
-    it (7.0-7.7 ms of CPU per batch of 250, 4.4 ms now; bench/RESULTS.md)."""
+    applied as through the ORM): this read is a large part of a takeover's supervisor CPU, and building
+    the statement for each batch and reading it through the ORM's result machinery were much of it
+    (docs/design.md, Measurements behind the code)."""
     found: dict[int, TaskRow] = {}
     for row in session.connection().execute(_task_rows_statement(), {"ids": list(trigger_ids)}):
         trigger_id, classpath, kwargs, *ti_values, timeout, bundle_version, created = row
