@@ -2,6 +2,8 @@
 -- from Python (each part its own, with IF NOT EXISTS): a deployment made by one of them upgrades in
 -- place, this file creating what is missing and changing nothing that is there.
 
+CREATE SCHEMA IF NOT EXISTS dataset_bridge;
+
 -- the task-success bridge and the reconciler: one asset event per (asset, success), the horizons, the
 -- reconciler's decisions
 CREATE TABLE IF NOT EXISTS dataset_bridge.emitted (

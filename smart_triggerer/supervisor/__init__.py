@@ -18,11 +18,12 @@ only after it was stored; an event that cannot be stored fails its own members, 
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
 ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``. ``load``,
-``deadlines``, ``stall`` and ``log_files`` are objects that own their state and are handed the context the
-parts share (``shared.py``: settings, groups and members, owned shards, the database clock); the others are
-still mixins over ``state.SupervisorState``, whose fields they share. The class here is the conductor:
-``run_once`` calls the parts in order, and it answers what a part asks of the instance (the runner watch's
-``Instance``)."""
+``deadlines``, ``stall``, ``log_files`` and ``housekeeping`` are objects that own their state and are
+handed the context the parts share (``shared.py``: settings, groups and members, owned shards, the
+database clock, the counters); ``leases``, ``feed``, ``starting`` and ``events`` are still mixins over
+``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
+the parts in order, it answers what an object part asks of the instance (each part's ``Instance``), and
+it reports (``reports.py``)."""
 
 from __future__ import annotations
 
@@ -36,18 +37,16 @@ from airflow.jobs.triggerer_job_runner import messages
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
 from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.feed import FeedLoading
-from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.leases import Leases
 from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
+from smart_triggerer.supervisor.reports import Reports
 from smart_triggerer.supervisor.starting import GroupStarting
 from smart_triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(
-    Leases, FeedLoading, GroupStarting, EventFanout, Housekeeping, SupervisorState
-):
+class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFanout, Reports, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -68,7 +67,7 @@ class SmartTriggerRunnerSupervisor(
             self.loops += 1
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
-            self._db_step("cleanup", self._housekeeping)
+            self._db_step("cleanup", self.housekeeping.run)
         elif self._start_backlog():
             # a takeover or a start: keep starting coroutines between loads, a time budget at a time
             self._db_step("start", self._start_groups)
@@ -118,6 +117,18 @@ class SmartTriggerRunnerSupervisor(
 
     def db_step(self, name: str, step: Callable[[], None]) -> bool:
         return self._db_step(name, step)
+
+    # --- what housekeeping asks of the instance (housekeeping.py, Instance) ---
+
+    def read_the_feed_again(self) -> None:
+        self._lost_the_feed()
+
+    def stop_with(self, code: int) -> None:
+        self.stop = True
+        self.stop_code = code
+
+    def forget_held(self, trigger_id: int) -> None:
+        self.held.pop(trigger_id, None)
 
     def wake(self) -> None:
         """From a signal handler: the loop's wait for the runner ends now (see waker.py)."""

@@ -407,3 +407,18 @@ class EventFanout(SupervisorState):
             fenced = self._fence(session)
             tasks = [m for m in self._task_members(sorted(group.members)) if self._shard_of(m) in fenced]
             self.failures_total += fanout.fail(session, tasks, exc)
+
+    def forget_watcher_failures(self, now: float) -> None:
+        """A watcher group that has run a while since its last failure counts as working again (one that
+        rarely fires would otherwise stay 'failing'); groups that left are forgotten."""
+        for identity_hash in list(self.watcher_failures):
+            group = self.groups.by_hash.get(identity_hash)
+            failed_at = self.watcher_failed_at.get(identity_hash, now)
+            working = (
+                group is not None
+                and group.runner_id is not None
+                and (now - failed_at > WATCHER_BACKOFF_MAX_SECONDS)
+            )
+            if group is None or working:
+                self.watcher_failures.pop(identity_hash, None)
+                self.watcher_failed_at.pop(identity_hash, None)

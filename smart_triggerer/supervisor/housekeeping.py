@@ -1,12 +1,14 @@
-"""Housekeeping and reports: Airflow's clean_unused and the feed's pruning now and then, forgetting
-what nobody waits on any more, the page's samples, and the counters /health, /metrics and the page
-read."""
+"""Housekeeping: Airflow's clean_unused and the feed's pruning now and then, forgetting what nobody waits
+on any more, the partial index of departed waits, the page's samples, and the check that the schema is
+not too new for this release. The part owns when each last ran and what it found; it asks the rest of
+the instance through ``Instance`` (the conductor answers)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from typing import Any
+from typing import Protocol
 
 import structlog
 from airflow.utils.session import create_session
@@ -14,12 +16,7 @@ from sqlalchemy import text
 
 from smart_triggerer.config import Settings
 from smart_triggerer.db.store import SchemaTooNew, Store, queries
-from smart_triggerer.supervisor.state import (
-    FIRST_SAMPLE_SECONDS,
-    SAMPLE_SECONDS,
-    WATCHER_BACKOFF_MAX_SECONDS,
-    SupervisorState,
-)
+from smart_triggerer.supervisor.shared import Shared
 from smart_triggerer.waker import leave_stop_signals_to_the_main_thread
 
 log = structlog.get_logger(logger_name=__name__)
@@ -48,8 +45,45 @@ WATCHER_FAILURES_SECONDS = 60.0
 
 LINGERING_SECONDS = 60.0  # the lingering check while the partial index is not there
 
+SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
 
-class Housekeeping(SupervisorState):
+FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
+
+
+class Instance(Protocol):
+    """What housekeeping asks of the rest of the instance (the conductor answers)."""
+
+    def clean_unused(self) -> None: ...  # Airflow's: deletes trigger rows nothing refers to
+    def read_the_feed_again(self) -> None: ...  # the change feed is gone: read every waiter once
+    def stop_with(self, code: int) -> None: ...  # a graceful stop, then this exit code
+    def forget_held(self, trigger_id: int) -> None: ...  # an event held for a member that left
+    def forget_watcher_failures(self, now: float) -> None: ...
+
+
+class Housekeeping:
+    def __init__(self, shared: Shared, instance: Instance) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.instance = instance
+        self.last_cleanup = -math.inf
+        self.last_sweep = -math.inf  # Airflow's full clean_unused
+        # the partial index release_left_waits reads: its state, when last looked at, the thread building it
+        self.left_index = "missing"
+        self.left_index_checked = -math.inf
+        self.left_index_builder: threading.Thread | None = None
+        self.left_index_outcome: str | None = None  # of the last build
+        self.left_pending: set[int] = set()  # released, trigger row not deleted yet
+        self.last_prune = -math.inf
+        self.last_lingering = time.monotonic()
+        self.last_watcher_check = time.monotonic()
+        self.last_sample = time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS
+        # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved"
+        # card comes from it, next to groups from the heartbeat, so a change is sampled within
+        # FIRST_SAMPLE_SECONDS
+        self.sampled: tuple[int, int] | None = None
+        self.sampled_at = time.monotonic()
+        self.last_schema_check = -math.inf
+
     def _stop_if_schema_too_new(self) -> None:
         """During a rolling upgrade a newer instance may apply a migration that breaks this release (one
         marked ``BREAKS_OLDER``): stop gracefully (leases released, the newer instances take the shards)
@@ -59,19 +93,19 @@ class Housekeeping(SupervisorState):
                 Store(session).refuse_newer_schema()
         except SchemaTooNew as err:
             log.error("stopping: the schema is newer than this release can run on", error=str(err))
-            self.stop = True
-            self.stop_code = int(err.exit_code)
+            self.instance.stop_with(int(err.exit_code))
 
-    def _housekeeping(self) -> None:
+    def run(self) -> None:
         """Airflow's clean_unused (its deletions are how waiters leave) and pruning the change feed, each
         every few seconds rather than every loop, and clean_unused by one instance only: neither is
         urgent, and clean_unused scans."""
         now = time.monotonic()
+        shared = self.shared
         # one instance per queue set is enough: the one holding shard 0
         if now - self.last_cleanup >= CLEANUP_SECONDS:
-            if 0 in self.owned:
-                self._clean_up(now)
-            self._release_unwatched()
+            if 0 in shared.owned:
+                self.clean_up(now)
+            self.release_unwatched()
             self.last_cleanup = now
         if now - self.last_prune >= PRUNE_SECONDS:
             with create_session() as session:
@@ -79,21 +113,21 @@ class Housekeeping(SupervisorState):
                 store.prune_feed(self.settings.lease_seconds)
                 present = store.feed_present()
             if not present:
-                self.load_xmin = self.hash_xmin = None  # the next loop installs it and reads everything
+                self.instance.read_the_feed_again()  # the next loop installs it and reads everything
             self.last_prune = now
         if now - self.last_schema_check >= SCHEMA_CHECK_SECONDS:
             self._stop_if_schema_too_new()
             self.last_schema_check = now
         if now - self.last_watcher_check >= WATCHER_FAILURES_SECONDS:
-            self._forget_watcher_failures(now)
+            self.instance.forget_watcher_failures(now)
             self.last_watcher_check = now
-        self._look_at_left_index(now)
+        self.look_at_left_index(now)
         # the partial index catches cleared tasks (the lingering check's main case) within CLEANUP_SECONDS
         lingering_every = self.settings.sweep_seconds if self.left_index == "valid" else LINGERING_SECONDS
         if now - self.last_lingering >= lingering_every:
-            self._forget_lingering()
+            self.forget_lingering()
             self.last_lingering = now
-        counts = (len(self.member_info), self.groups.group_count())
+        counts = (len(shared.member_info), shared.groups.group_count())
         due = now - self.last_sample >= SAMPLE_SECONDS
         if due or (counts != self.sampled and now - self.sampled_at >= FIRST_SAMPLE_SECONDS):
             self._record_sample(counts, now)
@@ -102,7 +136,7 @@ class Housekeeping(SupervisorState):
             # this loop fell behind
             self.last_sample = max(self.last_sample + SAMPLE_SECONDS, now - SAMPLE_SECONDS / 2)
 
-    def _clean_up(self, now: float) -> None:
+    def clean_up(self, now: float) -> None:
         """Departed waits leave: through the partial index when it is there, else (and once a sweep) by
         Airflow's clean_unused."""
         if self.left_index == "valid" and now - self.last_sweep < self.settings.sweep_seconds:
@@ -118,20 +152,20 @@ class Housekeeping(SupervisorState):
                     "waits whose task left deferred released", tasks=len(released), triggers=len(deleted)
                 )
             return
-        self.clean_unused()  # Airflow's: reads every trigger row and every waiting task's
+        self.instance.clean_unused()  # Airflow's: reads every trigger row and every waiting task's
         self.left_pending.clear()
         self.last_sweep = now
 
-    def _release_unwatched(self) -> None:
+    def release_unwatched(self) -> None:
         """Asset watchers and callbacks this instance runs whose trigger row nothing refers to any more
         (a watcher removed from its DAG, a paused consumer): deleted as Airflow's clean_unused would, so
         that the feed stops their coroutines within CLEANUP_SECONDS, not at the next sweep."""
-        watchers = [m for m in self.member_info if not self._is_task(m)]
+        watchers = [m for m in self.shared.member_info if not self.shared.is_task(m)]
         if watchers:
             with create_session() as session:
                 Store(session).delete_unused_triggers(watchers)
 
-    def _look_at_left_index(self, now: float) -> None:
+    def look_at_left_index(self, now: float) -> None:
         """Is the partial index there (still: a DBA or an Airflow migration may drop it)? If it is
         missing, or a build failed, build it in a thread of its own: on a large task_instance table that
         takes a while, and this loop must renew its leases."""
@@ -160,76 +194,22 @@ class Housekeeping(SupervisorState):
         last one (else the page would show that sample's polls saved beside groups formed after it)."""
         with create_session() as session:
             Store(session).record_sample(
-                self.job_id, *counts, self.groups.polls_saved_per_minute(), prune=0 in self.owned
+                self.shared.job_id,
+                *counts,
+                self.shared.groups.polls_saved_per_minute(),
+                prune=0 in self.shared.owned,
             )
         self.sampled, self.sampled_at = counts, now
 
-    def _forget_watcher_failures(self, now: float) -> None:
-        """A watcher group that has run a while since its last failure counts as working again (one that
-        rarely fires would otherwise stay 'failing'); groups that left are forgotten."""
-        for identity_hash in list(self.watcher_failures):
-            group = self.groups.by_hash.get(identity_hash)
-            failed_at = self.watcher_failed_at.get(identity_hash, now)
-            working = (
-                group is not None
-                and group.runner_id is not None
-                and (now - failed_at > WATCHER_BACKOFF_MAX_SECONDS)
-            )
-            if group is None or working:
-                self.watcher_failures.pop(identity_hash, None)
-                self.watcher_failed_at.pop(identity_hash, None)
-
-    def _forget_lingering(self) -> None:
+    def forget_lingering(self) -> None:
         """Members whose trigger row Airflow keeps although nothing waits on it (a task cleared while
         deferred): their coroutines stop, as the stock triggerer's do once the row is deleted."""
+        shared = self.shared
         with create_session() as session:
-            lingering = Store(session).not_waited_on(self.owned)
-        for trigger_id in lingering & set(self.member_info):
-            self.held.pop(trigger_id, None)
-            self._forget_member(trigger_id, user_action=True)
-
-    def _counters(self) -> dict[str, Any]:
-        return {
-            "runner_alive": self.is_alive(),
-            "waiters": len(self.member_info),
-            "groups": self.groups.group_count(),
-            "events_total": self.events_total,
-            "resumed_total": self.resumed_total,
-            "failures_total": self.failures_total,
-            "watchers_failing": sum(1 for h in self.watcher_failures if h in self.groups.by_hash),
-            "watcher_restarts_total": self.watcher_restarts_total,
-            "task_state_requests_total": self.task_state_requests_total,
-            "health_url": self.health_url,
-            **self.load_filters.counters(),
-        }
-
-    def publish_snapshot(self) -> None:
-        """Copy the counters for the HTTP thread (it must never iterate what this loop mutates)."""
-        counters = self._counters()
-        counters.update(
-            shards_owned=len(self.owned),
-            job_id=self.job_id,
-            capacity=self.capacity,
-            lag_recent_ms=round(self.load_filters.lag_recent_ms, 1),
-            shards_taken_total=self.shards_moved_in,
-            shards_handed_over_total=self.shards_moved_out,
-            coroutines=len(self.running_triggers),
-            events_pending=len(self.events),
-            events_dead_total=self.dead_letters.total,
-            runner_stalled=None if self.watch.stall is None else self.watch.stall.cause,
-            last_watcher_error=self.last_watcher_error if counters["watchers_failing"] else None,
-        )
-        self.published = counters
-
-    def snapshot(self) -> dict[str, Any]:
-        """What /metrics and /health report (called from the HTTP thread: reads only published values)."""
-        now = time.monotonic()
-        pending_since = self.pending_since
-        return {
-            **self.published,
-            "lease_age": now - self.last_renewal,
-            "events_stuck_seconds": 0.0 if pending_since is None else now - pending_since,
-        }
+            lingering = Store(session).not_waited_on(shared.owned)
+        for trigger_id in lingering & set(shared.member_info):
+            self.instance.forget_held(trigger_id)
+            shared.forget_member(trigger_id, user_action=True)
 
 
 def build_left_index() -> str:

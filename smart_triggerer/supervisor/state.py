@@ -5,7 +5,6 @@ implements its own, the conductor inherits them all)."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from smart_triggerer.runner.collector import OlderHeld
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
+from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_files import LogFiles
 from smart_triggerer.supervisor.shared import MemberInfo, Shared
@@ -36,10 +36,6 @@ from smart_triggerer.supervisor.stall import RunnerWatch
 from smart_triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
-
-SAMPLE_SECONDS = 60.0  # a point of the page's last-hour chart
-
-FIRST_SAMPLE_SECONDS = 10.0  # after start: once the first loads have grouped the waiters
 
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
 
@@ -84,6 +80,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     watch: RunnerWatch = attrs.field(
         init=False, default=attrs.Factory(lambda self: RunnerWatch(self.shared, self), takes_self=True)
     )
+    housekeeping: Housekeeping = attrs.field(
+        init=False, default=attrs.Factory(lambda self: Housekeeping(self.shared, self), takes_self=True)
+    )
     log_files: LogFiles = attrs.field(
         init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
     )
@@ -109,25 +108,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
     collector: OlderHeld = attrs.field(factory=OlderHeld, init=False)  # its older generations, in a start
-    last_cleanup: float = attrs.field(default=-math.inf, init=False)
-    last_sweep: float = attrs.field(default=-math.inf, init=False)  # Airflow's full clean_unused
-    # the partial index release_left_waits reads (see housekeeping.py): its state, when last looked at, and
-    # the thread building it
-    left_index: str = attrs.field(default="missing", init=False)
-    left_index_checked: float = attrs.field(default=-math.inf, init=False)
-    left_index_builder: threading.Thread | None = attrs.field(default=None, init=False)
-    left_index_outcome: str | None = attrs.field(default=None, init=False)  # of the last build
-    left_pending: set[int] = attrs.field(factory=set, init=False)  # released, trigger row not deleted yet
-    last_prune: float = attrs.field(default=-math.inf, init=False)
-    last_lingering: float = attrs.field(factory=time.monotonic, init=False)
-    last_watcher_check: float = attrs.field(factory=time.monotonic, init=False)
-    last_sample: float = attrs.field(
-        factory=lambda: time.monotonic() - SAMPLE_SECONDS + FIRST_SAMPLE_SECONDS, init=False
-    )
-    # the waiters and groups of the latest sample, and when it was recorded: the page's "polls saved" card
-    # comes from it, next to groups from the heartbeat, so a change is sampled within FIRST_SAMPLE_SECONDS
-    sampled: tuple[int, int] | None = attrs.field(default=None, init=False)
-    sampled_at: float = attrs.field(factory=time.monotonic, init=False)
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     last_renewal: float = attrs.field(default=-math.inf, init=False)
@@ -153,7 +133,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     # the waiting groups, most urgent first, as sorted when ``groups.arrivals`` was ``start_order_arrivals``
     start_order: list[Group] = attrs.field(factory=list, init=False)
     start_order_arrivals: int = attrs.field(default=-1, init=False)
-    last_schema_check: float = attrs.field(default=-math.inf, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
     # groups per owned shard as last published with the leases (published again when it changes enough)
     published_loads: dict[int, int] = attrs.field(factory=dict, init=False)

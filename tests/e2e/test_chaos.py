@@ -302,7 +302,7 @@ def test_a_wait_across_a_wedged_runner_gets_the_stall_threshold_more() -> None:
 
 
 def test_the_bridge_checker_wants_the_nul_extra_dead_lettered_alone_and_the_rest_delivered() -> None:
-    events = [
+    events: list[tuple[int, str, dict[str, Any], dt.datetime | None]] = [
         (1, "chaos://status/a0", {}, at(1)),
         (2, NUL_ASSET, {}, at(2)),
         (3, "chaos://status/a1", {}, at(3)),

@@ -29,7 +29,7 @@ def non_loopback_ipv4() -> str:
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
             if address.family == socket.AF_INET and not address.address.startswith("127."):
-                return address.address
+                return str(address.address)  # psutil is untyped here
     raise AssertionError("this machine has no non-loopback IPv4 address; the test needs one")
 
 

@@ -17,6 +17,7 @@ import textwrap
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -52,6 +53,13 @@ with DAG(dag_id="release_smoke", schedule=None, start_date=pendulum.datetime(202
         parameters=["{{ macros.datetime.utcnow() + macros.timedelta(seconds=3) }}"],
     )
 """
+
+
+class Home(TypedDict):
+    """Where the installed wheel's commands run: its environment, in a folder of its own."""
+
+    env: dict[str, str]
+    cwd: Path
 
 
 def run(argv: list[str | Path], *, with_stderr: bool = False, **kwargs: object) -> str:
@@ -119,7 +127,7 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     env = {k: v for k, v in airflow_config.env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{scripts}{os.pathsep}{env.get('PATH', '')}"
     env["AIRFLOW_CONN_RELEASE_DB"] = airflow_config.database_dsn
-    home = {"env": env, "cwd": tmp_path}  # never the checkout: what runs is the installed wheel
+    home: Home = {"env": env, "cwd": tmp_path}  # never the checkout: what runs is the installed wheel
 
     located = run(
         [
@@ -154,7 +162,7 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     (team_folder / "team_helpers.py").write_text("TEAM = 'data-platform'\n")
     (airflow_config.dags_folder / "team_folder.py").write_text(textwrap.dedent(TEAM_FOLDER_DAG))
     run([scripts / "airflow", "dags", "reserialize"], **home)
-    listed = subprocess.run(
+    import_errors = subprocess.run(
         [str(scripts / "airflow"), "dags", "list-import-errors", "--output", "plain"],
         capture_output=True,
         text=True,
@@ -165,9 +173,9 @@ def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     # our installed triggers/ comes first on sys.path (Airflow appends the DAGs folder): the team's
     # module is not found, and the error names it (docs/operations/install.md says what to do); the
     # command exits 1 when there is an import error
-    assert listed.returncode == 1, listed.stdout[-4000:] + listed.stderr[-4000:]
-    assert "team_folder.py" in listed.stdout, listed.stdout[-4000:]
-    assert "No module named 'triggers.team_helpers'" in listed.stdout, listed.stdout[-4000:]
+    assert import_errors.returncode == 1, import_errors.stdout[-4000:] + import_errors.stderr[-4000:]
+    assert "team_folder.py" in import_errors.stdout, import_errors.stdout[-4000:]
+    assert "No module named 'triggers.team_helpers'" in import_errors.stdout, import_errors.stdout[-4000:]
     (airflow_config.dags_folder / "team_folder.py").unlink()  # the rest runs on a DAG folder that parses
     output = run([scripts / "airflow", "dags", "test", "release_smoke"], **home)
     states = rows(

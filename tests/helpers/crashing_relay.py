@@ -10,14 +10,18 @@ import os
 import sys
 from typing import Any
 
+import aiohttp
+
 from dataset_bridge import relay
-from dataset_bridge.routes import Routes
+from dataset_bridge.routes import Routes, Target
 
 real_post = relay.Relay._post
 
 
-async def post_then_die(self: relay.Relay, *args: Any) -> Any:
-    results = await real_post(self, *args)
+async def post_then_die(
+    self: relay.Relay, session: aiohttp.ClientSession, target: Target, body: bytes
+) -> list[dict[str, Any]]:
+    results = await real_post(self, session, target, body)
     print(f"target accepted {len(results)} events; crashing before marking them", flush=True)
     os._exit(9)
 

@@ -74,7 +74,7 @@ class Proxy:
                 if writer is not None:
                     self.connections.discard(writer)
                     writer.close()
-            self.handlers.discard(handler)  # type: ignore[arg-type]
+            self.handlers.discard(handler)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

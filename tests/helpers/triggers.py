@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -80,7 +80,7 @@ class FailingTrigger(DedupableTrigger, BaseTrigger):
 class KillMarkerTrigger(DedupableTrigger, BaseTrigger):
     """Waits forever; ``on_kill`` (a user action in Airflow's eyes) writes a marker file."""
 
-    identity_kwargs = ("key",)
+    identity_kwargs: ClassVar[tuple[str, ...]] = ("key",)
 
     def __init__(self, key: str, marker_dir: str) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ T = TypeVar("T")
 def rows(dsn: str, query: str, *params: object) -> list[tuple[Any, ...]]:
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
         cur.execute(query, params)
-        result = cur.fetchall()
+        result: list[tuple[Any, ...]] = cur.fetchall()
     conn.close()
     return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import TYPE_CHECKING
 
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
@@ -13,6 +14,9 @@ from devkit.devstack import AirflowConfig
 from devkit.pgserver import reader_dsn
 from tests.helpers.airflow_orm import use_airflow_db
 from triggers import SqlConditionTrigger
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import TriggerEvent
 
 
 def add_event(dsn: str, uri: str, at: dt.datetime) -> None:
@@ -44,7 +48,8 @@ def test_waits_for_an_event_newer_than_since(airflow_db: str, monkeypatch: pytes
     assert trigger.serialize()[1]["parameters"] == ["warehouse://dds/h_user", since.isoformat()]
 
     async def wait_then_publish() -> dict[str, object]:
-        waiting = asyncio.create_task(trigger.run().__anext__())
+        # run() is typed as an AsyncIterator; its __anext__ is an async generator's, a coroutine
+        waiting: asyncio.Task[TriggerEvent] = asyncio.create_task(trigger.run().__anext__())  # type: ignore[arg-type]
         await asyncio.sleep(0.6)
         assert not waiting.done()
         later = since + dt.timedelta(seconds=1)

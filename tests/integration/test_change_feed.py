@@ -449,7 +449,7 @@ def test_a_task_cleared_while_deferred_stops_its_coroutine(env: AirflowConfig) -
     rows(dsn, "UPDATE task_instance SET state = NULL WHERE trigger_id = %s RETURNING 1", cleared)
     load(supervisor)
     assert cleared in supervisor.member_info  # no row was deleted
-    supervisor._forget_lingering()
+    supervisor.housekeeping.forget_lingering()
     assert set(supervisor.member_info) == {seeded.trigger_ids[1]}
 
 

@@ -75,14 +75,14 @@ def test_a_task_cleared_while_deferred_leaves_through_the_partial_index(env: Air
     seeded = seed(env, 2)
     other = seed(env, 1, moment=(dt.datetime.now(dt.UTC) + dt.timedelta(hours=3)).isoformat())  # stays
     build_left_index()
-    supervisor._look_at_left_index(time.monotonic())
-    assert supervisor.left_index == "valid"
+    supervisor.housekeeping.look_at_left_index(time.monotonic())
+    assert supervisor.housekeeping.left_index == "valid"
     load(supervisor)
     supervisor.owned = set(supervisor.owned) | {0}
     cleared = seeded.trigger_ids[0]
     rows(dsn, "UPDATE task_instance SET state = NULL WHERE trigger_id = %s RETURNING 1", cleared)
-    supervisor.last_sweep = time.monotonic()  # not a sweep: the targeted cleanup
-    supervisor._clean_up(time.monotonic())
+    supervisor.housekeeping.last_sweep = time.monotonic()  # not a sweep: the targeted cleanup
+    supervisor.housekeeping.clean_up(time.monotonic())
     assert trigger_rows(dsn, [cleared]) == 0
     assert rows(dsn, "SELECT count(*) FROM task_instance WHERE trigger_id = %s", cleared)[0][0] == 0
     load(supervisor)
@@ -107,17 +107,17 @@ def test_without_the_index_and_once_a_sweep_airflow_cleans_up(env: AirflowConfig
     monkeypatch.setattr(type(supervisor), "clean_unused", lambda self: calls.append(time.monotonic()))
     supervisor.owned = {0}
     monkeypatch.setattr("smart_triggerer.supervisor.housekeeping.build_left_index", lambda: None)
-    supervisor._look_at_left_index(time.monotonic())
-    assert supervisor.left_index == "missing"
-    supervisor._clean_up(time.monotonic())
+    supervisor.housekeeping.look_at_left_index(time.monotonic())
+    assert supervisor.housekeeping.left_index == "missing"
+    supervisor.housekeeping.clean_up(time.monotonic())
     assert len(calls) == 1  # no index: Airflow's
     build_left_index()
-    supervisor.left_index_checked = -1e9
-    supervisor._look_at_left_index(time.monotonic())
-    assert supervisor.left_index == "valid"
-    supervisor._clean_up(time.monotonic())
+    supervisor.housekeeping.left_index_checked = -1e9
+    supervisor.housekeeping.look_at_left_index(time.monotonic())
+    assert supervisor.housekeeping.left_index == "valid"
+    supervisor.housekeeping.clean_up(time.monotonic())
     assert len(calls) == 1  # the index: targeted
-    supervisor._clean_up(time.monotonic() + SWEEP_SECONDS + 1)
+    supervisor.housekeeping.clean_up(time.monotonic() + SWEEP_SECONDS + 1)
     assert len(calls) == 2  # the sweep is due
 
 
@@ -130,7 +130,7 @@ def test_a_watcher_nothing_refers_to_any_more_leaves_within_a_cleanup(env: Airfl
     load(supervisor)
     assert {removed, kept} <= set(supervisor.member_info)
     rows(dsn, "DELETE FROM asset_watcher WHERE trigger_id = %s RETURNING 1", removed)
-    supervisor._release_unwatched()
+    supervisor.housekeeping.release_unwatched()
     assert trigger_rows(dsn, [removed, kept]) == 1
     load(supervisor)
     assert removed not in supervisor.member_info and kept in supervisor.member_info

@@ -54,6 +54,7 @@ def bounded(env: AirflowConfig) -> Iterator[Callable[[float], float]]:
         for listener in listeners:
             if event.contains(settings.engine, "do_connect", listener):  # tests may configure a new engine
                 event.remove(settings.engine, "do_connect", listener)
+        assert settings.engine is not None
         settings.engine.dispose()
 
 
@@ -638,10 +639,11 @@ def set_read_only(dsn: str, on: bool) -> None:
     conn.autocommit = True
     with conn.cursor() as cur:
         cur.execute("SELECT current_database()")
-        name = cur.fetchone()[0]  # type: ignore[index]
+        name = cur.fetchone()[0]
         value = "on" if on else "off"
         cur.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {value}')
     conn.close()
+    assert settings.engine is not None
     settings.engine.dispose()
 
 
@@ -813,7 +815,7 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
         return original(self, trigger, dag_bag, render_log_fname, session)
 
     monkeypatch.setattr(TriggerRunnerSupervisor, "_create_workload", refusing)
-    read_in_one = starting.task_rows
+    read_in_one = starting.task_rows  # type: ignore[attr-defined]  # the name starting looks it up by
 
     def refusing_the_batch(session: Any, trigger_ids: Any) -> Any:
         if set(trigger_ids) & set(bad.trigger_ids):  # the batch's one statement, refused by that row
@@ -887,6 +889,7 @@ def test_sessions_ended_from_outside_again_and_again_fail_no_event(
     load(supervisor)
     runner = runner_of(supervisor, seeded)
     supervisor.running_triggers.add(runner)
+    ended: list[Any]
     original, ended = fanout.resume, []
 
     def ended_from_outside(session: Any, batches: Any) -> Any:

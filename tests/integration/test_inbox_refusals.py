@@ -174,6 +174,7 @@ async def test_the_relay_retries_a_clock_off_without_dead_lettering_and_says_why
             relay = Relay(pool, routes, RelaySettings())
             assert await relay.deliver_target(session, routes.targets[0]) == 0
         row = await pool.fetchrow("SELECT status, attempts, last_error FROM dataset_bridge.outbox")
+        assert row is not None
         assert (row["status"], row["attempts"]) == ("pending", 6), row  # past max_attempts, still pending
         assert "behind the receiver's" in row["last_error"] and "NTP" in row["last_error"], row
     finally:

@@ -108,7 +108,7 @@ def test_a_listener_hears_peers_not_itself_and_listens_again_after_its_connectio
             handler, on_close = key.data
             if not handler(key.fileobj):
                 on_close(key.fileobj)
-                key.fileobj.close()
+                key.fileobj.close()  # type: ignore[union-attr]  # the connection the listener registered
 
     try:
         listener.attach(selector)
@@ -116,12 +116,12 @@ def test_a_listener_hears_peers_not_itself_and_listens_again_after_its_connectio
         notify(7)  # its own notice: read, not acted on
         notify(6, "gpu")  # an instance of another queue set (its own shards): ignored too
         notify(8)
-        wait_for(lambda: (serve(0.5), heard)[1], lambda h: h != [], 10, "the peer's notice")
+        wait_for(lambda: (serve(0.5), heard)[1], lambda h: h != [], 10, "the peer's notice")  # type: ignore[func-returns-value]
         assert listener.received == 1
 
         backend = listener.conn.info.backend_pid
         rows(dsn, "SELECT pg_terminate_backend(%s)", backend)
-        wait_for(lambda: (serve(0.5), listener.conn)[1], lambda c: c is None, 10, "the broken connection")
+        wait_for(lambda: (serve(0.5), listener.conn)[1], lambda c: c is None, 10, "the broken connection")  # type: ignore[func-returns-value]
         listener.attach(selector)  # within RETRY_SECONDS of the last try: not yet
         assert listener.conn is None
         listener.tried_at -= module.RETRY_SECONDS

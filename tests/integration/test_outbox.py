@@ -74,6 +74,7 @@ def test_routed_events_get_an_outbox_row_in_their_transaction_and_the_sweeper_ad
         outbox.sweep(session, routes)  # registers the target: only events from now on are swept
     with create_session() as session:
         missed = AssetManager.register_asset_change(asset=routed, extra={"watcher": True}, session=session)
+        assert missed is not None
     with create_session() as session:
         assert outbox.sweep(session, routes) == 1
         assert outbox.sweep(session, routes) == 0
@@ -105,6 +106,7 @@ def test_events_before_the_relays_first_start_keep_their_place_in_the_outbox(
         by_watcher = AssetManager.register_asset_change(
             asset=routed, extra={"watcher": True}, session=session
         )
+        assert by_watcher is not None
     # the relay starts only now
     with create_session() as session:
         assert outbox.sweep(session, Routes.load(routes_file)) == 1
@@ -140,6 +142,7 @@ def test_an_extra_jsonb_cannot_hold_never_fails_its_producer_and_is_dead_lettere
         surrogate = AssetManager.register_asset_change(asset=routed, extra={"s": "\ud800"}, session=session)
         watcher_nul = AssetManager.register_asset_change(asset=routed, extra={"p": ["\x00"]}, session=session)
         watcher_ok = AssetManager.register_asset_change(asset=routed, extra={"ok": True}, session=session)
+        assert surrogate is not None and watcher_nul is not None and watcher_ok is not None
     with create_session() as session:
         outbox.sweep(session, Routes.load(routes_file))
     with create_session() as session:
@@ -204,6 +207,7 @@ def test_the_sweeper_does_not_read_the_clock_of_the_host_that_made_the_event(
     routes, asset = _routed(airflow_db, tmp_path)
     with create_session() as session:
         event = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
+        assert event is not None
         # what a host whose clock is 6 minutes behind writes
         session.execute(
             text("UPDATE asset_event SET timestamp = now() - interval '6 minutes' WHERE id = :i"),
@@ -226,12 +230,14 @@ def test_the_sweeper_never_skips_an_event_whose_transaction_commits_late(
     from dataset_bridge import outbox
 
     routes, asset = _routed(airflow_db, tmp_path)
+    assert settings.NonScopedSession is not None
     held = settings.NonScopedSession()  # a connection of its own, its transaction left open
     try:
         late = AssetManager.register_asset_change(asset=asset, extra={"late": True}, session=held)
         held.flush()
         with create_session() as session:
             later = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
+        assert late is not None and later is not None
         assert late.id < later.id
         with create_session() as session:
             assert outbox.sweep(session, routes) == 1
@@ -259,6 +265,7 @@ def test_a_target_registered_by_an_earlier_version_is_swept_from_an_hour_before_
     with create_session() as session:
         for age in ("3 hours", "20 minutes", "0 minutes"):
             event = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
+            assert event is not None
             session.execute(
                 text("UPDATE asset_event SET timestamp = now() - CAST(:age AS interval) WHERE id = :i"),
                 {"age": age, "i": event.id},

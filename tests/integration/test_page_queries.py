@@ -181,15 +181,17 @@ def test_an_unreachable_database_is_a_503_that_says_so(monkeypatch: pytest.Monke
 
 def test_the_bridge_panel_over_the_bridges_own_tables(env: AirflowConfig) -> None:
     """Relay backlog per target, dead letters with their last error, watermarks, re-queued events: read from
-    tables made by the bridge's own DDL."""
+    tables made by the bridge's own migrations (and the status trigger's watermark table, here in the
+    metadata database)."""
     from airflow.utils.session import create_session
+    from sqlalchemy import text
 
-    from dataset_bridge import ddl, outbox, status_table, task_success
+    from dataset_bridge import status_table, store
 
     make_supervisor()
     with create_session() as session:
-        for schema in (outbox.SCHEMA_DDL, task_success.SCHEMA_DDL, status_table.WATERMARK_DDL):
-            ddl.apply(session, schema)
+        store.migrate(session)
+        session.execute(text(status_table.WATERMARK_DDL))
     rows(
         env.database_dsn,
         """
@@ -353,14 +355,14 @@ def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
     later = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     later.monotonic = lambda: time.monotonic() + 15  # the supervisor's clock, 15 s on
     monkeypatch.setattr("smart_triggerer.supervisor.housekeeping.time", later)
-    supervisor._housekeeping()
+    supervisor.housekeeping.run()
     totals = page.overview(may_read_assets=False)["totals"]
     assert totals["groups"] == 1 and totals["polls_saved_per_minute"] == 2 * 60 / 0.2
 
 
 def record_sample_now(supervisor: Any) -> None:
-    supervisor.last_sample = time.monotonic() - 3600
-    supervisor._housekeeping()
+    supervisor.housekeeping.last_sample = time.monotonic() - 3600
+    supervisor.housekeeping.run()
 
 
 def load_all() -> None:
@@ -519,7 +521,7 @@ def test_a_page_of_groups_reads_its_own_members_only_before_any_analyze(env: Air
     for moment in ("unanalysed", "analysed"):
         if moment == "analysed":
             rows(dsn, f"ANALYZE {', '.join(tables)}; SELECT 1")
-        cases = (
+        cases: tuple[tuple[list[str], int, dict[str, int]], ...] = (
             (["dag_big"], page.MEMBERS_SCANNED, shown_rows),
             ([], page.MEMBERS_SCANNED, none_listed),
             (["another_dag"], scanned, unlisted),

@@ -97,7 +97,7 @@ def test_events_emitted_while_a_consumer_was_paused_are_delivered_after_unpause(
     assert seeded["events"]
 
 
-def _requeued_for(seeded: dict[str, Any]) -> list[tuple[int, str, str]]:
+def _requeued_for(seeded: dict[str, Any]) -> list[tuple[str, str, str]]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
@@ -213,6 +213,7 @@ def test_the_window_starts_at_its_first_event_id_and_only_moves_forward(seeded: 
         assert reconcile.window_start(session, lookback_seconds=86400, from_id=first) == first
         # nothing younger than the lookback: the window starts after the newest event
         newest = session.execute(text("SELECT max(id) FROM asset_event")).scalar()
+        assert newest is not None
         assert reconcile.window_start(session, lookback_seconds=0.001) == newest + 1
         held = reconcile.held_back(session, grace_seconds=15, lookback_seconds=86400, from_id=first)
     assert {r.event_id for r in held} == {events["ours_unconsumed"], events["watcher_unconsumed"]}

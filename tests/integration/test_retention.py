@@ -123,6 +123,7 @@ def test_the_sweeper_reads_only_what_is_new_and_never_resurrects_pruned_rows(
         # made while the relay was down for weeks: the next sweep finds it, however old its timestamp
         asset = session.query(AssetModel).filter_by(uri="warehouse://u").one().to_serialized()
         old = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
+        assert old is not None
         session.flush()
         session.execute(
             text("UPDATE asset_event SET timestamp = now() - interval '40 days' WHERE id = :i"), {"i": old.id}
@@ -140,6 +141,7 @@ def test_the_sweeper_reads_only_what_is_new_and_never_resurrects_pruned_rows(
     }
     with _session() as session:
         new = AssetManager.register_asset_change(asset=asset, extra={}, session=session)
+        assert new is not None
     with _session() as session:
         assert outbox.sweep(session, routes) == 1  # the new one only: the cursor moved past the old
         ids = [r[0] for r in session.execute(text("SELECT asset_event_id FROM dataset_bridge.outbox"))]

@@ -19,7 +19,8 @@ DATETIME_TRIGGER = "airflow.providers.standard.triggers.temporal.DateTimeTrigger
 def _rows(dsn: str, query: str, *params: object) -> list[tuple[object, ...]]:
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
         cur.execute(query, params)
-        return cur.fetchall()
+        result: list[tuple[object, ...]] = cur.fetchall()
+        return result
 
 
 def test_seeded_rows_match_an_api_deferral(airflow_config: AirflowConfig) -> None:

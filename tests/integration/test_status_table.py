@@ -91,7 +91,7 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
         await producer.advance([_stored(six), _stored(seven)])
         assert await _watermark(warehouse) == 7
     finally:
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]  # typed as an AsyncIterator; an async generator
         subscribers.remove(producer.key, TABLE)
 
     # a restarted producer reads again from the watermark: nothing lost
@@ -102,7 +102,7 @@ async def test_notify_wakes_the_stream_and_the_watermark_follows_stored_events(w
     try:
         assert (await _next(stream, 5))[1] == (TABLE, 8)
     finally:
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]  # typed as an AsyncIterator; an async generator
         subscribers.remove(again.key, TABLE)
 
 
@@ -138,7 +138,7 @@ async def test_nothing_moves_past_a_row_not_stored_and_a_failed_watermark_write_
         await producer.advance([_stored(three)])
         assert await _watermark(warehouse) == 3
     finally:
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]  # typed as an AsyncIterator; an async generator
         subscribers.remove(producer.key, TABLE)
 
 
@@ -158,7 +158,7 @@ async def test_outside_a_shared_stream_the_watermark_never_moves_without_a_store
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
     finally:
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]  # typed as an AsyncIterator; an async generator
 
 
 async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mark_the_row() -> None:
@@ -178,7 +178,7 @@ async def test_a_watcher_cancelled_before_the_runner_took_its_event_does_not_mar
     assert not subscribers.take_emitted(key, (TABLE, 41))  # handed out, not yet taken by the runner
     await events.__anext__()  # the runner took event 41 and asks for the next
     assert subscribers.take_emitted(key, (TABLE, 41))
-    await events.aclose()  # cancelled while sitting on 42
+    await events.aclose()  # type: ignore[attr-defined]  # cancelled while sitting on 42
     assert not subscribers.take_emitted(key, (TABLE, 42))
 
 
@@ -212,5 +212,5 @@ async def test_a_row_whose_second_emission_fails_is_read_again_and_no_stale_mark
         assert await _watermark(warehouse) == 2
         assert not producer.blocked and not subscribers.emitted
     finally:
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]  # typed as an AsyncIterator; an async generator
         subscribers.remove(producer.key, TABLE)

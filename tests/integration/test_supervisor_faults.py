@@ -47,6 +47,8 @@ def make_supervisor(**settings: Any) -> Any:
     from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 
     class InProcess(SmartTriggerRunnerSupervisor):
+        runner_end: socket.socket  # the runner's end of the socket pair (set below)
+
         def is_alive(self) -> bool:
             return True  # the test plays the runner
 
@@ -60,11 +62,11 @@ def make_supervisor(**settings: Any) -> Any:
         job = session.get(Job, job_id)
         session.expunge(job)
     left, _right = socket.socketpair()
-    supervisor = InProcess(
-        id=job_id,
+    supervisor = InProcess(  # Airflow's fields for a runner process, played by the test
+        id=job_id,  # type: ignore[arg-type]  # the job's id (Airflow types it a UUID)
         pid=0,
         stdin=left,
-        process=None,
+        process=None,  # type: ignore[arg-type]  # no process
         process_log=structlog.get_logger(),
         job=job,
         capacity=100,
@@ -90,6 +92,7 @@ def unhashed(supervisor: Any) -> int:
     statements)."""
     from airflow import settings
 
+    assert settings.engine is not None
     dsn = settings.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     return int(
         rows(
@@ -482,6 +485,7 @@ def test_starting_many_groups_deserializes_each_dag_version_once(
         ]
     assert len(calls) == len(first.trigger_ids)  # what Airflow alone costs
     for workload in stock:  # what the runner gets (the DTO's executor-only fields are never sent)
+        assert workload is not None
         assert started[workload.id].model_dump() == workload.model_dump()
 
 
@@ -559,7 +563,9 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
     full_reads: list[int] = []
     original = type(supervisor)._lost_the_feed
     monkeypatch.setattr(
-        type(supervisor), "_lost_the_feed", lambda self: (full_reads.append(1), original(self))[1]
+        type(supervisor),
+        "_lost_the_feed",
+        lambda self: (full_reads.append(1), original(self))[1],  # type: ignore[func-returns-value]
     )
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=21))
     # by the host's clock the leases were renewed a moment ago (the database's clock stepped forward):
@@ -817,13 +823,16 @@ def test_thousands_of_coroutines_ending_at_once_close_their_files_a_budget_at_a_
     supervisor.log_files.pool.holding = True  # a takeover's start: first lines held, files not made yet
     for trigger_id in ids:
         factory = PooledTriggerLoggingFactory(
-            log_path=str(tmp_path / f"{trigger_id}.log"), ti=None, pool=supervisor.log_files.pool
+            log_path=str(tmp_path / f"{trigger_id}.log"),
+            ti=None,  # type: ignore[arg-type]  # no task instance: the test plays the runner
+            pool=supervisor.log_files.pool,
         )
         factory([lambda _l, _m, event: str(event["event"]).encode()]).log(20, "trigger starting")
         supervisor.logger_cache[trigger_id] = factory
         supervisor.running_triggers.add(trigger_id)
 
-    supervisor._handle_request(messages.TriggerStateChanges(finished=ids), structlog.get_logger(), 1)
+    # events' default is in its Field(), which mypy does not read (no pydantic plugin)
+    supervisor._handle_request(messages.TriggerStateChanges(finished=ids), structlog.get_logger(), 1)  # type: ignore[call-arg]
     files = [tmp_path / f"{trigger_id}.log" for trigger_id in ids]
     assert not any(f.exists() for f in files) and list(supervisor.log_files.ended) == ids
     assert not supervisor.running_triggers & set(ids)  # Airflow's own bookkeeping went on
@@ -862,7 +871,7 @@ def test_a_log_file_that_cannot_be_closed_never_stops_the_loop(
     supervisor = make_supervisor()
     supervisor.logger_cache[7] = Unclosable()
     supervisor.running_triggers.add(7)
-    supervisor._handle_request(messages.TriggerStateChanges(finished=[7]), structlog.get_logger(), 1)
+    supervisor._handle_request(messages.TriggerStateChanges(finished=[7]), structlog.get_logger(), 1)  # type: ignore[call-arg]
     supervisor.log_files.written_at = -math.inf
     with structlog.testing.capture_logs() as logs:
         supervisor.log_files.pace()

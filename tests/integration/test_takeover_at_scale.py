@@ -382,14 +382,14 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
     published = {shard: groups for shard, groups in taker.shard_groups.items() if shard in taker.owned}
     print("\nloads published:", published, "| steps:", steps)
     assert taker.owned == {0, 1, 2, 3} and sum(published.values()) == 40
-    expected, read, budget, phase = [], 0, 4, []
+    expected, waits_read, budget, phase = [], 0, 4, []
     for shard in range(4):  # phases of 4 groups or more, then twice as many each, each started
         phase.append(shard)
         if sum(published[s] for s in phase) >= budget or shard == 3:
             expected.append(f"read {phase}")
-            read += sum(published[s] for s in phase)
+            waits_read += sum(published[s] for s in phase)
             if shard < 3:
-                expected.append(f"start {read} waits")
+                expected.append(f"start {waits_read} waits")
             phase, budget = [], budget * 2
     assert len([s for s in expected if s.startswith("read")]) >= 2
     assert steps == expected

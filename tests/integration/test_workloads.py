@@ -125,7 +125,7 @@ def test_the_statements_of_a_build_do_not_depend_on_its_size(env: AirflowConfig)
             env.dags_folder,
             count=count,
             classpath=AT_TIME,
-            kwargs_for=lambda i, h=hours: {"moment": at(h + i)},
+            kwargs_for=lambda i, h=hours: {"moment": at(h + i)},  # type: ignore[misc]  # no lambda with a default
         )
         load(supervisor)
         before = len(supervisor.creating_triggers)

@@ -27,7 +27,9 @@ def resumed(seconds: float, writer: str = "smart-1", shard: int = 9) -> list[dic
 def test_a_shard_retaken_by_an_instance_struck_before_it_stored_counts_once() -> None:
     # the CI run's case: the condition held at 16 s, PostgreSQL restarted, smart-2 took the shard at 21.9 s
     # and was killed, smart-1 took it again at 29.1 s and resumed the wait at 31.6 s
-    took = {(None, 9): [(at(11.5), "smart-1"), (at(21.9), "smart-2"), (at(29.1), "smart-1")]}
+    took: dict[tuple[str | None, int], list[tuple[dt.datetime, str]]] = {
+        (None, 9): [(at(11.5), "smart-1"), (at(21.9), "smart-2"), (at(29.1), "smart-1")]
+    }
     assert other_shard_holders(resumed(31.6), at(16), took) == 1
 
 

@@ -45,7 +45,7 @@ class Node:
     """A container the collector tracks, as a coroutine's objects are."""
 
 
-def collected_generations(during: Callable[[], None]) -> list[int]:
+def collected_generations(during: Callable[[], object]) -> list[int]:
     seen: list[int] = []
 
     def note(phase: str, info: dict[str, int]) -> None:
@@ -138,7 +138,7 @@ def test_a_start_handed_over_in_small_passes_is_frozen_once_it_is_big(
     that makes it big is frozen, and those after it; new waits at a steady trickle never are."""
     gc.set_threshold(1000, 2, 10)  # a middle collection every two young ones, to see them
     clock = [1000.0]
-    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])  # type: ignore[attr-defined]
     freezer = StartFreezer()
     kept: list[Node] = []
     quarter = FREEZE_FROM // 4
@@ -235,7 +235,7 @@ def test_a_start_that_lasts_is_held_only_for_so_long_and_not_again_until_it_ends
     uncollected for as long: released after ``HOLD_AT_MOST_SECONDS``, held again only by the next start."""
     gc.set_threshold(1000, 2, 10)
     clock = [1000.0]
-    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(collector.time, "monotonic", lambda: clock[0])  # type: ignore[attr-defined]
     held = OlderHeld()
     held.update(FREEZE_FROM, starting=True)
     assert gc.get_threshold()[1:] == (collector.NO_OLDER_COLLECTIONS, collector.NO_OLDER_COLLECTIONS)

@@ -49,13 +49,15 @@ def test_start_from_trigger_keeps_the_logical_date_template_for_the_triggerer() 
         task_id="wait", external_dag_id="producer", external_task_ids=["load"], start_from_trigger=True
     )
     args = sensor.start_trigger_args
-    assert sensor.start_from_trigger and args is not None
+    assert sensor.start_from_trigger and args is not None and args.trigger_kwargs is not None
     assert args.trigger_kwargs["logical_date"] == "{{ logical_date }}"
     assert "logical_date" in ExternalDagTrigger.template_fields
 
 
 class _AsyncComms:
     """The triggerer runner's comms: answers awaited on the loop (no thread), each request recorded."""
+
+    sent: list[Any]
 
     def __init__(self, answers: list[Any]) -> None:
         self.answers, self.sent = answers, []

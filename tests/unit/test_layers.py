@@ -52,7 +52,7 @@ FORBIDDEN_OUTSIDE: dict[str, tuple[str, ...]] = {
 
 def imported_modules(path: Path) -> set[str]:
     """Every module this module imports, anywhere in it (``from a import b`` counts ``a`` and ``a.b``)."""
-    modules = set()
+    modules: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)

@@ -37,7 +37,7 @@ def test_a_hanging_store_never_holds_the_caller_and_is_given_up_per_file() -> No
         uploads.submit(Upload(store, f"hung/{n}.log", None))
     assert time.monotonic() - started < 0.5, "submitting waited for the store"
     store.hang.clear()  # the first upload is stuck in its call; the others go once it is given up
-    wait_for(lambda: (uploads.check(), len(store.sent))[1], lambda n: n == 49, 10, "the rest uploaded")
+    wait_for(lambda: (uploads.check(), len(store.sent))[1], lambda n: n == 49, 10, "the rest uploaded")  # type: ignore[func-returns-value]
     assert uploads.timed_out == 1 and store.sent[0] == "hung/1.log"
     store.released.set()
 
@@ -48,7 +48,7 @@ def test_uploads_stop_while_too_many_are_stuck_and_the_exit_says_what_is_left() 
     store.hang.set()
     for n in range(5):
         uploads.submit(Upload(store, f"hung/{n}.log", None))
-    wait_for(lambda: (uploads.check(), uploads.timed_out)[1], lambda n: n == 2, 10, "two given up")
+    wait_for(lambda: (uploads.check(), uploads.timed_out)[1], lambda n: n == 2, 10, "two given up")  # type: ignore[func-returns-value]
     uploads.submit(Upload(store, "late.log", None))
     assert uploads.skipped == 1, "no new worker while two are stuck: the file is kept locally only"
     with structlog.testing.capture_logs() as logs:

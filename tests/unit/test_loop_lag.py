@@ -31,7 +31,7 @@ def test_a_runner_that_stopped_writing_is_lagging_by_its_silence(monkeypatch: py
     board = LagBoard()
     board.write(10.0, 10.0)
     written = time.monotonic()
-    monkeypatch.setattr(loop_lag.time, "monotonic", lambda: written + 6.0)
+    monkeypatch.setattr(loop_lag.time, "monotonic", lambda: written + 6.0)  # type: ignore[attr-defined]
     reading = board.read()
     assert reading is not None
     assert reading[1] >= 4900  # 6 s silent, less the second it may take between two writes

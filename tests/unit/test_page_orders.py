@@ -37,6 +37,7 @@ def orders(reads: Reads, clock: list[float], spawned: list[Callable[[], None]], 
 
 
 def test_an_order_is_read_once_then_served_until_stale(clock: list[float]) -> None:
+    spawned: list[Callable[[], None]]
     reads, spawned = Reads(), []
     kept = orders(reads, clock, spawned, fresh_seconds=10)
     assert kept.get(A)[0].members == 1
@@ -46,6 +47,7 @@ def test_an_order_is_read_once_then_served_until_stale(clock: list[float]) -> No
 
 
 def test_a_stale_order_is_served_while_one_refresh_reads_it_again(clock: list[float]) -> None:
+    spawned: list[Callable[[], None]]
     reads, spawned = Reads(), []
     kept = orders(reads, clock, spawned, fresh_seconds=10)
     kept.get(A)
@@ -57,6 +59,7 @@ def test_a_stale_order_is_served_while_one_refresh_reads_it_again(clock: list[fl
 
 
 def test_a_failed_refresh_keeps_the_order_and_the_next_request_tries_again(clock: list[float]) -> None:
+    spawned: list[Callable[[], None]]
     reads, spawned = Reads(), []
     kept = orders(reads, clock, spawned, fresh_seconds=10)
     kept.get(A)
@@ -68,6 +71,7 @@ def test_a_failed_refresh_keeps_the_order_and_the_next_request_tries_again(clock
 
 
 def test_unused_orders_are_dropped_and_only_so_many_kept(clock: list[float]) -> None:
+    spawned: list[Callable[[], None]]
     reads, spawned = Reads(), []
     kept = orders(reads, clock, spawned, fresh_seconds=10, keep_seconds=60, kept=2)
     kept.get(A)

@@ -33,7 +33,7 @@ def cases(count: int, seed: int) -> list[tuple[int, list[Candidate], dict[int, i
     """Fleets and loads in which no one shard weighs more than epsilon of the smallest share: there the
     bound is always reachable (a shard that fits nowhere would mean every member above its share)."""
     rng = random.Random(seed)
-    found = []
+    found: list[tuple[int, list[Candidate], dict[int, int]]] = []
     while len(found) < count:
         shards = rng.choice((64, 128, 256))
         members = fleet(rng, rng.randint(2, 6))

@@ -31,7 +31,7 @@ class _Waiting(BaseTrigger):
         return (f"{__name__}._Waiting", {"key": self.key})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        STARTED[self.trigger_id] = self
+        STARTED[self.trigger_id] = self  # type: ignore[index]  # the runner sets it before run()
         await asyncio.sleep(3600)
         yield TriggerEvent(None)
 
@@ -114,7 +114,7 @@ def _create(workloads: list[RunTrigger], create: Create) -> tuple[dict[int, Any]
         created, failed = asyncio.run(run())
     # the creating loop's lines in order; each coroutine's own first line comes when it first runs (here
     # at the next yield, in Airflow's loop at once), so those are compared as a set
-    said = [
+    said: list[Any] = [
         (line["event"], line.get("classpath"))
         for line in lines
         if not line["event"].endswith(" starting") and "completed" not in line["event"]

@@ -18,7 +18,7 @@ from smart_triggerer.supervisor.stall import RunnerWatch
 class Instance:
     """What the watch asks of the instance, recorded; the runner's last message is set by the test."""
 
-    health_url = None
+    health_url: str | None = None
 
     def __init__(self) -> None:
         self.last_message = time.monotonic()

@@ -54,7 +54,8 @@ def settings_read(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def provider_options() -> dict[str, dict[str, object]]:
     from smart_triggerer.provider_info import get_provider_info
 
-    return get_provider_info()["config"]["smart_triggerer"]["options"]
+    options: dict[str, dict[str, object]] = get_provider_info()["config"]["smart_triggerer"]["options"]
+    return options
 
 
 def test_every_setting_read_is_declared_for_airflow_config_list(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,6 @@ def test_start_from_trigger_carries_the_templated_query() -> None:
         start_from_trigger=True,
     )
     args = sensor.start_trigger_args
-    assert sensor.start_from_trigger and args is not None
+    assert sensor.start_from_trigger and args is not None and args.trigger_kwargs is not None
     assert args.trigger_kwargs["parameters"] == ["{{ ds }}"]
     assert set(SqlConditionTrigger.template_fields) >= {"sql", "parameters"}

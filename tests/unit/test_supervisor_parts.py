@@ -173,7 +173,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.shared, supervisor.collector = shared(), OlderHeld()
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
-    supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))
+    supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))  # type: ignore[assignment]
     supervisor.capacity = 10 * FREEZE_FROM
     thresholds = gc.get_threshold()
     try:
@@ -314,7 +314,9 @@ def hand_out(supervisor: Pacing, count: int) -> None:
 
 def all_running(supervisor: Pacing) -> None:
     for group in list(supervisor.groups.unstarted.values()):
-        supervisor.running_triggers.add(supervisor.groups.start(group))
+        runner = supervisor.groups.start(group)
+        assert runner is not None  # every group handed out has a leader
+        supervisor.running_triggers.add(runner)
 
 
 def seconds_held(supervisor: Pacing, clock: FakeClock) -> float:
@@ -364,7 +366,9 @@ def exiting_supervisor(tmp_path: Path, held: int, ended: int) -> Pacing:
         PooledLogFile(tmp_path / f"held-{n}.log", supervisor.files.pool).write(b"trigger starting\n")
     for n in range(ended):
         factory = PooledTriggerLoggingFactory(
-            log_path=str(tmp_path / f"ended-{n}.log"), ti=None, pool=supervisor.files.pool
+            log_path=str(tmp_path / f"ended-{n}.log"),
+            ti=None,  # type: ignore[arg-type]  # no task instance
+            pool=supervisor.files.pool,
         )
         factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")  # a line each
         supervisor.files.ended[n] = factory
@@ -476,7 +480,9 @@ def test_at_exit_a_disk_that_refuses_files_ends_the_writing_early(
         PooledLogFile(blocked / "dag_id=d" / f"t{n}.log", supervisor.files.pool).write(b"trigger starting\n")
     for n in range(10):
         factory = PooledTriggerLoggingFactory(
-            log_path=str(blocked / "dag_id=d" / f"ended-{n}.log"), ti=None, pool=supervisor.files.pool
+            log_path=str(blocked / "dag_id=d" / f"ended-{n}.log"),
+            ti=None,  # type: ignore[arg-type]  # no task instance
+            pool=supervisor.files.pool,
         )
         factory([lambda _l, _m, event: event["event"].encode()]).log(20, "trigger completed")
         supervisor.files.ended[n] = factory

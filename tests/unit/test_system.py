@@ -29,7 +29,7 @@ def test_processes_take_turns_under_the_machine_lock(tmp_path: Path) -> None:
 
 
 def test_without_apt_the_error_names_the_packages(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(system.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(system.shutil, "which", lambda _name: None)  # type: ignore[attr-defined]
     with pytest.raises(system.SetupError, match="apt-get install chromium libfaketime"):
         system.apt_install(["chromium", "libfaketime"], "the UI test", print)
 
@@ -69,7 +69,7 @@ def test_a_package_that_cannot_be_installed_names_the_setting_to_point_at_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(system.FINDERS, "libfaketime", lambda: None)
-    monkeypatch.setattr(system.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(system.shutil, "which", lambda _name: None)  # type: ignore[attr-defined]
     with pytest.raises(system.SetupError) as raised:
         system.ensure_libfaketime()
     assert "apt-get install libfaketime" in str(raised.value)

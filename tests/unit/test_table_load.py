@@ -123,6 +123,7 @@ def test_start_from_trigger_defers_from_the_scheduler_with_a_templated_since() -
     args = sensor.start_trigger_args
     assert sensor.start_from_trigger and args is not None
     assert args.trigger_cls == "triggers.table_load.TableLoadTrigger"
+    assert args.trigger_kwargs is not None
     assert args.trigger_kwargs["since"] == "{{ data_interval_end }}"
     assert args.timeout is not None and args.timeout.total_seconds() == 60
     assert "since" in TableLoadTrigger.template_fields

@@ -57,10 +57,10 @@ def test_a_closed_file_gives_back_its_descriptor_and_refuses_writes(tmp_path: Pa
 
 def test_the_factory_writes_airflow_json_lines_through_the_pool(tmp_path: Path) -> None:
     pool = LogFilePool(limit=1)
-    made = TriggerLoggingFactory(log_path=str(tmp_path / "a" / "attempt=1.log.trigger.7.log"), ti=None)
+    made = TriggerLoggingFactory(log_path=str(tmp_path / "a" / "attempt=1.log.trigger.7.log"), ti=None)  # type: ignore[arg-type]  # no task instance
     factories = [
         PooledTriggerLoggingFactory.replacing(made, pool),
-        PooledTriggerLoggingFactory(log_path=str(tmp_path / "b.log.trigger.7.log"), ti=None, pool=pool),
+        PooledTriggerLoggingFactory(log_path=str(tmp_path / "b.log.trigger.7.log"), ti=None, pool=pool),  # type: ignore[arg-type]
     ]
     processors = [structlog.processors.JSONRenderer(), lambda _l, _m, text: text.encode()]
     loggers = [factory(processors) for factory in factories]
@@ -78,7 +78,7 @@ def test_the_factory_writes_airflow_json_lines_through_the_pool(tmp_path: Path) 
 
 def test_the_pool_takes_at_most_a_quarter_of_the_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
     limits = {"soft": 100}
-    monkeypatch.setattr(trigger_logs.resource, "getrlimit", lambda _which: (limits["soft"], 1 << 20))
+    monkeypatch.setattr(trigger_logs.resource, "getrlimit", lambda _which: (limits["soft"], 1 << 20))  # type: ignore[attr-defined]
     assert open_files_allowed() == 25
     limits["soft"] = 20_000
     assert open_files_allowed() == MAX_OPEN_LOG_FILES
@@ -131,7 +131,9 @@ def test_remote_log_upload_finds_the_pooled_file(
     pool = LogFilePool(limit=1)
     pool.holding = held
     factory = PooledTriggerLoggingFactory(
-        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"), ti=None, pool=pool
+        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
+        ti=None,  # type: ignore[arg-type]
+        pool=pool,
     )
     factory([lambda _l, _m, event: json.dumps(event).encode()]).log(20, "line")
     other = PooledLogFile(tmp_path / "other.log", pool)
@@ -146,7 +148,7 @@ def test_an_ended_factory_is_freed_at_once_not_left_to_the_collector(tmp_path: P
     last reference, not wait for a full collection."""
     pool = LogFilePool(limit=1)
     pool.holding = True
-    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)  # type: ignore[arg-type]
     factory([lambda _l, _m, event: json.dumps(event).encode()]).log(20, "starting")
     pool.write_held(budget_seconds=60)
     factory.upload_to_remote()
@@ -165,7 +167,9 @@ def test_a_factory_that_wrote_nothing_uploads_and_closes_without_error(tmp_path:
     close, as the supervisor does) must neither fail nor make a file."""
     pool = LogFilePool(limit=1)
     factory = PooledTriggerLoggingFactory(
-        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"), ti=None, pool=pool
+        log_path=str(tmp_path / "dag_id=d" / "t.log.trigger.7.log"),
+        ti=None,  # type: ignore[arg-type]
+        pool=pool,
     )
     factory.upload_to_remote()
     factory.close()
@@ -184,7 +188,7 @@ def test_files_are_made_at_the_first_line_under_the_base_folder_with_airflows_pe
     try:
         pool = LogFilePool(limit=4)
         relative = "dag_id=d/run_id=r/task_id=t/attempt=1.log.trigger.7.log"
-        factory = PooledTriggerLoggingFactory(log_path=relative, ti=None, pool=pool)
+        factory = PooledTriggerLoggingFactory(log_path=relative, ti=None, pool=pool)  # type: ignore[arg-type]
         logger = factory([lambda _l, _m, event: json.dumps(event).encode()])
         assert not (tmp_path / relative).exists()  # nothing made before a line comes
         logger.info("trigger starting")
@@ -200,7 +204,7 @@ def files_made_in_order(monkeypatch: pytest.MonkeyPatch) -> list[PooledLogFile]:
     """The files whose held lines are written, in the order they are (filled as the test goes on)."""
     made: list[PooledLogFile] = []
     make = PooledLogFile.write_held
-    monkeypatch.setattr(PooledLogFile, "write_held", lambda self: (made.append(self), make(self))[1])
+    monkeypatch.setattr(PooledLogFile, "write_held", lambda self: (made.append(self), make(self))[1])  # type: ignore[func-returns-value]
     return made
 
 
@@ -278,7 +282,7 @@ def test_runner_lines_are_held_unprocessed_and_processed_in_order_when_the_file_
         return json.dumps(event).encode()
 
     pool = LogFilePool(limit=4)
-    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)  # type: ignore[arg-type]
     logger = factory([renderer])
     pool.holding = True
     logger.log(20, "trigger starting", timestamp="2026-01-01T00:00:00Z")
@@ -314,7 +318,7 @@ def test_held_calls_reach_the_file_before_an_upload_and_a_bad_one_is_dropped_alo
 
     pool = LogFilePool(limit=4)
     pool.holding = True
-    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)
+    factory = PooledTriggerLoggingFactory(log_path=str(tmp_path / "t.log"), ti=None, pool=pool)  # type: ignore[arg-type]
     logger = factory([renderer])
     logger.log(20, "starting")
     logger.log(20, "broken", bad=True)

@@ -23,7 +23,7 @@ def waker() -> Iterator[Waker]:
 
 def _serve(selector: selectors.BaseSelector, timeout: float) -> list[object]:
     """One select as Airflow's supervisor loop makes it: each ready handler is called."""
-    ready = []
+    ready: list[object] = []
     for key, _ in selector.select(timeout):
         handler, _on_close = key.data
         assert handler(key.fileobj)
