@@ -18,17 +18,17 @@ only after it was stored; an event that cannot be stored fails its own members, 
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
 ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``. ``load``,
-``deadlines``, ``stall``, ``log_files`` and ``housekeeping`` are objects that own their state and are
-handed the context the parts share (``shared.py``: settings, groups and members, owned shards, the
-database clock, the counters); ``leases``, ``feed``, ``starting`` and ``events`` are still mixins over
-``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
+``deadlines``, ``stall``, ``feed``, ``log_files`` and ``housekeeping`` are objects that own their state
+and are handed the context the parts share (``shared.py``: settings, groups and members, held events,
+owned shards, the database clock, the counters); ``leases``, ``starting`` and ``events`` are still mixins
+over ``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
 the parts in order, it answers what an object part asks of the instance (each part's ``Instance``), and
 it reports (``reports.py``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import structlog
@@ -36,7 +36,6 @@ from airflow.jobs.triggerer_job_runner import messages
 
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
 from smart_triggerer.supervisor.events import EventFanout
-from smart_triggerer.supervisor.feed import FeedLoading
 from smart_triggerer.supervisor.leases import Leases
 from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
 from smart_triggerer.supervisor.reports import Reports
@@ -46,7 +45,7 @@ from smart_triggerer.supervisor.state import SupervisorState
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFanout, Reports, SupervisorState):
+class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -92,6 +91,51 @@ class SmartTriggerRunnerSupervisor(Leases, FeedLoading, GroupStarting, EventFano
         self._track_pending()
         self.emit_metrics()
         self.publish_snapshot()
+
+    def load_triggers(self) -> None:
+        """What changed since the last loop, read from the change feed: nothing changed, nothing read.
+        Timeouts, unreadable rows and starting groups are steps of their own: one failing (a lock, a row
+        that cannot be built) never keeps the others, nor the next loop's read, from running."""
+        try:
+            self.read_changes()
+        finally:
+            self._db_step("timeouts", self.deadlines.timeout_members)
+            self._db_step("unreadable", self.deadlines.fail_unreadable)
+            self._db_step("start", self._start_groups)
+            # publish this loop's counters when they changed, so `status` agrees with /metrics
+            if self._counters() != self.published_counters:
+                self._db_step("heartbeat", self._heartbeat_counters)
+
+    def read_changes(self) -> None:
+        """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
+        self._renew_leases()
+        self.feed.read()
+
+    # --- what the feed asks of the instance (feed.py, Instance) ---
+
+    def stopping(self) -> bool:
+        return bool(self.stop)
+
+    def renewed_at(self) -> float:
+        return self.last_renewal
+
+    def renew_now(self) -> None:
+        self._renew_now()
+
+    def drop_lapsed(self) -> None:
+        self._drop_lapsed()
+
+    def leaving_shards(self) -> Collection[int]:
+        return self.leaving.keys()
+
+    def published_groups(self) -> Mapping[int, int]:
+        return self.shard_groups
+
+    def start_groups(self) -> None:
+        self._start_groups()
+
+    def send_to_runner(self) -> None:
+        self._service_subprocess(0.0)
 
     # --- what the runner watch asks of the instance (stall.py, Instance) ---
 

@@ -22,7 +22,8 @@ from smart_triggerer.db.store import Store
 from smart_triggerer.placement.groups import Group
 from smart_triggerer.supervisor import fanout
 from smart_triggerer.supervisor.dead_letters import DEAD_AFTER, payload_text
-from smart_triggerer.supervisor.state import WATCHER_BACKOFF_MAX_SECONDS, Held, SupervisorState
+from smart_triggerer.supervisor.shared import Held
+from smart_triggerer.supervisor.state import WATCHER_BACKOFF_MAX_SECONDS, SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 

@@ -1,18 +1,22 @@
 """Loading from the change feed: identities of new trigger rows computed once, then the waiters
-that arrived or left since the last loop (every waiter only of a shard just taken), kept in groups."""
+that arrived or left since the last loop (every waiter only of a shard just taken), kept in groups. The
+part owns how far it has read the feed and the shards it has still to read in full; it asks the rest of
+the instance through ``Instance`` (the conductor answers)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
 
 import structlog
 from airflow.utils.session import create_session
 
 from smart_triggerer.db.store import Store, WaitingTrigger
 from smart_triggerer.supervisor import fanout
+from smart_triggerer.supervisor.deadlines import MemberDeadlines
 from smart_triggerer.supervisor.identities import compute_identities, group_key
-from smart_triggerer.supervisor.shared import MemberInfo
-from smart_triggerer.supervisor.state import Held, SupervisorState
+from smart_triggerer.supervisor.shared import Held, MemberInfo, Shared
 
 log = structlog.get_logger(logger_name=__name__)
 
@@ -24,24 +28,38 @@ FIRST_READ_GROUPS = 1000
 PHASES_WITHIN_LEASE = 0.3
 
 
-class FeedLoading(SupervisorState):
-    def load_triggers(self) -> None:
-        """What changed since the last loop, read from the change feed: nothing changed, nothing read.
-        Timeouts, unreadable rows and starting groups are steps of their own: one failing (a lock, a row
-        that cannot be built) never keeps the others, nor the next loop's read, from running."""
-        try:
-            self.read_changes()
-        finally:
-            self._db_step("timeouts", self.deadlines.timeout_members)
-            self._db_step("unreadable", self.deadlines.fail_unreadable)
-            self._db_step("start", self._start_groups)
-            # publish this loop's counters when they changed, so `status` agrees with /metrics
-            if self._counters() != self.published_counters:
-                self._db_step("heartbeat", self._heartbeat_counters)
+class Instance(Protocol):
+    """What the feed asks of the rest of the instance (the conductor answers)."""
 
-    def read_changes(self) -> None:
-        """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
-        self._renew_leases()
+    def stopping(self) -> bool: ...
+    def runner_exited(self) -> bool: ...
+    def renewed_at(self) -> float: ...  # time.monotonic() of the renewal that took the shards
+    def renew_now(self) -> None: ...  # the next loop renews (and loads) at once
+    def drop_lapsed(self) -> None: ...  # shards whose lease a fence found lapsed
+    def leaving_shards(self) -> Collection[int]: ...  # being given up: their next owner reads them
+    def published_groups(self) -> Mapping[int, int]: ...  # groups per shard, as owners last published them
+    def start_groups(self) -> None: ...
+    def send_to_runner(self) -> None: ...  # what was started goes to the runner now
+    def db_step(self, name: str, step: Callable[[], None]) -> bool: ...
+
+
+class Feed:
+    def __init__(self, shared: Shared, deadlines: MemberDeadlines, instance: Instance) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.deadlines = deadlines
+        self.instance = instance
+        # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
+        self.load_xmin: str | None = None
+        self.hash_xmin: str | None = None
+        self.sweep_after = 0  # a sweep's pass: the last trigger id it read
+        # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
+        # read commits (a statement failing later in the loop that took it must not leave it unread)
+        self.to_read: set[int] = set()
+
+    def read(self) -> None:
+        """The waiters that arrived or left since the last read (and those of shards to read), after the
+        leases were renewed."""
         if not self._nothing_changed():
             self._hash_new_triggers()
             self._load_waiters()
@@ -94,9 +112,9 @@ class FeedLoading(SupervisorState):
         with create_session() as session:
             store = Store(session)
             if after is None:
-                position = store.sweep_position(self.queue_list)
+                position = store.sweep_position(self.shared.queue_list)
             else:
-                position = store.feed_position(after, self.queue_list)
+                position = store.feed_position(after, self.shared.queue_list)
         if self._went_back(position.xmin):
             return True
         if position.unhashed == 0:
@@ -111,13 +129,13 @@ class FeedLoading(SupervisorState):
         database go over every row the sweep has hashed already (docs/design.md, Measurements behind the
         code)."""
         batch = self.settings.max_new_per_loop * 4
-        deadline = time.monotonic() + self._busy_budget()
+        deadline = time.monotonic() + self.shared.busy_budget()
         hashed = 0
         while True:
             with create_session() as session:
                 store = Store(session)
                 rows = store.unhashed_triggers(
-                    self.queue_list,
+                    self.shared.queue_list,
                     limit=batch,
                     after_xid=after,
                     after_id=self.sweep_after if after is None else 0,
@@ -130,7 +148,7 @@ class FeedLoading(SupervisorState):
                 # the next pass starts from the first row again (a row a peer held, locked, is hashed by
                 # the peer, or by that pass if the peer could not)
                 self.sweep_after = rows[-1][0] if len(rows) == batch else 0
-            if len(rows) < batch or time.monotonic() >= deadline or self.stop:
+            if len(rows) < batch or time.monotonic() >= deadline or self.instance.stopping():
                 return hashed
 
     def _ensure_feed(self) -> None:
@@ -156,8 +174,8 @@ class FeedLoading(SupervisorState):
         their read commits; past ``PHASES_WITHIN_LEASE`` of the lease since the renewal, the next loop
         renews at once and reads them."""
         reread = self.load_xmin is None
-        unread = set(self.owned) if reread else self.to_read & self.owned
-        if reread and (self.member_info or self.held):
+        unread = set(self.shared.owned) if reread else self.to_read & self.shared.owned
+        if reread and (self.shared.member_info or self.shared.held):
             # the feed's position was lost: every waiter at once, so that those gone meanwhile are forgotten
             self._read_waiters(unread, unread)
             return
@@ -166,24 +184,27 @@ class FeedLoading(SupervisorState):
         if not self._read_waiters(first, unread):
             return
         for phase in later:
-            if self.stop or self._exit_code is not None:
+            if self.instance.stopping() or self.instance.runner_exited():
                 return  # stopping, or the runner is gone: the rest stays to be read
-            if time.monotonic() - self.last_renewal > PHASES_WITHIN_LEASE * self.settings.lease_seconds:
+            if (
+                time.monotonic() - self.instance.renewed_at()
+                > PHASES_WITHIN_LEASE * self.settings.lease_seconds
+            ):
                 # a slow machine, a short lease: renew first (the next loop, at once), then read the rest
-                self._renew_now()
+                self.instance.renew_now()
                 return
-            self._drop_lapsed()  # shards whose lease a read's fence found lapsed start nothing
-            self._db_step("start", self._start_groups)
-            self._service_subprocess(0.0)  # the start's last batch goes to the runner before the next read
-            shards = phase & self.owned  # a shard dropped meanwhile is read when claimed again
-            if self.stop or (shards and not self._read_waiters(shards, set(), feed=False)):
+            self.instance.drop_lapsed()  # shards whose lease a read's fence found lapsed start nothing
+            self.instance.db_step("start", self.instance.start_groups)
+            self.instance.send_to_runner()  # the start's last batch goes to the runner before the next read
+            shards = phase & self.shared.owned  # a shard dropped meanwhile is read when claimed again
+            if self.instance.stopping() or (shards and not self._read_waiters(shards, set(), feed=False)):
                 return
 
     def _read_phases(self, unread: set[int]) -> list[set[int]]:
         """The shards to read, in phases (in shard order): about ``FIRST_READ_GROUPS`` groups, then twice
         as many each phase; one phase when they are few, or when a shard's load is unknown (never
         published)."""
-        loads = {shard: self.shard_groups.get(shard) for shard in unread}
+        loads = {shard: self.instance.published_groups().get(shard) for shard in unread}
         if None in loads.values() or sum(g or 0 for g in loads.values()) <= 2 * FIRST_READ_GROUPS:
             return [unread]
         phases: list[set[int]] = []
@@ -207,16 +228,19 @@ class FeedLoading(SupervisorState):
         with create_session() as session:
             store = Store(session)
             xmin = store.snapshot_xmin()
-            rows = store.waiting_triggers(full, self.queue_list, hold_seconds=hold)
+            rows = store.waiting_triggers(full, self.shared.queue_list, hold_seconds=hold)
             if feed and self.load_xmin is not None:
                 rows += store.waiting_triggers(
-                    self.owned - full - unread, self.queue_list, after_xid=self.load_xmin, hold_seconds=hold
+                    self.shared.owned - full - unread,
+                    self.shared.queue_list,
+                    after_xid=self.load_xmin,
+                    hold_seconds=hold,
                 )
                 gone = store.deleted_triggers(self.load_xmin)
-            new = [r for r in rows if r.trigger_id not in self.member_info and not r.error]
+            new = [r for r in rows if r.trigger_id not in self.shared.member_info and not r.error]
             if new:
-                fenced = self._fence(session)
-                store.claim_triggers(self.job_id, [r.trigger_id for r in new if r.shard in fenced])
+                fenced = self.shared.fence(session)
+                store.claim_triggers(self.shared.job_id, [r.trigger_id for r in new if r.shard in fenced])
         if self._went_back(xmin):
             return False
         self.to_read -= full  # read in full, committed
@@ -228,9 +252,9 @@ class FeedLoading(SupervisorState):
             if reconcile:
                 self._reconcile({r.trigger_id for r in rows})
         for trigger_id in gone:
-            self.held.pop(trigger_id, None)
-            if trigger_id in self.member_info:
-                self._forget_member(trigger_id, user_action=True)
+            self.shared.held.pop(trigger_id, None)
+            if trigger_id in self.shared.member_info:
+                self.shared.forget_member(trigger_id, user_action=True)
         for row in rows:
             self._join(row)
         if full:  # a takeover's or a start's read: how long the runner waited for it
@@ -243,34 +267,34 @@ class FeedLoading(SupervisorState):
         return True
 
     def _join(self, row: WaitingTrigger) -> None:
-        if row.trigger_id in self.member_info or row.trigger_id in self.held:
+        if row.trigger_id in self.shared.member_info or row.trigger_id in self.shared.held:
             return
-        if row.shard not in self.owned or row.shard in self.leaving:
+        if row.shard not in self.shared.owned or row.shard in self.instance.leaving_shards():
             return  # a shard being given up: its next owner reads it in full
         if row.error is not None:
             self.deadlines.add_unreadable(row.trigger_id, row.shard, row.error)
             return
-        self.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
+        self.shared.member_info[row.trigger_id] = MemberInfo(row.shard, row.has_task, row.dedupable)
         now = time.monotonic()
         if row.held_event is not None:
             # its event came while it was held by an owner before: resumed from it, never started again
-            self.held[row.trigger_id] = Held(fanout.event_from_text(row.held_event), now + row.held_in)
+            self.shared.held[row.trigger_id] = Held(fanout.event_from_text(row.held_event), now + row.held_in)
             return
         if row.hold_left > 0:
-            self.young_until[row.trigger_id] = now + row.hold_left
+            self.shared.young_until[row.trigger_id] = now + row.hold_left
         if row.timeout_in is not None:
             self.deadlines.add(row.trigger_id, row.timeout_in)
         dedup = row.dedupable and self.settings.dedup
         key = group_key(row.trigger_id, row.identity_hash, dedup)
-        group = self.groups.join(row.trigger_id, key, row.execution if dedup else None)
+        group = self.shared.groups.join(row.trigger_id, key, row.execution if dedup else None)
         if group.stricter_than_running():
             # The newcomer needs more (a shorter poll interval, another NOTIFY channel): run the group from
             # its row with the merged settings; the old coroutine is cancelled without on_kill.
             log.info("restarting a group with more demanding settings", members=len(group.members))
-            self.groups.restart(group, runner=row.trigger_id)
+            self.shared.groups.restart(group, runner=row.trigger_id)
 
     def _reconcile(self, waiting: set[int]) -> None:
-        for trigger_id in set(self.member_info) - waiting:
-            self._forget_member(trigger_id, user_action=True)
-        for trigger_id in set(self.held) - waiting:
-            self.held.pop(trigger_id, None)
+        for trigger_id in set(self.shared.member_info) - waiting:
+            self.shared.forget_member(trigger_id, user_action=True)
+        for trigger_id in set(self.shared.held) - waiting:
+            self.shared.held.pop(trigger_id, None)

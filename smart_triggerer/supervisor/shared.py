@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import attrs
+from airflow.triggers.base import TriggerEvent
 from sqlalchemy.orm import Session
 
 from smart_triggerer.config import Settings
@@ -26,6 +27,14 @@ class MemberInfo:
     shard: int
     has_task: bool
     dedupable: bool
+
+
+@dataclass
+class Held:
+    """An event kept back for a member whose deferral is too recent to resume safely."""
+
+    event: TriggerEvent
+    release_at: float  # time.monotonic()
 
 
 @attrs.define(kw_only=True)
@@ -49,6 +58,8 @@ class Shared:
     member_info: dict[int, MemberInfo] = attrs.field(factory=dict)
     # members whose deferral is too recent to resume them yet: trigger id -> time.monotonic() it ends
     young_until: dict[int, float] = attrs.field(factory=dict)
+    # events kept back for members that deferred too recently (also stored: 0013_held_events.sql)
+    held: dict[int, Held] = attrs.field(factory=dict)
     owned: set[int] = attrs.field(factory=set)
     # owned shards whose lease a write transaction found lapsed by the database clock: dropped after it
     lapsed: set[int] = attrs.field(factory=set)

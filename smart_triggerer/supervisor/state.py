@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import attrs
@@ -16,7 +15,6 @@ from airflow.jobs.triggerer_job_runner import (
     TriggerEventEntry,
     TriggerRunnerSupervisor,
 )
-from airflow.triggers.base import TriggerEvent
 from sqlalchemy.orm import Session
 
 from smart_triggerer.config import Settings
@@ -28,24 +26,17 @@ from smart_triggerer.runner.collector import OlderHeld
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
+from smart_triggerer.supervisor.feed import Feed
 from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_files import LogFiles
-from smart_triggerer.supervisor.shared import MemberInfo, Shared
+from smart_triggerer.supervisor.shared import Held, MemberInfo, Shared
 from smart_triggerer.supervisor.stall import RunnerWatch
 from smart_triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
 
 WATCHER_BACKOFF_MAX_SECONDS = 60.0
-
-
-@dataclass
-class Held:
-    """An event kept back for a member whose deferral is too recent to resume safely."""
-
-    event: TriggerEvent
-    release_at: float  # time.monotonic()
 
 
 @attrs.define(kw_only=True)
@@ -80,6 +71,10 @@ class SupervisorState(TriggerRunnerSupervisor):
     watch: RunnerWatch = attrs.field(
         init=False, default=attrs.Factory(lambda self: RunnerWatch(self.shared, self), takes_self=True)
     )
+    feed: Feed = attrs.field(
+        init=False,
+        default=attrs.Factory(lambda self: Feed(self.shared, self.deadlines, self), takes_self=True),
+    )
     housekeeping: Housekeeping = attrs.field(
         init=False, default=attrs.Factory(lambda self: Housekeeping(self.shared, self), takes_self=True)
     )
@@ -87,19 +82,11 @@ class SupervisorState(TriggerRunnerSupervisor):
         init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
     )
 
-    held: dict[int, Held] = attrs.field(factory=dict, init=False)  # also stored: 0013_held_events.sql
     # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
     leaving: dict[int, tuple[float, set[int]]] = attrs.field(factory=dict, init=False)
     leaving_runners: set[int] = attrs.field(factory=set, init=False)  # their coroutines, being cancelled
-    # shards taken whose waiters have not been read in full yet: a shard leaves this set only when that
-    # read commits (a statement failing later in the loop that took it must not leave it unread)
-    to_read: set[int] = attrs.field(factory=set, init=False)
     last_error: str | None = attrs.field(default=None, init=False)
     failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
-    # how far the change feed has been read (snapshot xmins); None: read everything (start, lost track)
-    load_xmin: str | None = attrs.field(default=None, init=False)
-    hash_xmin: str | None = attrs.field(default=None, init=False)
-    sweep_after: int = attrs.field(default=0, init=False)  # a sweep's pass: the last trigger id it read
     # started groups whose workloads are left to build (a build is a batch at most)
     build_backlog: bool = attrs.field(default=False, init=False)
     requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
@@ -164,6 +151,44 @@ class SupervisorState(TriggerRunnerSupervisor):
     @property
     def young_until(self) -> dict[int, float]:
         return self.shared.young_until
+
+    @property
+    def held(self) -> dict[int, Held]:
+        return self.shared.held
+
+    # the feed's positions and the shards it has still to read (feed.py), for the parts still mixins
+
+    @property
+    def to_read(self) -> set[int]:
+        return self.feed.to_read
+
+    @to_read.setter
+    def to_read(self, shards: set[int]) -> None:
+        self.feed.to_read = shards
+
+    @property
+    def load_xmin(self) -> str | None:
+        return self.feed.load_xmin
+
+    @load_xmin.setter
+    def load_xmin(self, xmin: str | None) -> None:
+        self.feed.load_xmin = xmin
+
+    @property
+    def hash_xmin(self) -> str | None:
+        return self.feed.hash_xmin
+
+    @hash_xmin.setter
+    def hash_xmin(self, xmin: str | None) -> None:
+        self.feed.hash_xmin = xmin
+
+    @property
+    def sweep_after(self) -> int:
+        return self.feed.sweep_after
+
+    @sweep_after.setter
+    def sweep_after(self, after: int) -> None:
+        self.feed.sweep_after = after
 
     @property
     def user_cancels(self) -> set[int]:

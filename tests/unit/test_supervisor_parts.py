@@ -172,6 +172,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor.shared, supervisor.collector = shared(), OlderHeld()
+    supervisor.feed = SimpleNamespace(to_read=set())  # type: ignore[assignment]  # what the collector reads of it
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
     supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))  # type: ignore[assignment]
     supervisor.capacity = 10 * FREEZE_FROM
