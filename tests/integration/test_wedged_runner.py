@@ -138,12 +138,21 @@ def check_handed_over(
         raise AssertionError(f"{err}; {dump}; {metrics(peer_url)}") from err
     took = db_now(dsn) - wedged_at
     assert took <= limit, f"the peer held every wait {took:.1f} s after the wedge (limit {limit} s)"
-    leases = rows(
-        dsn,
-        "SELECT shard, owner_job_id, expires_at > clock_timestamp() FROM "
-        "smart_triggerer.shard_lease ORDER BY shard",
+    # the waits may reach the peer before the victim steps out: its lag filter sheds shards with waits
+    # first (a blocked loop lags), the shards without any stay its own until it leaves the fleet
+    peer_job = health(peer)[1]["job_id"]
+    wait_for(
+        lambda: rows(
+            dsn,
+            "SELECT shard, owner_job_id, expires_at > clock_timestamp() FROM "
+            "smart_triggerer.shard_lease ORDER BY shard",
+        ),
+        lambda leases: {owner for _, owner, live in leases if live} == {peer_job},
+        limit + 20,
+        "the peer leases every shard",
     )
-    assert {owner for _, owner, live in leases if live} == {health(peer)[1]["job_id"]}, leases
+    took = db_now(dsn) - wedged_at
+    assert took <= limit, f"the peer leased every shard {took:.1f} s after the wedge (limit {limit} s)"
     if capacity is None:
         wait_for(
             lambda: polling_pids(dsn, wedged_at),
