@@ -16,14 +16,14 @@ checks it by the database clock (``Store.fence``): a process paused past its lea
 shards another instance took over. An event is acknowledged to the runner (``persisted_event_seqs``)
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
-The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``stall``,
-``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``. ``load``,
-``deadlines``, ``stall``, ``feed``, ``log_files`` and ``housekeeping`` are objects that own their state
-and are handed the context the parts share (``shared.py``: settings, groups and members, held events,
-owned shards, the database clock, the counters); ``leases``, ``starting`` and ``events`` are still mixins
-over ``state.SupervisorState``, whose fields they share. The class here is the conductor: ``run_once`` calls
-the parts in order, it answers what an object part asks of the instance (each part's ``Instance``), and
-it reports (``reports.py``)."""
+The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``handover``,
+``stall``, ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``.
+``load``, ``deadlines``, ``stall``, ``feed``, ``handover``, ``log_files`` and ``housekeeping`` are objects
+that own their state and are handed the context the parts share (``shared.py``: settings, groups and
+members, held events, owned shards, the database clock, the counters); ``leases``, ``starting`` and
+``events`` are still mixins over ``state.SupervisorState``, whose fields they share. The class here is the
+conductor: ``run_once`` calls the parts in order, it answers what an object part asks of the instance
+(each part's ``Instance``), and it reports (``reports.py``)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, 
         self._drop_lapsed()
 
     def leaving_shards(self) -> Collection[int]:
-        return self.leaving.keys()
+        return self.handover.leaving.keys()
 
     def published_groups(self) -> Mapping[int, int]:
         return self.shard_groups
@@ -152,7 +152,7 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, 
         return self._alive_runners()
 
     def hand_every_shard_over(self) -> None:
-        self._drop_shards(set(self.owned) | set(self.leaving))
+        self._drop_shards(set(self.owned) | set(self.handover.leaving))
         self.owned, self.to_read = set(), set()
 
     def take_shards_again(self) -> None:
@@ -161,6 +161,17 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, 
 
     def db_step(self, name: str, step: Callable[[], None]) -> bool:
         return self._db_step(name, step)
+
+    # --- what the handover asks of the instance (handover.py, Instance) ---
+
+    def events_in_flight(self) -> list[int]:
+        return [entry.trigger_id for entry in self.events]
+
+    def runners_changed(self) -> None:
+        self.runner_changes += 1
+
+    def read_in_full(self, shards: set[int]) -> None:
+        self.to_read |= shards & self.owned
 
     # --- what housekeeping asks of the instance (housekeeping.py, Instance) ---
 

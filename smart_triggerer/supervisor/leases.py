@@ -33,10 +33,6 @@ LOAD_STEP = 5
 
 LOADS_EVERY_SECONDS = 5.0  # groups per shard are counted this often (a pass over every group)
 
-# a shard given up (a handover, a stop) keeps its lease at most this long (a quarter of a lease at most)
-# while the runner ends its coroutines: their events in flight are stored first
-DRAIN_SECONDS = 2.0
-
 
 class Leases(SupervisorState):
     def register(self) -> None:
@@ -163,8 +159,8 @@ class Leases(SupervisorState):
             live = store.live_candidates(self.settings.lease_seconds, self.queues_key)
             self._wake_at_lapse([m.lapses_in for m in live if m.candidate.job_id != self.job_id])
             desired = self._desired_shards(store, live)
-            released = self._drained(self.owned - desired)
-            # shards still being given up keep their leases until their coroutines ended (see _leave)
+            released = self.handover.drained(self.owned - desired)
+            # shards still being given up keep their leases until their coroutines ended (handover.py)
             desired |= self.owned - desired - released
             if released:
                 store.release_shards(self.job_id, released, self.queues_key)
@@ -268,64 +264,13 @@ class Leases(SupervisorState):
             due = time.monotonic() + max(soonest, 0.0) + LAPSE_MARGIN_SECONDS
             self.last_load = min(self.last_load, due - self.settings.loop_seconds)
 
-    def _drained(self, giving_up: set[int]) -> set[int]:
-        """Of the shards this instance gives up, those it may release now: their coroutines are known to
-        have ended (each event they sent before is stored by then, under the lease), or their drain took
-        its time. The others are being drained (``_leave``); a shard wanted again stops draining."""
-        if wanted := set(self.leaving) - giving_up:
-            for shard in wanted:
-                self.leaving.pop(shard)
-            self._leaving_changed()
-        if begin := giving_up - set(self.leaving):
-            self._leave(begin, time.monotonic() + self._drain_seconds())
-        return self._drain_over()  # every shard given up is leaving by now
-
-    def _drain_seconds(self) -> float:
-        return min(DRAIN_SECONDS, self.settings.lease_seconds / 4)
-
-    def _leave(self, shards: set[int], until: float) -> None:
-        """Begin giving these shards up: their coroutines are cancelled (no on_kill) while the leases are
-        kept, so that an event a coroutine sent before it ended (a consumed message, a status row the
-        source hands out once) is stored, not dropped with the shard. Groups without a running coroutine
-        have nothing in flight: they are forgotten at once."""
-        running = self._alive_runners()
-        runners: dict[int, set[int]] = {shard: set() for shard in shards}
-        for trigger_id, info in list(self.member_info.items()):
-            if info.shard not in shards or trigger_id in self.held:
-                continue
-            identity_hash = self.groups.hash_of_member.get(trigger_id)
-            group = None if identity_hash is None else self.groups.by_hash.get(identity_hash)
-            runner = None if group is None else group.runner_id
-            if runner is not None and runner in running:
-                runners[info.shard].add(runner)
-            else:
-                self._forget_member(trigger_id, user_action=False)
-        for shard, ids in runners.items():
-            self.leaving[shard] = (until, ids)
-        self._leaving_changed()
-
-    def _leaving_changed(self) -> None:
-        self.leaving_runners = set().union(*(ids for _until, ids in self.leaving.values()))
-        self.runner_changes += 1  # what the runner should run changed: ask it again
-
     def _alive_runners(self) -> set[int]:
         """Coroutines the runner runs or has been handed (it may still start those)."""
         return self.running_triggers | {w.id for w in self.creating_triggers}
 
-    def _drain_over(self) -> set[int]:
-        """The shards being given up whose coroutines ended with no event of theirs left to store, or
-        whose drain took its time."""
-        if not self.leaving:
-            return set()
-        now = time.monotonic()
-        busy = self._alive_runners() | {entry.trigger_id for entry in self.events}
-        return {
-            shard for shard, (until, runners) in self.leaving.items() if now >= until or not runners & busy
-        }
-
     def _finish_leaving(self) -> None:
         """Once the shards being given up have drained, renew at once: that renewal releases them."""
-        if self._drain_over():
+        if self.handover.over():
             self._renew_now()
 
     def drain(self) -> None:
@@ -333,16 +278,16 @@ class Leases(SupervisorState):
         as long as a handover's drain at most, so that events in flight are stored by this instance."""
         if not self.owned or self._exit_code is not None:
             return
-        deadline = time.monotonic() + self._drain_seconds()
-        self._leave(set(self.owned) - set(self.leaving), deadline)
-        while self.leaving_runners & self._alive_runners() and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.handover.drain_seconds()
+        self.handover.leave(set(self.owned) - set(self.handover.leaving), deadline)
+        while self.handover.runners & self._alive_runners() and time.monotonic() < deadline:
             self._request_started()  # the cancels go out with the runner's next answer
             self._service_subprocess(0.05)
             self._db_step("events", self.handle_events)
             if self._exit_code is not None:
                 break
         self._db_step("events", self.handle_events)
-        left = self.leaving_runners & self._alive_runners()
+        left = self.handover.runners & self._alive_runners()
         if left:
             log.warning(
                 "stopping with coroutines the runner had not ended yet; an event they fire now is "
@@ -358,10 +303,7 @@ class Leases(SupervisorState):
             # stored: whoever holds the shard next resumes them)
             self.held.pop(trigger_id, None)
             self._forget_member(trigger_id, user_action=False)
-        if shards & set(self.leaving):
-            for shard in shards:
-                self.leaving.pop(shard, None)
-            self._leaving_changed()
+        self.handover.forget(shards)
 
     def release_all(self) -> None:
         """Graceful stop: release every lease and leave the membership at once; the last instance also

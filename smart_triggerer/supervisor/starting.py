@@ -156,8 +156,8 @@ class GroupStarting(SupervisorState):
         database was away is built over several calls, each short). Returns (some leader could not
         start, coroutines were left to build)."""
         requested = self.groups.runners  # read, never changed here
-        if self.leaving_runners:
-            requested = requested - self.leaving_runners  # shards being given up: their coroutines end
+        if self.handover.runners:
+            requested = requested - self.handover.runners  # shards being given up: their coroutines end
         # the groups' ids the runner neither runs nor has been handed, nor is ending: the running ones
         # first, between two sets kept as they are (a takeover compares tens of thousands of ids once per
         # batch; building their union first cost twice as much), then the few of the others

@@ -27,6 +27,7 @@ from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
 from smart_triggerer.supervisor.feed import Feed
+from smart_triggerer.supervisor.handover import Handover
 from smart_triggerer.supervisor.housekeeping import Housekeeping
 from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_files import LogFiles
@@ -78,13 +79,13 @@ class SupervisorState(TriggerRunnerSupervisor):
     housekeeping: Housekeeping = attrs.field(
         init=False, default=attrs.Factory(lambda self: Housekeeping(self.shared, self), takes_self=True)
     )
+    handover: Handover = attrs.field(
+        init=False, default=attrs.Factory(lambda self: Handover(self.shared, self), takes_self=True)
+    )
     log_files: LogFiles = attrs.field(
         init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
     )
 
-    # shards being given up (leases.py, _leave): shard -> (drained by, time.monotonic(); its coroutines)
-    leaving: dict[int, tuple[float, set[int]]] = attrs.field(factory=dict, init=False)
-    leaving_runners: set[int] = attrs.field(factory=set, init=False)  # their coroutines, being cancelled
     last_error: str | None = attrs.field(default=None, init=False)
     failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
     # started groups whose workloads are left to build (a build is a batch at most)

@@ -172,9 +172,9 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
     second = make_supervisor()
     load(second)
     load(first)  # the first renews: the shards the placement gives the joiner start draining
-    assert first.leaving, "shards given up keep their leases while their coroutines end"
-    leaving = set(first.leaving_runners)
-    assert leaving and not second.owned & set(first.leaving)
+    assert first.handover.leaving, "shards given up keep their leases while their coroutines end"
+    leaving = set(first.handover.runners)
+    assert leaving and not second.owned & set(first.handover.leaving)
     first._request_started()
     assert leaving <= first.cancelling_triggers  # the runner is told to end them (without on_kill)
 
@@ -185,7 +185,7 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
     first.running_triggers -= leaving
     first._finish_leaving()
     load(first)  # releases the drained shards
-    assert not first.leaving and not first.owned & {s for s in range(4) if s in second.owned}
+    assert not first.handover.leaving and not first.owned & {s for s in range(4) if s in second.owned}
 
     def joiner_has_them() -> bool:
         load(second)
