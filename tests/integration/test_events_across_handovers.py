@@ -2,7 +2,8 @@
 
 An event for a member that deferred too recently is acknowledged to the runner and its coroutine ends: a
 graceful stop, a handover or a crash during the hold must neither lose it nor make the trigger fire again,
-and a member whose event came before its ``trigger_timeout`` is not failed as a time-out while held.
+and a member whose event came before its ``trigger_timeout`` is not failed as a time-out while held. A
+shard that comes back while it drains keeps every waiter.
 Driven step by step in this process against a real PostgreSQL (the test plays the runner).
 """
 
@@ -201,3 +202,31 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
     assert resumed == leaving, "every event sent before its coroutine ended is stored"
     assert sorted(first.persisted_event_seqs) == sorted(leaving)  # acknowledged once stored
     assert not second.groups.runners & leaving
+
+
+def test_a_shard_wanted_back_while_it_drains_keeps_the_waiters_that_had_no_coroutine(
+    env: AirflowConfig,
+) -> None:
+    """The placement changes its mind before a drain ended (the joiner stops again, a fleet settling): the
+    shards come back, and the waiters that were waiting for room when they began to leave (forgotten then:
+    nothing in flight) are read again, not left with no instance to run them."""
+    dsn = env.database_dsn
+    first = make_supervisor()
+    seeded = seed_deferred(
+        dsn, env.dags_folder, count=40, classpath=AT_TIME, kwargs_for=lambda i: {"moment": f"{LATER}#{i}"}
+    )
+    load(first)
+    running = set(seeded.trigger_ids[::2])  # the rest wait for room
+    for trigger_id in running:
+        first.groups.start(first.groups.by_hash[first.groups.hash_of_member[trigger_id]])
+        first.running_triggers.add(trigger_id)
+    second = make_supervisor()
+    load(second)
+    load(first)  # the shards the placement gives the joiner start draining
+    assert first.handover.leaving, "shards given up keep their leases while their coroutines end"
+    assert set(first.member_info) < set(seeded.trigger_ids), "those without a coroutine are forgotten"
+    second.release_all()  # the joiner stops before the drain ended
+    load(first)
+    assert not first.handover.leaving and first.owned == set(range(first.settings.shards))
+    assert set(first.member_info) == set(seeded.trigger_ids)
+    assert set(first.groups.runners) == running  # the coroutines still running were kept
