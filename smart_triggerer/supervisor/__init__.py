@@ -18,11 +18,11 @@ only after it was stored; an event that cannot be stored fails its own members, 
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``handover``,
 ``stall``, ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``.
-``load``, ``deadlines``, ``stall``, ``feed``, ``handover``, ``log_files`` and ``housekeeping`` are objects
-that own their state and are handed the context the parts share (``shared.py``: settings, groups and
-members, held events, owned shards, the database clock, the counters); ``leases``, ``starting`` and
-``events`` are still mixins over ``state.SupervisorState``, whose fields they share. The class here is the
-conductor: ``run_once`` calls the parts in order, it answers what an object part asks of the instance
+``load``, ``deadlines``, ``stall``, ``feed``, ``handover``, ``log_files``, ``events`` and ``housekeeping``
+are objects that own their state and are handed the context the parts share (``shared.py``: settings,
+groups and members, held events, owned shards, the database clock, the counters); ``leases`` and
+``starting`` are still mixins over ``state.SupervisorState``, whose fields they share. The class here is
+the conductor: ``run_once`` calls the parts in order, it answers what an object part asks of the instance
 (each part's ``Instance``), and it reports (``reports.py``)."""
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import structlog
 from airflow.jobs.triggerer_job_runner import messages
 
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
-from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.leases import Leases
 from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
 from smart_triggerer.supervisor.reports import Reports
@@ -45,7 +44,7 @@ from smart_triggerer.supervisor.state import SupervisorState
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, SupervisorState):
+class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -110,6 +109,31 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, 
         """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
         self._renew_leases()
         self.feed.read()
+
+    # --- Airflow's calls for the runner's events and failures, answered by the events part ---
+
+    def handle_events(self) -> None:
+        self.event_fanout.handle_events()
+
+    def handle_failed_triggers(self) -> None:
+        self.event_fanout.handle_failed_triggers()
+
+    def release_held(self) -> None:
+        self.event_fanout.release_held()
+
+    # --- what the events part asks of the instance (events.py, Instance) ---
+
+    def alive_coroutines(self) -> set[int]:
+        return set(self.running_triggers - self.cancelling_triggers)
+
+    def runner_changed(self) -> None:
+        self.runner_changes += 1
+
+    def guard_leases(self) -> None:
+        self._guard_leases()
+
+    def step_failed(self, name: str, err: Exception) -> None:
+        self._step_failed(name, err)
 
     # --- what the feed asks of the instance (feed.py, Instance) ---
 
@@ -181,6 +205,9 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, EventFanout, Reports, 
     def stop_with(self, code: int) -> None:
         self.stop = True
         self.stop_code = code
+
+    def forget_watcher_failures(self, now: float) -> None:
+        self.event_fanout.forget_watcher_failures(now)
 
     def forget_held(self, trigger_id: int) -> None:
         self.held.pop(trigger_id, None)

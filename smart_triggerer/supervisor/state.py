@@ -26,6 +26,7 @@ from smart_triggerer.runner.collector import OlderHeld
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
+from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.feed import Feed
 from smart_triggerer.supervisor.handover import Handover
 from smart_triggerer.supervisor.housekeeping import Housekeeping
@@ -36,8 +37,6 @@ from smart_triggerer.supervisor.stall import RunnerWatch
 from smart_triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
-
-WATCHER_BACKOFF_MAX_SECONDS = 60.0
 
 
 @attrs.define(kw_only=True)
@@ -76,6 +75,9 @@ class SupervisorState(TriggerRunnerSupervisor):
         init=False,
         default=attrs.Factory(lambda self: Feed(self.shared, self.deadlines, self), takes_self=True),
     )
+    event_fanout: EventFanout = attrs.field(
+        init=False, default=attrs.Factory(lambda self: EventFanout(self.shared, self), takes_self=True)
+    )
     housekeeping: Housekeeping = attrs.field(
         init=False, default=attrs.Factory(lambda self: Housekeeping(self.shared, self), takes_self=True)
     )
@@ -103,20 +105,10 @@ class SupervisorState(TriggerRunnerSupervisor):
     waker: Waker = attrs.field(factory=Waker, init=False)  # a stop ends the wait in select at once
     last_load: float = attrs.field(default=-math.inf, init=False)
     pending_since: float | None = attrs.field(default=None, init=False)
-    # events of coroutines still running whose group this instance forgot (its shards were dropped and may
-    # be re-claimed without restarting the coroutine): kept until the group is back or the coroutine ends
-    orphans: list[TriggerEventEntry] = attrs.field(factory=list, init=False)
     db_ok: bool = attrs.field(default=True, init=False)
-    # identity hash -> failures in a row of a group with asset watchers (reset by its next stored event)
-    watcher_failures: dict[int, int] = attrs.field(factory=dict, init=False)
-    watcher_restarts_total: int = attrs.field(default=0, init=False)
     # task-state questions the runner's triggers asked (GetTaskStates, GetDRCount): coalesced checks ask
     # one per tick for every wait on one DAG run, not one per wait
     task_state_requests_total: int = attrs.field(default=0, init=False)
-    outage_strikes: dict[int, int] = attrs.field(factory=dict, init=False)  # runner id -> in a row
-    dead_letters: DeadLetters = attrs.field(factory=DeadLetters, init=False)
-    watcher_failed_at: dict[int, float] = attrs.field(factory=dict, init=False)  # time.monotonic()
-    last_watcher_error: str | None = attrs.field(default=None, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
     # the waiting groups, most urgent first, as sorted when ``groups.arrivals`` was ``start_order_arrivals``
     start_order: list[Group] = attrs.field(factory=list, init=False)
@@ -156,6 +148,28 @@ class SupervisorState(TriggerRunnerSupervisor):
     @property
     def held(self) -> dict[int, Held]:
         return self.shared.held
+
+    # what the events part keeps (events.py), for the reports and the parts still mixins
+
+    @property
+    def orphans(self) -> list[TriggerEventEntry]:
+        return self.event_fanout.orphans
+
+    @property
+    def dead_letters(self) -> DeadLetters:
+        return self.event_fanout.dead_letters
+
+    @property
+    def watcher_failures(self) -> dict[int, int]:
+        return self.event_fanout.watcher_failures
+
+    @property
+    def watcher_restarts_total(self) -> int:
+        return self.event_fanout.watcher_restarts_total
+
+    @property
+    def last_watcher_error(self) -> str | None:
+        return self.event_fanout.last_watcher_error
 
     # the feed's positions and the shards it has still to read (feed.py), for the parts still mixins
 

@@ -706,7 +706,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     """One by one, the first event meets a row lock (kept for the next loop in a local list) and the
     second finds the database refusing every writer: raising out of the loop lost the list, so the first
     event was neither stored, queued nor acknowledged."""
-    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor.events import EventFanout
 
     dsn = env.database_dsn
     supervisor = make_supervisor(lease_seconds=8.0)
@@ -714,7 +714,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     load(supervisor)
     locked_runner, free_runner = runner_of(supervisor, locked), runner_of(supervisor, free)
     supervisor.running_triggers.update({locked_runner, free_runner})
-    original = SmartTriggerRunnerSupervisor._store_events
+    original = EventFanout._store_events
 
     def store(self: Any, entries: Any) -> None:
         try:
@@ -724,7 +724,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
                 set_read_only(dsn, True)  # right after the lock timeout: the next event meets it
             raise
 
-    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", store)
+    monkeypatch.setattr(EventFanout, "_store_events", store)
     # lock waits of 0.5 s (a lease of 2 s bounds the connections opened from here) under a lease of 8 s,
     # renewed by load() just now: the chunk's and then the event's lock wait end long before the leases
     # fall due for renewal (4.8 s). With lease and bound equal (4 s: two waits of 1 s against renewal at
@@ -747,7 +747,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     finally:
         holder.close()
         set_read_only(dsn, False)
-    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_store_events", original)
+    monkeypatch.setattr(EventFanout, "_store_events", original)
     supervisor._db_step("events", supervisor.handle_events)
     assert (
         set(ti_states(dsn, locked.dag_id).values())
