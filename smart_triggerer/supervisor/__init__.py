@@ -35,7 +35,6 @@ import structlog
 from airflow.jobs.triggerer_job_runner import messages
 
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
-from smart_triggerer.supervisor.leases import Leases
 from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
 from smart_triggerer.supervisor.reports import Reports
 from smart_triggerer.supervisor.starting import GroupStarting
@@ -44,7 +43,7 @@ from smart_triggerer.supervisor.state import SupervisorState
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorState):
+class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -57,8 +56,8 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
         # first: a load or a start services the runner's sockets too (feed.py, starting.py), and a
         # blocking log reader must never be live there (see starting.py)
         self._guard_log_reads()
-        self._guard_leases()
-        self.listen_for_peers()
+        self.leases.guard()
+        self.leases.listen(self.selector)
         self.waker.attach(self.selector)
         since_load = time.monotonic() - self.last_load
         if since_load >= self.settings.loop_seconds:
@@ -81,11 +80,11 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
         self._service_subprocess(0.0 if self._start_backlog() else wait)
         self.watch.look()  # after its messages were read: a wedged runner's instance steps out
         # lease checks run before writes: shards that may have lapsed while we waited stop first
-        self._guard_leases()
+        self.leases.guard()
         self._db_step("events", self.handle_events)
         self._db_step("failures", self.handle_failed_triggers)
         self._db_step("held events", self.release_held)
-        self._finish_leaving()
+        self.leases.finish_leaving()
         self._db_step("heartbeat", self.heartbeat)
         self._track_pending()
         self.emit_metrics()
@@ -103,11 +102,11 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
             self._db_step("start", self._start_groups)
             # publish this loop's counters when they changed, so `status` agrees with /metrics
             if self._counters() != self.published_counters:
-                self._db_step("heartbeat", self._heartbeat_counters)
+                self._db_step("heartbeat", self.leases.heartbeat_counters)
 
     def read_changes(self) -> None:
         """Renew the leases, then read the waiters that arrived or left (and those of shards to read)."""
-        self._renew_leases()
+        self.leases.renew()
         self.feed.read()
 
     # --- Airflow's calls for the runner's events and failures, answered by the events part ---
@@ -121,6 +120,60 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
     def release_held(self) -> None:
         self.event_fanout.release_held()
 
+    # --- membership and leases (leases.py): started, stopped and drained by the service ---
+
+    def register(self) -> None:
+        self.leases.register()
+
+    def drain(self) -> None:
+        """Graceful stop, before the leases are released: every shard is given up as in a handover, for
+        as long as a handover's drain at most, so that events in flight are stored by this instance."""
+        if not self.owned or self._exit_code is not None:
+            return
+        deadline = time.monotonic() + self.handover.drain_seconds()
+        self.handover.leave(set(self.owned) - set(self.handover.leaving), deadline)
+        while self.handover.runners & self._alive_runners() and time.monotonic() < deadline:
+            self._request_started()  # the cancels go out with the runner's next answer
+            self._service_subprocess(0.05)
+            self._db_step("events", self.handle_events)
+            if self._exit_code is not None:
+                break
+        self._db_step("events", self.handle_events)
+        left = self.handover.runners & self._alive_runners()
+        if left:
+            log.warning(
+                "stopping with coroutines the runner had not ended yet; an event they fire now is "
+                "fired again by the next owner (a state) or redelivered by its source",
+                coroutines=len(left),
+            )
+
+    def release_all(self) -> None:
+        self.waker.close()
+        self.leases.release_all()
+
+    def _alive_runners(self) -> set[int]:
+        """Coroutines the runner runs or has been handed (it may still start those)."""
+        return self.running_triggers | {w.id for w in self.creating_triggers}
+
+    # --- what the leases ask of the instance (leases.py, Instance) ---
+
+    def stalled(self) -> bool:
+        return self.watch.stall is not None
+
+    def counters(self) -> dict[str, Any]:
+        return self._counters()
+
+    def counters_published(self, counters: dict[str, Any]) -> None:
+        self.published_counters = counters
+
+    def load_by(self, due: float) -> None:
+        """The next load runs once ``loop_seconds`` have passed since ``last_load``: moved back so that it
+        runs at ``due`` at the latest."""
+        self.last_load = min(self.last_load, due - self.settings.loop_seconds)
+
+    def step_error(self) -> str | None:
+        return self.last_error
+
     # --- what the events part asks of the instance (events.py, Instance) ---
 
     def alive_coroutines(self) -> set[int]:
@@ -130,7 +183,7 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
         self.runner_changes += 1
 
     def guard_leases(self) -> None:
-        self._guard_leases()
+        self.leases.guard()
 
     def step_failed(self, name: str, err: Exception) -> None:
         self._step_failed(name, err)
@@ -141,19 +194,19 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
         return bool(self.stop)
 
     def renewed_at(self) -> float:
-        return self.last_renewal
+        return self.leases.last_renewal
 
     def renew_now(self) -> None:
-        self._renew_now()
+        self.leases.renew_now()
 
     def drop_lapsed(self) -> None:
-        self._drop_lapsed()
+        self.leases.drop_lapsed()
 
     def leaving_shards(self) -> Collection[int]:
         return self.handover.leaving.keys()
 
     def published_groups(self) -> Mapping[int, int]:
-        return self.shard_groups
+        return self.leases.shard_groups
 
     def start_groups(self) -> None:
         self._start_groups()
@@ -176,12 +229,12 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
         return self._alive_runners()
 
     def hand_every_shard_over(self) -> None:
-        self._drop_shards(set(self.owned) | set(self.handover.leaving))
+        self.leases.drop(set(self.owned) | set(self.handover.leaving))
         self.owned, self.to_read = set(), set()
 
     def take_shards_again(self) -> None:
-        self._lost_the_feed()
-        self._renew_now()
+        self.leases.lost_the_feed()
+        self.leases.renew_now()
 
     def db_step(self, name: str, step: Callable[[], None]) -> bool:
         return self._db_step(name, step)
@@ -191,16 +244,13 @@ class SmartTriggerRunnerSupervisor(Leases, GroupStarting, Reports, SupervisorSta
     def events_in_flight(self) -> list[int]:
         return [entry.trigger_id for entry in self.events]
 
-    def runners_changed(self) -> None:
-        self.runner_changes += 1
-
     def read_in_full(self, shards: set[int]) -> None:
         self.to_read |= shards & self.owned
 
     # --- what housekeeping asks of the instance (housekeeping.py, Instance) ---
 
     def read_the_feed_again(self) -> None:
-        self._lost_the_feed()
+        self.leases.lost_the_feed()
 
     def stop_with(self, code: int) -> None:
         self.stop = True

@@ -24,7 +24,7 @@ class Instance(Protocol):
 
     def alive_runners(self) -> set[int]: ...  # coroutines the runner runs or has been handed
     def events_in_flight(self) -> Collection[int]: ...  # runners whose events wait to be stored
-    def runners_changed(self) -> None: ...  # what the runner should run changed: ask it again
+    def runner_changed(self) -> None: ...  # what the runner should run changed: ask it again
     def read_in_full(self, shards: set[int]) -> None: ...  # the next load reads every waiter of these
 
 
@@ -97,4 +97,4 @@ class Handover:
 
     def _changed(self) -> None:
         self.runners = set().union(*(ids for _until, ids in self.leaving.values()))
-        self.instance.runners_changed()
+        self.instance.runner_changed()

@@ -44,7 +44,6 @@ class LoadFilters:
         self.shared = shared
         self.settings = shared.settings
         self.groups = shared.groups
-        self.capacity = shared.capacity
         self._start_backlog = starting  # a start is under way: work that just arrived, not load to shed
         self.lag_p99_ms = 0.0
         self.lag_recent_ms = 0.0
@@ -141,9 +140,9 @@ class LoadFilters:
         # by a third, and by a twentieth of the capacity at least (from a small limit, a third is nothing)
         self.limit_groups = max(
             int(self.limit_groups / SHED_STEP),
-            self.limit_groups + max(1, self.capacity // EASE_STEPS_AT_LEAST),
+            self.limit_groups + max(1, self.shared.capacity // EASE_STEPS_AT_LEAST),
         )
-        if self.limit_groups >= self.capacity:
+        if self.limit_groups >= self.shared.capacity:
             self.limit_groups = None
 
     def _over_limits(self) -> str | None:

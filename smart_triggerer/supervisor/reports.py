@@ -34,8 +34,8 @@ class Reports(SupervisorState):
             job_id=self.job_id,
             capacity=self.capacity,
             lag_recent_ms=round(self.load_filters.lag_recent_ms, 1),
-            shards_taken_total=self.shards_moved_in,
-            shards_handed_over_total=self.shards_moved_out,
+            shards_taken_total=self.leases.shards_moved_in,
+            shards_handed_over_total=self.leases.shards_moved_out,
             coroutines=len(self.running_triggers),
             events_pending=len(self.events),
             events_dead_total=self.dead_letters.total,
@@ -50,6 +50,6 @@ class Reports(SupervisorState):
         pending_since = self.pending_since
         return {
             **self.published,
-            "lease_age": now - self.last_renewal,
+            "lease_age": now - self.leases.last_renewal,
             "events_stuck_seconds": 0.0 if pending_since is None else now - pending_since,
         }

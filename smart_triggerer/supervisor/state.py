@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session
 
 from smart_triggerer.config import Settings
 from smart_triggerer.db.errors import cause, is_outage
-from smart_triggerer.db.notices import MembershipNotices
 from smart_triggerer.db.store import RowScope, multi_team_enabled
 from smart_triggerer.placement.groups import Group, Groups
 from smart_triggerer.runner.collector import OlderHeld
@@ -30,6 +29,7 @@ from smart_triggerer.supervisor.events import EventFanout
 from smart_triggerer.supervisor.feed import Feed
 from smart_triggerer.supervisor.handover import Handover
 from smart_triggerer.supervisor.housekeeping import Housekeeping
+from smart_triggerer.supervisor.leases import Leases
 from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_files import LogFiles
 from smart_triggerer.supervisor.shared import Held, MemberInfo, Shared
@@ -84,6 +84,13 @@ class SupervisorState(TriggerRunnerSupervisor):
     handover: Handover = attrs.field(
         init=False, default=attrs.Factory(lambda self: Handover(self.shared, self), takes_self=True)
     )
+    leases: Leases = attrs.field(
+        init=False,
+        default=attrs.Factory(
+            lambda self: Leases(self.shared, self.feed, self.handover, self.load_filters, self),
+            takes_self=True,
+        ),
+    )
     log_files: LogFiles = attrs.field(
         init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
     )
@@ -100,8 +107,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     collector: OlderHeld = attrs.field(factory=OlderHeld, init=False)  # its older generations, in a start
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
-    last_renewal: float = attrs.field(default=-math.inf, init=False)
-    notices: MembershipNotices | None = attrs.field(default=None, init=False)  # peers' joins and stops
     waker: Waker = attrs.field(factory=Waker, init=False)  # a stop ends the wait in select at once
     last_load: float = attrs.field(default=-math.inf, init=False)
     pending_since: float | None = attrs.field(default=None, init=False)
@@ -114,14 +119,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     start_order: list[Group] = attrs.field(factory=list, init=False)
     start_order_arrivals: int = attrs.field(default=-1, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
-    # groups per owned shard as last published with the leases (published again when it changes enough)
-    published_loads: dict[int, int] = attrs.field(factory=dict, init=False)
-    # groups per shard as their owners last published them (read with each renewal): a takeover reads
-    # its first shards, about FIRST_READ_GROUPS groups, before the rest (feed.py)
-    shard_groups: dict[int, int] = attrs.field(factory=dict, init=False)
-    loads_counted_at: float = attrs.field(default=-math.inf, init=False)
-    shards_moved_in: int = attrs.field(default=0, init=False)  # shards taken since start
-    shards_moved_out: int = attrs.field(default=0, init=False)  # shards handed over (or dropped) since start
 
     def _log_files(self) -> LogFiles:
         return LogFiles(
@@ -285,7 +282,7 @@ class SupervisorState(TriggerRunnerSupervisor):
                 self.db_ok = True
             return True
         finally:
-            self._drop_lapsed()
+            self.leases.drop_lapsed()
 
     def _note_slow_step(self, name: str, seconds: float) -> None:
         """A step that succeeded after more than a quarter of a lease delayed every wait of this instance
@@ -341,32 +338,11 @@ class SupervisorState(TriggerRunnerSupervisor):
     def publish_snapshot(self) -> None:
         raise NotImplementedError  # implemented by a part
 
-    def _heartbeat_counters(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _renew_leases(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _renew_now(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def listen_for_peers(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _guard_leases(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
     def _start_groups(self) -> None:
         raise NotImplementedError  # implemented by a part
 
     def _start_backlog(self) -> bool:
         raise NotImplementedError  # implemented by a part
 
-    def _drop_lapsed(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
     def _request_started(self) -> bool:
-        raise NotImplementedError  # implemented by a part
-
-    def _finish_leaving(self) -> None:
         raise NotImplementedError  # implemented by a part

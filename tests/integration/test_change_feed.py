@@ -293,7 +293,7 @@ def test_an_instance_that_lost_track_of_the_feed_reads_everything_again(env: Air
     with _session() as session:
         assert Store(session).prune_feed(6.0) > 0
     assert rows(dsn, "SELECT count(*) FROM smart_triggerer.trigger_change")[0][0] == 0
-    paused.last_renewal = time.monotonic() - 60  # it wakes up
+    paused.leases.last_renewal = time.monotonic() - 60  # it wakes up
     load(paused)
     assert set(paused.member_info) == set(seeded.trigger_ids[1:]) | set(arrived.trigger_ids)
 
@@ -387,7 +387,7 @@ def test_an_instance_paused_while_the_last_other_stopped_puts_the_feed_back(env:
     other.release_all()  # `paused` looks stopped: the feed goes
     assert feed_triggers(dsn) == 0
     early = seed(env, 2)
-    paused.last_renewal = time.monotonic() - 60  # it wakes up
+    paused.leases.last_renewal = time.monotonic() - 60  # it wakes up
     load(paused)
     assert feed_triggers(dsn) == 3
     late = seed(env, 2)

@@ -184,7 +184,7 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
         first.events.append(event_entry(runner, {"last": runner}, seq=runner))
     first.handle_events()
     first.running_triggers -= leaving
-    first._finish_leaving()
+    first.leases.finish_leaving()
     load(first)  # releases the drained shards
     assert not first.handover.leaving and not first.owned & {s for s in range(4) if s in second.owned}
 

@@ -281,9 +281,11 @@ def test_a_migration_behind_a_reader_never_makes_running_instances_drop_shards(
             "the new release's ALTER to queue behind the reader",
             interval=0.02,
         )
-        running.last_renewal -= lease * 0.65  # one ordinary slow loop later the running instance renews
+        running.leases.last_renewal -= (
+            lease * 0.65
+        )  # one ordinary slow loop later the running instance renews
         with capture_logs() as logs:
-            running._guard_leases()
+            running.leases.guard()
         stopped = [e for e in logs if "stopping all shards" in e["event"]]
         print(
             f"\nrunning instance owns {sorted(running.owned)}, {len(running.member_info)} waiters; "
@@ -621,7 +623,7 @@ def test_a_slow_but_successful_renewal_keeps_the_shards(
     time.sleep(lease * 0.62)  # the slow loop
     monkeypatch.setattr(Store, "live_candidates", slow)
     with capture_logs() as logs:
-        supervisor._guard_leases()
+        supervisor.leases.guard()
     stopped = [e for e in logs if "stopping all shards" in e["event"]]
     print(f"\nowned: {sorted(supervisor.owned)}; log: {stopped}")
     assert set(seeded.trigger_ids) <= set(supervisor.member_info) and not stopped
@@ -675,7 +677,9 @@ def test_a_database_refusing_every_writer_keeps_every_event_and_failure_and_fail
     supervisor.events.append(event_entry(r2, {"moment": other_time(3)}))
     supervisor.failed_triggers.append((r3, ["ValueError: the warehouse said no\n"]))
     set_read_only(dsn, True)
-    supervisor.last_renewal = time.monotonic()  # renewed by load(): no renewal falls due in the loops below
+    supervisor.leases.last_renewal = (
+        time.monotonic()
+    )  # renewed by load(): no renewal falls due in the loops below
     try:
         for _ in range(2):
             supervisor._db_step("events", supervisor.handle_events)
@@ -732,7 +736,7 @@ def test_events_put_off_for_a_lock_survive_a_refusal_of_every_writer_behind_them
     # stopped every shard (right: nothing is stored without a lease), so the second event was left for the
     # shard's next owner instead of meeting the refusal this test is about
     bounded(2.0)
-    supervisor.last_renewal = time.monotonic()
+    supervisor.leases.last_renewal = time.monotonic()
     holder = psycopg2.connect(dsn)
     try:
         holder.cursor().execute("SELECT 1 FROM task_instance WHERE id = %s FOR UPDATE", (locked.ti_ids[0],))

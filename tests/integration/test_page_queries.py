@@ -332,7 +332,7 @@ def test_polls_saved_count_groups_of_airflows_own_polling_triggers(env: AirflowC
         kwargs_for=lambda i: {"filepath": "/data/ready.flag", "poke_interval": 5.0},
     )
     load(supervisor)
-    supervisor._heartbeat_counters()
+    supervisor.leases.heartbeat_counters()
     record_sample_now(supervisor)
     totals = page.overview(may_read_assets=False)["totals"]
     assert totals["groups"] == 1 and totals["waiters"] == 3
@@ -351,7 +351,7 @@ def test_polls_saved_follow_groups_that_formed_after_the_last_sample(
     record_sample_now(supervisor)  # nothing waits yet
     seed(env, "dag_late", [1, 1, 1])
     load(supervisor)
-    supervisor._heartbeat_counters()
+    supervisor.leases.heartbeat_counters()
     later = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     later.monotonic = lambda: time.monotonic() + 15  # the supervisor's clock, 15 s on
     monkeypatch.setattr("smart_triggerer.supervisor.housekeeping.time", later)
@@ -437,7 +437,7 @@ def test_a_failing_asset_watcher_is_shown_with_its_instance(env: AirflowConfig) 
     runner = watcher_group(supervisor, watcher).runner_id
     supervisor.failed_triggers.append((runner, ConnectionRefusedError("warehouse is down")))
     supervisor.handle_failed_triggers()
-    supervisor._heartbeat_counters()
+    supervisor.leases.heartbeat_counters()
     found = page.overview(may_read_assets=False)
     instance = next(i for i in found["instances"] if i["job_id"] == supervisor.job_id)
     assert (instance["watchers_failing"], instance["watcher_restarts_total"]) == (1, 1)

@@ -162,7 +162,7 @@ def started_then_dropped(env: AirflowConfig, running: bool) -> tuple[Any, Seeded
     runner = runner_of(supervisor, seeded)
     if running:
         supervisor.running_triggers.add(runner)
-    supervisor._drop_shards(set(supervisor.owned))
+    supervisor.leases.drop(set(supervisor.owned))
     return supervisor, seeded, runner
 
 
@@ -304,13 +304,15 @@ def test_events_stuck_behind_an_outage_make_health_fail(env: AirflowConfig) -> N
     rows(admin, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", dbname)
     # the leases were renewed by load() just now: a slow host that let 0.6 of the lease pass meanwhile
     # would renew first, fail against the closed database and drop every shard with its event
-    supervisor.last_renewal = time.monotonic()
+    supervisor.leases.last_renewal = time.monotonic()
     try:
         supervisor._db_step("events", supervisor.handle_events)
         supervisor._track_pending()
         assert len(supervisor.events) == 1
         time.sleep(3.2)
-        supervisor.last_renewal = time.monotonic()  # leases aside: the stuck event alone must fail health
+        supervisor.leases.last_renewal = (
+            time.monotonic()
+        )  # leases aside: the stuck event alone must fail health
         assert not is_healthy(supervisor.snapshot(), 3.0)
     finally:
         rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
@@ -552,7 +554,7 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
     def valid_leases() -> list[tuple[Any, ...]]:
         # its membership is kept (a heartbeat without a lease renewal): the re-read that follows must come
         # from the lapsed shards alone, not from a full re-read after a lapsed membership
-        supervisor._heartbeat_counters()
+        supervisor.leases.heartbeat_counters()
         return rows(
             dsn, "SELECT count(*) FROM smart_triggerer.shard_lease WHERE expires_at > clock_timestamp()"
         )
@@ -561,21 +563,21 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
         valid_leases, lambda r: r == [(0,)], 10, "the leases to lapse by the database clock", interval=0.05
     )
     full_reads: list[int] = []
-    original = type(supervisor)._lost_the_feed
+    original = supervisor.leases.lost_the_feed
     monkeypatch.setattr(
-        type(supervisor),
-        "_lost_the_feed",
-        lambda self: (full_reads.append(1), original(self))[1],  # type: ignore[func-returns-value]
+        supervisor.leases,
+        "lost_the_feed",
+        lambda: (full_reads.append(1), original())[1],  # type: ignore[func-returns-value]
     )
     supervisor.events.append(event_entry(runner, {"moment": LATER}, seq=21))
     # by the host's clock the leases were renewed a moment ago (the database's clock stepped forward):
     # the loop does not renew before it writes, and the write's fence finds them lapsed
-    supervisor.last_renewal = time.monotonic()
+    supervisor.leases.last_renewal = time.monotonic()
     supervisor._db_step("events", supervisor.handle_events)
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"deferred"}  # fenced out
     assert not supervisor.owned and list(supervisor.persisted_event_seqs) == []
 
-    supervisor._heartbeat_counters()
+    supervisor.leases.heartbeat_counters()
     load(supervisor)  # the same instance claims the same shards again
     assert not full_reads, "its membership held: the lapsed shards alone are read again"
     assert set(seeded.trigger_ids) <= set(supervisor.member_info)
@@ -602,7 +604,7 @@ def test_a_slow_loop_with_valid_leases_keeps_its_groups_running(env: AirflowConf
     before = lease_expiries(dsn)
     time.sleep(supervisor.settings.lease_seconds * 0.7)  # the slow loop itself (the fault, not a wait)
     with capture_logs() as logs:
-        supervisor._guard_leases()
+        supervisor.leases.guard()
     assert supervisor.owned == {0, 1, 2, 3}
     assert supervisor.groups.by_runner(runner) is not None
     assert set(supervisor.member_info) == set(seeded.trigger_ids)
@@ -628,7 +630,7 @@ def test_shards_stop_before_expiry_when_the_database_is_unreachable_and_the_caus
     try:
         time.sleep(supervisor.settings.lease_seconds * 0.7)  # the loop that could not renew
         with capture_logs() as logs:
-            supervisor._guard_leases()
+            supervisor.leases.guard()
     finally:
         rows(admin, f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true; SELECT 1')
     assert not supervisor.owned and not supervisor.member_info

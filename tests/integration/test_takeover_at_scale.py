@@ -337,8 +337,8 @@ def taken_over(config: AirflowConfig, monkeypatch: pytest.MonkeyPatch, count: in
     monkeypatch.setattr(feed, "FIRST_READ_GROUPS", 4)
     owner = make_supervisor(max_new_per_loop=5)
     load(owner)
-    owner.loads_counted_at = -math.inf  # publish its groups per shard with the next renewal
-    owner._renew_leases()
+    owner.leases.loads_counted_at = -math.inf  # publish its groups per shard with the next renewal
+    owner.leases.renew()
     taker = make_supervisor(max_new_per_loop=5)
     load(taker)  # joins while the owner holds every shard: nothing to read yet
     assert not taker.owned and not taker.member_info
@@ -379,7 +379,7 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
     owner.release_all()  # a graceful stop: the taker claims its 4 shards with the next renewal
     load(taker)
 
-    published = {shard: groups for shard, groups in taker.shard_groups.items() if shard in taker.owned}
+    published = {shard: groups for shard, groups in taker.leases.shard_groups.items() if shard in taker.owned}
     print("\nloads published:", published, "| steps:", steps)
     assert taker.owned == {0, 1, 2, 3} and sum(published.values()) == 40
     expected, waits_read, budget, phase = [], 0, 4, []
@@ -457,7 +457,9 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
         if meanwhile == "a stop was asked":
             self.stop = True
         else:
-            self.last_renewal -= self.settings.lease_seconds  # as if this start had taken a whole lease
+            self.leases.last_renewal -= (
+                self.settings.lease_seconds
+            )  # as if this start had taken a whole lease
 
     monkeypatch.setattr(Store, "waiting_triggers", read)
     monkeypatch.setattr(GroupStarting, "_start_groups", slow_start)

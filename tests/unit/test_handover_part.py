@@ -25,7 +25,7 @@ class Instance:
     def events_in_flight(self) -> list[int]:
         return self.in_flight
 
-    def runners_changed(self) -> None:
+    def runner_changed(self) -> None:
         self.changes += 1
 
     def read_in_full(self, shards: set[int]) -> None:

@@ -35,6 +35,35 @@ def test_every_call_between_parts_is_implemented_by_a_part() -> None:
         assert owner.__module__.startswith("smart_triggerer.supervisor."), owner
 
 
+def conductor_as_each_instance(conductor: SmartTriggerRunnerSupervisor) -> list[object]:
+    """mypy checks that the conductor is each part's ``Instance`` (the parts are built in attrs factories,
+    where ``self`` is not typed): a missing or misspelled answer fails the fast lane's type check."""
+    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall
+
+    answers: tuple[
+        events.Instance,
+        feed.Instance,
+        handover.Instance,
+        housekeeping.Instance,
+        leases.Instance,
+        stall.Instance,
+    ] = (conductor, conductor, conductor, conductor, conductor, conductor)
+    return list(answers)
+
+
+def test_the_conductor_answers_everything_each_part_asks_of_the_instance() -> None:
+    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall
+
+    for part in (events, feed, handover, housekeeping, leases, stall):
+        protocol = part.Instance
+        asked = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+        assert asked, part.__name__
+        missing = {n for n in asked if not hasattr(SmartTriggerRunnerSupervisor, n)}
+        # attributes (health_url) are the conductor's attrs fields: set per instance, declared on the class
+        fields = {f.name for f in SmartTriggerRunnerSupervisor.__attrs_attrs__}
+        assert missing <= fields, f"{part.__name__} asks the instance for {sorted(missing - fields)}"
+
+
 def test_no_part_is_over_500_lines_and_each_says_what_it_owns() -> None:
     for module in sorted(PACKAGE.glob("*.py")):
         text = module.read_text()
@@ -155,7 +184,7 @@ def test_run_once_wraps_the_log_reader_before_anything_else() -> None:
 
     supervisor = object.__new__(SmartTriggerRunnerSupervisor)
     supervisor._guard_log_reads = lambda: calls.append("log reads")  # type: ignore[method-assign]
-    supervisor._guard_leases = guard_leases  # type: ignore[method-assign]
+    supervisor.leases = SimpleNamespace(guard=guard_leases)  # type: ignore[assignment]
     with pytest.raises(Stop):
         supervisor.run_once()
     assert calls == ["log reads", "leases"]
@@ -175,7 +204,7 @@ def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_
     supervisor.feed = SimpleNamespace(to_read=set())  # type: ignore[assignment]  # what the collector reads of it
     supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
     supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))  # type: ignore[assignment]
-    supervisor.capacity = 10 * FREEZE_FROM
+    supervisor.shared.capacity = 10 * FREEZE_FROM
     thresholds = gc.get_threshold()
     try:
         for member in range(FREEZE_FROM):
