@@ -230,6 +230,7 @@ def static_checks() -> list[tuple[str, list[str]]]:
     (pyproject.toml)."""
     return [
         ("ruff check", [str(VENV.bin / "ruff"), "check", "."]),
+        ("ruff format --check", [str(VENV.bin / "ruff"), "format", "--check", "."]),
         ("mypy, unused ignores included", [str(VENV.bin / "mypy"), "--warn-unused-ignores"]),
         ("import contracts (lint-imports)", [str(VENV.bin / "lint-imports"), "--no-cache"]),
     ]

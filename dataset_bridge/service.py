@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 from sqlalchemy import text
 
-from dataset_bridge import reconcile, retention, task_success
+from dataset_bridge import reconcile, retention, store, task_success
 from dataset_bridge.retention import DEFAULT as DEFAULT_RETENTION
 from dataset_bridge.retention import Retention
 from dataset_bridge.task_success import TaskMapping
@@ -168,6 +168,7 @@ def status(mapping: TaskMapping | None, settings: BridgeSettings) -> dict[str, A
         exists = session.execute(text("SELECT to_regclass('dataset_bridge.emitted') IS NOT NULL")).scalar()
         if not exists:
             return {"initialized": False}
+        store.migrate(session)  # tables made by an earlier version: the reconciler's reads need its function
         result: dict[str, Any] = {"initialized": True}
         result["emitted"] = {str(k): int(v) for k, v in session.execute(text(STATUS_SQL["emitted"])).all()}
         result["horizons"] = {str(k): v.isoformat() for k, v in session.execute(text(STATUS_SQL["horizons"]))}
