@@ -36,23 +36,26 @@ def write_dag(folder: Path, dag_id: str, targets: list[str], start_from_trigger:
     (folder / f"{dag_id}.py").write_text(textwrap.dedent(body))
 
 
-# every one of 30 tasks must defer (20 through a LocalExecutor worker each) before a fixed time: beside two
-# other Airflow stacks on a slow 2-core CI host, task starts failed on the execution API (connection
-# refused, twice in four runs), so it runs alone
+# the targets are written into the DAG files once the stack is up (so its start costs no margin), TARGET_IN
+# seconds ahead: all 30 tasks must have deferred by then, 10 through a LocalExecutor worker each (the two
+# other DAGs start theirs straight in the triggerer). Beside two other Airflow stacks on a slow 2-core
+# host, task starts failed on the execution API (connection refused, twice in four runs): it runs alone.
+# Alone here, all 30 had deferred 17 s after the DAG files were written.
+TARGET_IN = 50
+
+
 @pytest.mark.alone
 def test_thirty_sensors_on_four_targets_share_four_groups(airflow_stack: AirflowStack) -> None:
-    # the targets must come after all 30 tasks deferred: 20 of them through a worker each. On a loaded
-    # 2-core CI host (three e2e stacks at once, a slow day) 21 had deferred after 75 s; the fire time is the
-    # test's only clock, so it is set well past that
-    base = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=150)
-    targets = [(base + dt.timedelta(seconds=k)).isoformat() for k in range(4)]
-    dag_ids = ["dup_a", "dup_b", "dup_c"]
-    for dag_id in dag_ids:
-        # One DAG starts its sensors straight in the triggerer: no worker slot until they resume.
-        write_dag(airflow_stack.config.dags_folder, dag_id, targets, start_from_trigger=dag_id == "dup_c")
     airflow_stack.start_core()
     airflow_stack.start_smart_triggerer("smart-1", env=ENV)
     airflow_stack.start_smart_triggerer("smart-2", env=ENV)
+    base = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=TARGET_IN)
+    targets = [(base + dt.timedelta(seconds=k)).isoformat() for k in range(4)]
+    dag_ids = ["dup_a", "dup_b", "dup_c"]
+    for dag_id in dag_ids:
+        # Two DAGs start their sensors straight in the triggerer (the trigger's kwargs carry the rendered
+        # target_time, a worker's carry moment): no worker slot until they resume.
+        write_dag(airflow_stack.config.dags_folder, dag_id, targets, start_from_trigger=dag_id != "dup_a")
     airflow_stack.wait_for_dags(dag_ids)
     runs = {}
     for dag_id in dag_ids:
@@ -60,13 +63,13 @@ def test_thirty_sensors_on_four_targets_share_four_groups(airflow_stack: Airflow
         runs[dag_id] = airflow_stack.trigger(dag_id)
 
     seen: list[dict[str, int]] = []
-    deadline = time.monotonic() + 145
-    while time.monotonic() < deadline and dt.datetime.now(dt.UTC) < base:
+    while dt.datetime.now(dt.UTC) < base - dt.timedelta(seconds=1):
         totals = airflow_stack.smart_status()["totals"]
         seen.append({"waiters": totals["waiters"], "groups": totals["groups"]})
         if totals["waiters"] == 30:
             break
         time.sleep(1)
+    print(f"every sensor deferred {(base - dt.datetime.now(dt.UTC)).total_seconds():.1f} s before its target")
     assert seen and seen[-1] == {"waiters": 30, "groups": 4}, seen
     status = airflow_stack.smart_status()
     assert status["dedup_ratio"] == 7.5
