@@ -13,7 +13,8 @@ from devkit.pgserver import reader_dsn
 from tests.helpers.waiting import rows, wait_for
 from tests.integration.test_smart_triggerer import metrics
 
-pytestmark = pytest.mark.e2e
+# also against the lowest supported Airflow (dev.py test --airflow): it exercises Airflow's internals
+pytestmark = [pytest.mark.e2e, pytest.mark.lowest_airflow]
 
 PRODUCER = """
 import pendulum

@@ -19,7 +19,8 @@ from tests.helpers.auth import HIDDEN_PREFIX, LIMITED_USER, OUTSIDER
 from tests.helpers.seeding import seed_deferred
 from tests.helpers.waiting import rows, wait_for
 
-pytestmark = pytest.mark.e2e
+# also against the lowest supported Airflow (dev.py test --airflow): it exercises Airflow's internals
+pytestmark = [pytest.mark.e2e, pytest.mark.lowest_airflow]
 
 AT_TIME = "tests.helpers.triggers.AtTimeTrigger"
 ENV = {"AIRFLOW__SMART_TRIGGERER__SHARDS": "16", "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": "6"}

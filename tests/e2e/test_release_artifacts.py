@@ -104,6 +104,7 @@ def test_the_artifacts_pass_twine_check(artifacts: Path) -> None:
 # it installs Airflow into a new virtualenv and starts it several times: four to five minutes on a slow
 # 2-core machine, over the suite's default limit of five (each step has its own limit, in run())
 @pytest.mark.timeout(900)
+@pytest.mark.lowest_airflow  # the wheel beside each end of the Airflow range it declares
 def test_the_wheel_installed_alone_runs_a_deferrable_sensor(
     artifacts: Path, airflow_config: AirflowConfig, tmp_path: Path
 ) -> None:

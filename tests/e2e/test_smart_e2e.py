@@ -12,7 +12,8 @@ import pytest
 
 from devkit.devstack import AirflowStack
 
-pytestmark = pytest.mark.e2e
+# also against the lowest supported Airflow (dev.py test --airflow): it exercises Airflow's internals
+pytestmark = [pytest.mark.e2e, pytest.mark.lowest_airflow]
 
 ENV = {"AIRFLOW__SMART_TRIGGERER__SHARDS": "16", "AIRFLOW__SMART_TRIGGERER__LEASE_SECONDS": "6"}
 

@@ -8,7 +8,8 @@ import pytest
 
 from devkit.devstack import AirflowStack, group_alive
 
-pytestmark = pytest.mark.e2e
+# also against the lowest supported Airflow (dev.py test --airflow): it exercises Airflow's internals
+pytestmark = [pytest.mark.e2e, pytest.mark.lowest_airflow]
 
 SMOKE_DAG = """
 import pendulum

@@ -12,7 +12,8 @@ import pytest
 from devkit.devstack import AirflowStack
 from tests.helpers.waiting import rows, wait_for
 
-pytestmark = pytest.mark.e2e
+# also against the lowest supported Airflow (dev.py test --airflow): it exercises Airflow's internals
+pytestmark = [pytest.mark.e2e, pytest.mark.lowest_airflow]
 
 DAG = """
 import pendulum
