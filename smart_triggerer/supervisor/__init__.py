@@ -17,18 +17,18 @@ shards another instance took over. An event is acknowledged to the runner (``per
 only after it was stored; an event that cannot be stored fails its own members, never the whole loop.
 
 The parts, one module each, own one job apiece (their docstrings say which): ``leases``, ``handover``,
-``stall``, ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``.
-``load``, ``deadlines``, ``stall``, ``feed``, ``handover``, ``log_files``, ``events`` and ``housekeeping``
-are objects that own their state and are handed the context the parts share (``shared.py``: settings,
-groups and members, held events, owned shards, the database clock, the counters); ``leases`` and
-``starting`` are still mixins over ``state.SupervisorState``, whose fields they share. The class here is
-the conductor: ``run_once`` calls the parts in order, it answers what an object part asks of the instance
-(each part's ``Instance``), and it reports (``reports.py``)."""
+``stall``, ``load``, ``feed``, ``deadlines``, ``starting``, ``log_files``, ``events``, ``housekeeping``: each
+an object that owns its state and is handed the context the parts share (``shared.py``: settings, groups
+and members, held events, owned shards, the database clock, the counters) and the parts it works with.
+The class here is the conductor: ``run_once`` calls the parts in order, it answers what a part asks of the
+instance (each part's ``Instance``), it overrides Airflow's ``TriggerRunnerSupervisor`` where that is the
+contract (``runner_comms.py``: workloads, the runner's requests, its log channel) and it reports
+(``reports.py``)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -37,13 +37,13 @@ from airflow.jobs.triggerer_job_runner import messages
 from smart_triggerer.runner.trigger_runner import SmartTriggerRunner
 from smart_triggerer.supervisor.log_files import WRITE_HELD_EVERY_SECONDS
 from smart_triggerer.supervisor.reports import Reports
-from smart_triggerer.supervisor.starting import GroupStarting
+from smart_triggerer.supervisor.runner_comms import RunnerComms
 from smart_triggerer.supervisor.state import SupervisorState
 
 log = structlog.get_logger(logger_name=__name__)
 
 
-class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
+class SmartTriggerRunnerSupervisor(RunnerComms, Reports, SupervisorState):
     """Airflow's supervisor with identity groups and shard leases: the parts, called in order."""
 
     @classmethod
@@ -54,7 +54,7 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
         """Load once per ``loop_seconds`` (at once when a peer joined, stopped or handed shards over); in
         between, handle runner messages (events) as they come."""
         # first: a load or a start services the runner's sockets too (feed.py, starting.py), and a
-        # blocking log reader must never be live there (see starting.py)
+        # blocking log reader must never be live there (see runner_comms.py)
         self._guard_log_reads()
         self.leases.guard()
         self.leases.listen(self.selector)
@@ -65,19 +65,19 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
             self.last_load = time.monotonic()
             self._db_step("load", self.load_triggers)
             self._db_step("cleanup", self.housekeeping.run)
-        elif self._start_backlog():
+        elif self.starting.backlog():
             # a takeover or a start: keep starting coroutines between loads, a time budget at a time
-            self._db_step("start", self._start_groups)
-        if not self._start_backlog():
+            self._db_step("start", self.start_groups)
+        if not self.starting.backlog():
             self.dag_cache.clear()  # the start is over
-        self._hold_collector()  # held from a big start's first batch; released once it is over
+        self.starting.hold_collector()  # held from a big start's first batch; released once it is over
         self.log_files.pace()
         # until the next load: a loop after the last one, or sooner when a member's membership lapses; at
         # once while groups still wait for a coroutine (events are handled between batches)
         wait = max(self.settings.loop_seconds - (time.monotonic() - self.last_load), 0.0)
         if self.log_files.pending():
             wait = min(wait, WRITE_HELD_EVERY_SECONDS)  # held log files are made a pass at a time
-        self._service_subprocess(0.0 if self._start_backlog() else wait)
+        self._service_subprocess(0.0 if self.starting.backlog() else wait)
         self.watch.look()  # after its messages were read: a wedged runner's instance steps out
         # lease checks run before writes: shards that may have lapsed while we waited stop first
         self.leases.guard()
@@ -99,7 +99,7 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
         finally:
             self._db_step("timeouts", self.deadlines.timeout_members)
             self._db_step("unreadable", self.deadlines.fail_unreadable)
-            self._db_step("start", self._start_groups)
+            self._db_step("start", self.start_groups)
             # publish this loop's counters when they changed, so `status` agrees with /metrics
             if self._counters() != self.published_counters:
                 self._db_step("heartbeat", self.leases.heartbeat_counters)
@@ -133,7 +133,7 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
         deadline = time.monotonic() + self.handover.drain_seconds()
         self.handover.leave(set(self.owned) - set(self.handover.leaving), deadline)
         while self.handover.runners & self._alive_runners() and time.monotonic() < deadline:
-            self._request_started()  # the cancels go out with the runner's next answer
+            self.starting.request_started()  # the cancels go out with the runner's next answer
             self._service_subprocess(0.05)
             self._db_step("events", self.handle_events)
             if self._exit_code is not None:
@@ -174,6 +174,38 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
     def step_error(self) -> str | None:
         return self.last_error
 
+    # --- what starting asks of the instance (starting.py, Instance) ---
+
+    def runner_version(self) -> int:
+        return self.runner_changes
+
+    def running(self) -> set[int]:
+        return self.running_triggers
+
+    def not_to_start(self) -> Iterable[Iterable[int]]:
+        return (
+            (entry.trigger_id for entry in self.events),
+            (entry.trigger_id for entry in self.orphans),
+            self.cancelling_triggers,
+            (failure[0] for failure in self.failed_triggers),
+            (w.id for w in self.creating_triggers),
+        )
+
+    def cancel(self, runners: set[int]) -> None:
+        self.cancelling_triggers.update(runners)
+        self._nudge_runner()
+
+    def build(self, trigger_ids: set[int]) -> list[Any]:
+        try:
+            return self.build_trigger_workloads(trigger_ids)
+        finally:
+            self.build_bag = None  # DAGs are shared within one build only
+
+    def hand_out(self, workloads: Sequence[Any]) -> None:
+        self.creating_triggers.extend(workloads)
+        if workloads:
+            self._nudge_runner()
+
     # --- what the events part asks of the instance (events.py, Instance) ---
 
     def alive_coroutines(self) -> set[int]:
@@ -209,7 +241,7 @@ class SmartTriggerRunnerSupervisor(GroupStarting, Reports, SupervisorState):
         return self.leases.shard_groups
 
     def start_groups(self) -> None:
-        self._start_groups()
+        self.starting.start_groups()
 
     def send_to_runner(self) -> None:
         self._service_subprocess(0.0)

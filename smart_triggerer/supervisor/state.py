@@ -20,8 +20,7 @@ from sqlalchemy.orm import Session
 from smart_triggerer.config import Settings
 from smart_triggerer.db.errors import cause, is_outage
 from smart_triggerer.db.store import RowScope, multi_team_enabled
-from smart_triggerer.placement.groups import Group, Groups
-from smart_triggerer.runner.collector import OlderHeld
+from smart_triggerer.placement.groups import Groups
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
@@ -34,6 +33,7 @@ from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.log_files import LogFiles
 from smart_triggerer.supervisor.shared import Held, MemberInfo, Shared
 from smart_triggerer.supervisor.stall import RunnerWatch
+from smart_triggerer.supervisor.starting import Starting
 from smart_triggerer.waker import Waker
 
 log = structlog.get_logger(logger_name=__name__)
@@ -62,7 +62,9 @@ class SupervisorState(TriggerRunnerSupervisor):
     load_filters: LoadFilters = attrs.field(
         init=False,
         default=attrs.Factory(
-            lambda self: LoadFilters(self.shared, starting=self._start_backlog), takes_self=True
+            # bound late: the starting part is built after this one
+            lambda self: LoadFilters(self.shared, starting=lambda: self.starting.backlog()),  # noqa: PLW0108
+            takes_self=True,
         ),
     )
     deadlines: MemberDeadlines = attrs.field(
@@ -94,17 +96,27 @@ class SupervisorState(TriggerRunnerSupervisor):
     log_files: LogFiles = attrs.field(
         init=False, default=attrs.Factory(lambda self: self._log_files(), takes_self=True)
     )
+    starting: Starting = attrs.field(
+        init=False,
+        default=attrs.Factory(
+            lambda self: Starting(
+                self.shared,
+                self,
+                feed=self.feed,
+                deadlines=self.deadlines,
+                handover=self.handover,
+                log_files=self.log_files,
+            ),
+            takes_self=True,
+        ),
+    )
 
     last_error: str | None = attrs.field(default=None, init=False)
     failed_step: tuple[str, str | None] | None = attrs.field(default=None, init=False)
-    # started groups whose workloads are left to build (a build is a batch at most)
-    build_backlog: bool = attrs.field(default=False, init=False)
-    requested: tuple[int, int] = attrs.field(default=(-1, -1), init=False)
     runner_changes: int = attrs.field(default=0, init=False)
     nudged: bool = attrs.field(default=False, init=False)  # the runner was nudged and has not asked since
     build_bag: OneBuildDagBag | None = attrs.field(default=None, init=False)
     dag_cache: DagCache = attrs.field(factory=DagCache, init=False)  # between the builds of one start
-    collector: OlderHeld = attrs.field(factory=OlderHeld, init=False)  # its older generations, in a start
     published_counters: dict[str, Any] = attrs.field(factory=dict, init=False)
     loops: int = attrs.field(default=0, init=False)
     waker: Waker = attrs.field(factory=Waker, init=False)  # a stop ends the wait in select at once
@@ -115,16 +127,13 @@ class SupervisorState(TriggerRunnerSupervisor):
     # one per tick for every wait on one DAG run, not one per wait
     task_state_requests_total: int = attrs.field(default=0, init=False)
     published: dict[str, Any] = attrs.field(factory=dict, init=False)
-    # the waiting groups, most urgent first, as sorted when ``groups.arrivals`` was ``start_order_arrivals``
-    start_order: list[Group] = attrs.field(factory=list, init=False)
-    start_order_arrivals: int = attrs.field(default=-1, init=False)
     stop_code: int = attrs.field(default=0, init=False)  # the exit code of a stop the instance decided on
 
     def _log_files(self) -> LogFiles:
         return LogFiles(
             self.shared,
             running=lambda: self.running_triggers,
-            start_under_way=self._start_under_way,
+            start_under_way=lambda: self.starting.under_way(),  # noqa: PLW0108  (built after this part)
             logger_cache=self.logger_cache,
         )
 
@@ -329,20 +338,8 @@ class SupervisorState(TriggerRunnerSupervisor):
 
     # --- what the parts call of each other: each is implemented by its part, the conductor has them all ---
 
-    def _start_under_way(self) -> bool:
-        raise NotImplementedError  # implemented by a part
-
     def _counters(self) -> dict[str, Any]:
         raise NotImplementedError  # implemented by a part
 
     def publish_snapshot(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _start_groups(self) -> None:
-        raise NotImplementedError  # implemented by a part
-
-    def _start_backlog(self) -> bool:
-        raise NotImplementedError  # implemented by a part
-
-    def _request_started(self) -> bool:
         raise NotImplementedError  # implemented by a part

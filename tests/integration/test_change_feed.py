@@ -415,17 +415,17 @@ def test_a_watcher_coroutine_that_ended_with_its_event_is_started_again(env: Air
     supervisor = make_supervisor()
     watcher = add_watcher("again")
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     assert [w.id for w in supervisor.creating_triggers] == [watcher]
     # the runner takes it, the coroutine yields an event and ends; the next load comes before the event
     # is stored (as run_once orders its steps)
     supervisor.creating_triggers.clear()
     supervisor.events.append(event_entry(watcher, {"moment": LATER}))
     supervisor.runner_changes += 1
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     assert not supervisor.creating_triggers
     supervisor.handle_events()
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     assert [w.id for w in supervisor.creating_triggers] == [watcher]
 
 

@@ -176,7 +176,7 @@ def test_a_handover_stores_the_event_a_coroutine_sent_before_it_ended(env: Airfl
     assert first.handover.leaving, "shards given up keep their leases while their coroutines end"
     leaving = set(first.handover.runners)
     assert leaving and not second.owned & set(first.handover.leaving)
-    first._request_started()
+    first.starting.request_started()
     assert leaving <= first.cancelling_triggers  # the runner is told to end them (without on_kill)
 
     # the runner's answer: the coroutines fired just before they were cancelled, then ended

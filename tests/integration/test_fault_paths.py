@@ -71,7 +71,7 @@ def mixed_and_healthy(env: AirflowConfig, supervisor: Any, asset: str) -> tuple[
     healthy = seed(env, 2, moment=other)
     watcher = add_watcher(asset)
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     mixed_runner = watcher_group(supervisor, watcher).runner_id
     healthy_runner = runner_of(supervisor, healthy)
     supervisor.running_triggers.update({mixed_runner, healthy_runner})
@@ -348,7 +348,7 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
     be idle inside a transaction. Checked from another session while the build is stopped there."""
     from airflow.serialization.serialized_objects import DagSerialization
 
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import runner_comms
 
     dsn = env.database_dsn
     lease = bounded(4.0)
@@ -356,7 +356,7 @@ def test_a_workload_build_frozen_while_it_thinks_holds_no_lock(
     seed(env, 2)
     load(supervisor)
     if builder == "airflow's":
-        monkeypatch.setattr(starting, "log_renderer", lambda: None)
+        monkeypatch.setattr(runner_comms, "log_renderer", lambda: None)
     original = DagSerialization.from_dict.__func__  # type: ignore[attr-defined]
     frozen, thawed = threading.Event(), threading.Event()
 
@@ -503,7 +503,7 @@ def test_an_idempotency_key_too_big_for_its_index_is_no_outage(env: AirflowConfi
     healthy = seed(env, 2, moment=other)
     watcher = add_watcher("long-keys")
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     watcher_runner = watcher_group(supervisor, watcher).runner_id
     healthy_runner = runner_of(supervisor, healthy)
     supervisor.running_triggers.update({watcher_runner, healthy_runner})
@@ -539,12 +539,12 @@ def test_unstartable_groups_never_starve_later_groups(env: AirflowConfig) -> Non
     load(supervisor)
     for _ in range(2):
         supervisor.groups.version += 1
-        supervisor._start_groups()
+        supervisor.starting.start_groups()
     later = seed(env, 1, moment=other_time(20))  # a task that defers afterwards
     load(supervisor)
     for _ in range(4):
         supervisor.groups.version += 1  # as if something changed every loop
-        supervisor._start_groups()
+        supervisor.starting.start_groups()
     started = {w.id for w in supervisor.creating_triggers}
     print(
         "\nstarted:",
@@ -805,7 +805,7 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
     from airflow.jobs.triggerer_job_runner import TriggerRunnerSupervisor
     from sqlalchemy import text
 
-    from smart_triggerer.supervisor import starting
+    from smart_triggerer.supervisor import runner_comms
 
     supervisor = make_supervisor()
     bad = seed(env, 1)
@@ -819,14 +819,14 @@ def test_a_row_whose_workload_the_database_refuses_never_blocks_other_groups(
         return original(self, trigger, dag_bag, render_log_fname, session)
 
     monkeypatch.setattr(TriggerRunnerSupervisor, "_create_workload", refusing)
-    read_in_one = starting.task_rows  # type: ignore[attr-defined]  # the name starting looks it up by
+    read_in_one = runner_comms.task_rows  # type: ignore[attr-defined]  # the name the build looks it up by
 
     def refusing_the_batch(session: Any, trigger_ids: Any) -> Any:
         if set(trigger_ids) & set(bad.trigger_ids):  # the batch's one statement, refused by that row
             session.execute(text("SELECT CAST('not a number' AS integer)"))
         return read_in_one(session, trigger_ids)
 
-    monkeypatch.setattr(starting, "task_rows", refusing_the_batch)
+    monkeypatch.setattr(runner_comms, "task_rows", refusing_the_batch)
     for _ in range(2):
         supervisor._db_step("load", supervisor.load_triggers)
     started = {w.id for w in supervisor.creating_triggers}

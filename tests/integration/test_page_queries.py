@@ -433,7 +433,7 @@ def test_a_failing_asset_watcher_is_shown_with_its_instance(env: AirflowConfig) 
     supervisor = make_supervisor()
     watcher = add_watcher("flaky")
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     runner = watcher_group(supervisor, watcher).runner_id
     supervisor.failed_triggers.append((runner, ConnectionRefusedError("warehouse is down")))
     supervisor.handle_failed_triggers()

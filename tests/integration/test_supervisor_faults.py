@@ -186,7 +186,7 @@ def test_an_event_fired_while_its_shards_were_dropped_is_stored_when_back(env: A
     supervisor.handle_events()
     assert list(supervisor.persisted_event_seqs) == [] and len(supervisor.orphans) == 1
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     supervisor.handle_events()
     assert list(supervisor.persisted_event_seqs) == [11] and supervisor.orphans == []
     assert set(ti_states(env.database_dsn, seeded.dag_id).values()) == {"scheduled"}
@@ -335,7 +335,7 @@ def test_a_leader_that_cannot_start_hands_the_group_to_another_member(env: Airfl
         "UPDATE task_instance SET state = NULL, trigger_id = NULL WHERE trigger_id = %s RETURNING 1",
         leader,
     )
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     group = supervisor.groups.by_hash[supervisor.groups.hash_of_member[seeded.trigger_ids[1]]]
     assert group.runner_id == sorted(seeded.trigger_ids)[1]
     assert [w.id for w in supervisor.creating_triggers] == [group.runner_id]
@@ -472,7 +472,7 @@ def test_starting_many_groups_deserializes_each_dag_version_once(
     second = seed(env, 2)
     load(supervisor)
     monkeypatch.setattr(DagSerialization, "from_dict", classmethod(counting))
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     started = {w.id: w for w in supervisor.creating_triggers}
     assert set(started) >= set(first.trigger_ids) | {min(second.trigger_ids)}
     assert len(calls) == 2  # two DAGs, one version each: not one per trigger
@@ -581,7 +581,7 @@ def test_members_fenced_out_on_its_own_lapsed_lease_run_again_when_it_reclaims(
     load(supervisor)  # the same instance claims the same shards again
     assert not full_reads, "its membership held: the lapsed shards alone are read again"
     assert set(seeded.trigger_ids) <= set(supervisor.member_info)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     supervisor._db_step("events", supervisor.handle_events)
     assert set(ti_states(dsn, seeded.dag_id).values()) == {"scheduled"}
     assert list(supervisor.persisted_event_seqs) == [21] and supervisor.resumed_total == 3
@@ -644,7 +644,7 @@ def watcher_group(supervisor: Any, watcher: int) -> Any:
 
 def restarted(supervisor: Any, watcher: int) -> Any:
     """One loop's start step; the watcher group's runner id once it asked the runner for it again."""
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     return watcher_group(supervisor, watcher).runner_id
 
 
@@ -666,7 +666,7 @@ def test_an_event_the_asset_manager_cannot_store_fails_alone_and_the_instance_li
     tasks = seed(env, 2, moment=other)
     watcher = add_watcher("poisoned")  # after seeding: syncing a DAG drops watchers no DAG declares
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     watcher_runner = watcher_group(supervisor, watcher).runner_id
     task_runner = runner_of(supervisor, tasks)
     supervisor.running_triggers.update({watcher_runner, task_runner})
@@ -717,7 +717,7 @@ def test_a_failed_asset_watcher_starts_again_with_backoff(env: AirflowConfig) ->
     supervisor = make_supervisor()
     watcher = add_watcher("flaky")
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     first = watcher_group(supervisor, watcher).runner_id
     supervisor.failed_triggers.append((first, ConnectionRefusedError("warehouse is down")))
     supervisor._db_step("failures", supervisor.handle_failed_triggers)
@@ -765,7 +765,7 @@ def test_a_watcher_event_that_never_stores_is_set_aside_and_acknowledged(
     supervisor = make_supervisor()
     watcher = add_watcher("replayed")
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
 
     class Refusing:
         def register_asset_change(self, **kw: Any) -> None:

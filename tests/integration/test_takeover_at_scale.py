@@ -209,7 +209,7 @@ def test_groups_start_soonest_due_first(airflow_config: AirflowConfig) -> None:
     watcher = add_watcher("urgent")
     supervisor = make_supervisor(max_new_per_loop=1)
     load(supervisor)
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     started = [w.id for w in supervisor.creating_triggers]
     order = [[watcher], fast, timing_out, mid, slow]
     print("\nstarted in order:", started, "| groups:", order)
@@ -223,7 +223,7 @@ def test_the_start_order_is_kept_between_calls_until_a_group_arrives(
     """A takeover of thousands starts them a batch at a time over many calls: they are sorted once, not
     for every batch, and a group that comes to wait meanwhile (here an asset watcher, the most urgent) is
     started next."""
-    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.supervisor.starting import Starting
     from tests.helpers.airflow_orm import use_airflow_db
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, add_watcher, load, make_supervisor
@@ -241,18 +241,18 @@ def test_the_start_order_is_kept_between_calls_until_a_group_arrives(
         },
     )
     sorts: list[int] = []
-    original = SmartTriggerRunnerSupervisor._by_urgency
+    original = Starting._by_urgency
 
-    def counted(self: Any) -> Any:
-        sorts.append(len(self.groups.unstarted))
+    def counted(self: Starting) -> Any:
+        sorts.append(len(self.shared.groups.unstarted))
         return original(self)
 
-    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "_by_urgency", counted)
+    monkeypatch.setattr(Starting, "_by_urgency", counted)
     supervisor = make_supervisor(max_new_per_loop=1)
     load(supervisor)
 
     def start_one() -> int:
-        (group,) = supervisor._next_to_start(1)  # as _start_groups takes each batch
+        (group,) = supervisor.starting._next_to_start(1)  # as start_groups takes each batch
         return int(supervisor.groups.start(group))
 
     first, second = start_one(), start_one()
@@ -299,7 +299,7 @@ def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
 
     monkeypatch.setattr(SmartTriggerRunnerSupervisor, "build_trigger_workloads", away)
     for _ in range(6):
-        supervisor._db_step("start", supervisor._start_groups)
+        supervisor._db_step("start", supervisor.start_groups)
     assert not supervisor.groups.unstarted  # every group marked started, none built
 
     def counted(self: Any, ids: set[int]) -> Any:
@@ -308,7 +308,7 @@ def test_groups_started_while_the_database_was_away_are_built_a_batch_at_a_time(
 
     monkeypatch.setattr(SmartTriggerRunnerSupervisor, "build_trigger_workloads", counted)
     for _ in range(6):
-        supervisor._db_step("start", supervisor._start_groups)
+        supervisor._db_step("start", supervisor.start_groups)
     print("\nbuild sizes after the outage:", builds)
     assert builds and max(builds) <= 3
     assert len({w.id for w in supervisor.creating_triggers}) == 12
@@ -355,7 +355,7 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
     """The taker reads the shards holding its first ``FIRST_READ_GROUPS`` groups (by the loads the last
     owner published), starts them, then reads the other shards; every wait is loaded and claimed."""
     from smart_triggerer.db.store import Store
-    from smart_triggerer.supervisor.starting import GroupStarting
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
     from tests.integration.test_supervisor_faults import load
 
     dsn = airflow_config.database_dsn
@@ -363,7 +363,7 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
 
     steps: list[str] = []
     reads = Store.waiting_triggers
-    starts = GroupStarting._start_groups
+    starts = SmartTriggerRunnerSupervisor.start_groups
 
     def read(self: Store, shards: Any, queues: Any, **kw: Any) -> Any:
         if kw.get("after_xid") is None and shards:
@@ -375,7 +375,7 @@ def test_a_big_takeover_hands_its_first_shards_to_the_runner_before_reading_the_
         starts(self)
 
     monkeypatch.setattr(Store, "waiting_triggers", read)
-    monkeypatch.setattr(GroupStarting, "_start_groups", start)
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "start_groups", start)
     owner.release_all()  # a graceful stop: the taker claims its 4 shards with the next renewal
     load(taker)
 
@@ -439,12 +439,12 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
     short lease): then the next loop renews at once and reads the rest. A stop ends them too. Either
     way the shards not read yet stay to be read: nothing of them is lost or started unread."""
     from smart_triggerer.db.store import Store
-    from smart_triggerer.supervisor.starting import GroupStarting
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
     from tests.integration.test_supervisor_faults import load
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)
-    reads, starts = Store.waiting_triggers, GroupStarting._start_groups
+    reads, starts = Store.waiting_triggers, SmartTriggerRunnerSupervisor.start_groups
     full_reads: list[list[int]] = []
 
     def read(self: Store, shards: Any, queues: Any, **kw: Any) -> Any:
@@ -462,7 +462,7 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
             )  # as if this start had taken a whole lease
 
     monkeypatch.setattr(Store, "waiting_triggers", read)
-    monkeypatch.setattr(GroupStarting, "_start_groups", slow_start)
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "start_groups", slow_start)
     owner.release_all()
     taker._db_step("load", taker.read_changes)
     read_so_far = {s for shards in full_reads for s in shards}
@@ -472,7 +472,7 @@ def test_a_takeover_that_stops_between_phases_leaves_the_rest_to_read(
     if meanwhile == "a stop was asked":
         return
     assert taker.last_load == -math.inf  # the next loop renews at once
-    monkeypatch.setattr(GroupStarting, "_start_groups", starts)
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "start_groups", starts)
     load(taker)
     assert not taker.to_read and set(taker.member_info) == waiting_ids(dsn)
 
@@ -509,7 +509,7 @@ def test_a_group_runs_with_its_members_merged_settings_and_a_uniform_one_with_it
         return decrypt(encrypted)
 
     monkeypatch.setattr(Trigger, "_decrypt_kwargs", staticmethod(counted))
-    supervisor._start_groups()
+    supervisor.starting.start_groups()
     monkeypatch.setattr(Trigger, "_decrypt_kwargs", staticmethod(decrypt))
     started = {decrypt(w.encrypted_kwargs)["moment"]: w for w in supervisor.creating_triggers}
     assert len(started) == 2 and len(decrypted) == 1  # the uniform group's kwargs were left as they are
@@ -546,7 +546,7 @@ def test_a_shard_whose_lease_lapsed_during_a_read_starts_nothing(
         return {taker.member_info[w.id].shard for w in taker.creating_triggers if w.id in taker.member_info}
 
     between = started_shards()
-    taker._start_groups()  # the loop's start after the reads
+    taker.starting.start_groups()  # the loop's start after the reads
     print(
         "\nowned:",
         sorted(taker.owned),
@@ -575,13 +575,13 @@ def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
     """While the first shards start (between the two reads), a wait of the first shards and one of the
     rest leave (their tasks cleared, their trigger rows deleted as Airflow's clean_unused does) and new
     waits arrive: after the next loop the taker runs exactly the waits still waiting."""
-    from smart_triggerer.supervisor.starting import GroupStarting
+    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
     from tests.helpers.seeding import seed_deferred
     from tests.integration.test_supervisor_faults import AT_TIME, LATER, load
 
     dsn = airflow_config.database_dsn
     owner, taker = taken_over(airflow_config, monkeypatch)
-    starts = GroupStarting._start_groups
+    starts = SmartTriggerRunnerSupervisor.start_groups
     moved: dict[str, int] = {}
 
     def meanwhile(self: Any) -> None:
@@ -606,7 +606,7 @@ def test_waits_that_arrive_or_leave_between_a_takeovers_two_reads_are_followed(
             )
         starts(self)
 
-    monkeypatch.setattr(GroupStarting, "_start_groups", meanwhile)
+    monkeypatch.setattr(SmartTriggerRunnerSupervisor, "start_groups", meanwhile)
     owner.release_all()
     load(taker)
     assert moved and taker.owned == {0, 1, 2, 3}

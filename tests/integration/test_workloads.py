@@ -93,7 +93,7 @@ def test_workloads_are_airflows_own_in_statements_that_do_not_grow_with_the_batc
     watcher = add_watcher("workloads_watched", moment=at(70))
     load(supervisor)
     with counting_statements() as statements, loaded_task_instances() as loaded:
-        supervisor._start_groups()
+        supervisor.starting.start_groups()
     ours = {w.id: w for w in supervisor.creating_triggers}
     everything = set(plain.trigger_ids) | set(starting.trigger_ids) | {watcher}
     assert set(ours) == everything
@@ -130,7 +130,7 @@ def test_the_statements_of_a_build_do_not_depend_on_its_size(env: AirflowConfig)
         load(supervisor)
         before = len(supervisor.creating_triggers)
         with counting_statements() as statements:
-            supervisor._start_groups()
+            supervisor.starting.start_groups()
         assert len(supervisor.creating_triggers) - before == count
         counts.append(len(statements))
         supervisor.dag_cache.clear()  # as at the end of a start

@@ -13,7 +13,7 @@ import pytest
 
 import smart_triggerer.runner.trigger_runner as runner_module
 from smart_triggerer.runner.trigger_runner import NUDGE_SIGNAL, SmartTriggerRunner, listen_for_nudges
-from smart_triggerer.supervisor.starting import GroupStarting
+from smart_triggerer.supervisor.runner_comms import RunnerComms
 
 
 def test_a_nudge_ends_the_runners_idle_tick(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,20 +76,20 @@ def _verdict(child: subprocess.Popen[str]) -> str:
 def test_the_supervisor_nudges_its_runner_once_until_it_asks() -> None:
     first = _listener(60.0)
     supervisor = SimpleNamespace(pid=first.pid, nudged=False, _exit_code=None)
-    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
+    RunnerComms._nudge_runner(supervisor)  # type: ignore[arg-type]
     assert _verdict(first) == "nudged"
     assert supervisor.nudged  # until the runner's next request clears it (``_handle_request``)
     # not asked since: no second signal (the listener gives its verdict after its whole window)
     second = _listener(2.0)
     supervisor.pid = second.pid
-    GroupStarting._nudge_runner(supervisor)  # type: ignore[arg-type]
+    RunnerComms._nudge_runner(supervisor)  # type: ignore[arg-type]
     assert _verdict(second) == "not nudged"
     # asked since, but the runner exited (reaped: its pid may be another process's now): nothing sent
     third = _listener(2.0)
     exited = SimpleNamespace(pid=third.pid, nudged=False, _exit_code=0)
-    GroupStarting._nudge_runner(exited)  # type: ignore[arg-type]
+    RunnerComms._nudge_runner(exited)  # type: ignore[arg-type]
     assert _verdict(third) == "not nudged"
-    GroupStarting._nudge_runner(SimpleNamespace(pid=None, nudged=False, _exit_code=None))  # type: ignore[arg-type]
+    RunnerComms._nudge_runner(SimpleNamespace(pid=None, nudged=False, _exit_code=None))  # type: ignore[arg-type]
 
 
 def test_a_runner_pid_of_zero_or_less_signals_no_process_group() -> None:
@@ -98,5 +98,5 @@ def test_a_runner_pid_of_zero_or_less_signals_no_process_group() -> None:
     processes of its group, among them a listener of the test above expecting no signal."""
     listener = _listener(2.0)  # started by this process: in its process group
     for pid in (0, -os.getpgid(0)):
-        GroupStarting._nudge_runner(SimpleNamespace(pid=pid, nudged=False, _exit_code=None))  # type: ignore[arg-type]
+        RunnerComms._nudge_runner(SimpleNamespace(pid=pid, nudged=False, _exit_code=None))  # type: ignore[arg-type]
     assert _verdict(listener) == "not nudged"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -52,9 +53,9 @@ def conductor_as_each_instance(conductor: SmartTriggerRunnerSupervisor) -> list[
 
 
 def test_the_conductor_answers_everything_each_part_asks_of_the_instance() -> None:
-    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall
+    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall, starting
 
-    for part in (events, feed, handover, housekeeping, leases, stall):
+    for part in (events, feed, handover, housekeeping, leases, stall, starting):
         protocol = part.Instance
         asked = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
         assert asked, part.__name__
@@ -79,7 +80,7 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
     import socket
     import threading
 
-    from smart_triggerer.supervisor.starting import GroupStarting
+    from smart_triggerer.supervisor.runner_comms import RunnerComms
 
     runner_end, supervisor_end = socket.socketpair()
     received = bytearray()
@@ -92,11 +93,11 @@ def test_a_log_channel_read_through_during_a_request_never_blocks_the_loop() -> 
     with runner_end, supervisor_end, selectors.DefaultSelector() as selector:
         selector.register(supervisor_end, selectors.EVENT_READ, (read, lambda sock: None))
         supervisor = SimpleNamespace(selector=selector, _open_sockets={supervisor_end: "logs"})
-        supervisor._log_keys = lambda: GroupStarting._log_keys(supervisor)  # type: ignore[arg-type]
-        GroupStarting._guard_log_reads(supervisor)  # type: ignore[arg-type]  # what run_once does first
+        supervisor._log_keys = lambda: RunnerComms._log_keys(supervisor)  # type: ignore[arg-type]
+        RunnerComms._guard_log_reads(supervisor)  # type: ignore[arg-type]  # what run_once does first
         runner_end.sendall(b"Trigger fired event\n")
         ready = selector.select(0)  # Airflow's select: the log channel is ready
-        GroupStarting._read_sent_log_lines(supervisor)  # type: ignore[arg-type]  # a request read it through
+        RunnerComms._read_sent_log_lines(supervisor)  # type: ignore[arg-type]  # a request read it through
         assert bytes(received) == b"Trigger fired event\n"
         finished = threading.Event()
 
@@ -121,7 +122,7 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
     import selectors
     import socket
 
-    from smart_triggerer.supervisor.starting import LOG_READS_BEFORE_FINISHING, GroupStarting
+    from smart_triggerer.supervisor.runner_comms import LOG_READS_BEFORE_FINISHING, RunnerComms
     from smart_triggerer.supervisor.trigger_logs import LOG_READS_PER_PASS, reading_only_ready
 
     runner_end, supervisor_end = socket.socketpair()
@@ -162,9 +163,9 @@ def test_a_pass_of_the_loop_reads_the_log_channel_through_in_4_kb_reads_up_to_a_
         with selectors.DefaultSelector() as selector:  # as the loop installs it, then a request reads through
             selector.register(supervisor_end, selectors.EVENT_READ, (read_without_taking, lambda sock: None))
             supervisor = SimpleNamespace(selector=selector, _open_sockets={supervisor_end: "logs"})
-            supervisor._log_keys = lambda: GroupStarting._log_keys(supervisor)  # type: ignore[arg-type]
-            GroupStarting._guard_log_reads(supervisor)  # type: ignore[arg-type]
-            GroupStarting._read_sent_log_lines(supervisor)  # type: ignore[arg-type]
+            supervisor._log_keys = lambda: RunnerComms._log_keys(supervisor)  # type: ignore[arg-type]
+            RunnerComms._guard_log_reads(supervisor)  # type: ignore[arg-type]
+            RunnerComms._read_sent_log_lines(supervisor)  # type: ignore[arg-type]
         assert calls == LOG_READS_BEFORE_FINISHING  # Airflow's reads, not passes of 64 each
 
 
@@ -191,39 +192,49 @@ def test_run_once_wraps_the_log_reader_before_anything_else() -> None:
 
 
 def test_the_collector_is_held_while_a_big_start_is_under_way_and_released_when_it_is_over() -> None:
-    """``_hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM`` groups
-    waiting to start while groups wait, workloads wait to be built or a phased takeover's shards wait to
-    be read, or a big hand-out's first log lines are still held; released once none does."""
+    """``Starting.hold_collector`` (called by every loop and every start pass): held from ``FREEZE_FROM``
+    groups waiting to start while groups wait, workloads wait to be built or a phased takeover's shards
+    wait to be read, or a big hand-out's first log lines are still held; released once none does."""
     import gc
 
-    from smart_triggerer.runner.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS, OlderHeld
-    from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
+    from smart_triggerer.runner.collector import FREEZE_FROM, NO_OLDER_COLLECTIONS
+    from smart_triggerer.supervisor.deadlines import MemberDeadlines
+    from smart_triggerer.supervisor.feed import Feed
+    from smart_triggerer.supervisor.handover import Handover
+    from smart_triggerer.supervisor.log_files import LogFiles
+    from smart_triggerer.supervisor.starting import Starting
 
-    supervisor = object.__new__(SmartTriggerRunnerSupervisor)
-    supervisor.shared, supervisor.collector = shared(), OlderHeld()
-    supervisor.feed = SimpleNamespace(to_read=set())  # type: ignore[assignment]  # what the collector reads of it
-    supervisor.build_backlog, supervisor.to_read, supervisor.owned = False, set(), {1, 2}
-    supervisor.log_files = SimpleNamespace(pool=SimpleNamespace(holding=False))  # type: ignore[assignment]
-    supervisor.shared.capacity = 10 * FREEZE_FROM
+    context = Shared(settings=Settings(), capacity=10 * FREEZE_FROM, owned={1, 2})
+    instance = cast("Any", SimpleNamespace())  # a stand-in the collector's hold never asks anything of
+    deadlines = MemberDeadlines(context)
+    log_files = LogFiles(context, running=set, start_under_way=lambda: False, logger_cache={})
+    part = Starting(
+        context,
+        instance,
+        feed=Feed(context, deadlines, instance),
+        deadlines=deadlines,
+        handover=Handover(context, instance),
+        log_files=log_files,
+    )
     thresholds = gc.get_threshold()
     try:
         for member in range(FREEZE_FROM):
-            supervisor.groups.join(member, identity_hash=member)
-        supervisor._hold_collector()
+            context.groups.join(member, identity_hash=member)
+        part.hold_collector()
         assert gc.get_threshold()[1:] == (NO_OLDER_COLLECTIONS, NO_OLDER_COLLECTIONS)
-        for group in list(supervisor.groups.unstarted.values()):
-            supervisor.groups.start(group)
-        supervisor.build_backlog, supervisor.to_read = True, {2}  # started, not all built; a phase to read
-        supervisor._hold_collector()
+        for group in list(context.groups.unstarted.values()):
+            context.groups.start(group)
+        part.build_backlog, part.feed.to_read = True, {2}  # started, not all built; a phase to read
+        part.hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS
-        supervisor.build_backlog = False
-        supervisor._hold_collector()
+        part.build_backlog = False
+        part.hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # shard 2 still to read
-        supervisor.to_read, supervisor.log_files.pool.holding = set(), True
-        supervisor._hold_collector()
+        part.feed.to_read, log_files.pool.holding = set(), True
+        part.hold_collector()
         assert gc.get_threshold()[1] == NO_OLDER_COLLECTIONS  # the runner still makes their first lines
-        supervisor.log_files.pool.holding = False
-        supervisor._hold_collector()
+        log_files.pool.holding = False
+        part.hold_collector()
         assert gc.get_threshold() == thresholds
     finally:
         gc.set_threshold(*thresholds)
