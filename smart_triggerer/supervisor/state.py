@@ -1,12 +1,13 @@
-"""What every part of the supervisor shares: its fields (one attrs class) and the few helpers
-more than one part calls; the calls parts make into each other are named at the end (each part
-implements its own, the conductor inherits them all)."""
+"""The conductor's fields (one attrs class over Airflow's ``TriggerRunnerSupervisor``): the context the
+parts share and the parts, built in order, each handed what it works with; what the conductor itself
+keeps between loops (its loop's timing, the runner's comms, the step that failed last); the way a step
+runs (``_db_step``); and, named at the end, what the reports mixin implements for the overrides."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -15,11 +16,10 @@ from airflow.jobs.triggerer_job_runner import (
     TriggerEventEntry,
     TriggerRunnerSupervisor,
 )
-from sqlalchemy.orm import Session
 
 from smart_triggerer.config import Settings
 from smart_triggerer.db.errors import cause, is_outage
-from smart_triggerer.db.store import RowScope, multi_team_enabled
+from smart_triggerer.db.store import multi_team_enabled
 from smart_triggerer.placement.groups import Groups
 from smart_triggerer.supervisor.dagbag import DagCache, OneBuildDagBag
 from smart_triggerer.supervisor.dead_letters import DeadLetters
@@ -44,7 +44,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     settings: Settings = attrs.field(factory=Settings.from_airflow)
     multi_team: bool = attrs.field(factory=multi_team_enabled)
     health_url: str | None = None
-    # what the parts share, and the parts that own their state (the rest are still this class's mixins)
+    # what the parts share, and the parts, each owning its state
     shared: Shared = attrs.field(
         init=False,
         default=attrs.Factory(
@@ -224,22 +224,6 @@ class SupervisorState(TriggerRunnerSupervisor):
         self.shared.owned = shards
 
     @property
-    def lapsed(self) -> set[int]:
-        return self.shared.lapsed
-
-    @lapsed.setter
-    def lapsed(self, shards: set[int]) -> None:
-        self.shared.lapsed = shards
-
-    @property
-    def db_clock(self) -> tuple[float, float] | None:
-        return self.shared.db_clock
-
-    @db_clock.setter
-    def db_clock(self, reading: tuple[float, float] | None) -> None:
-        self.shared.db_clock = reading
-
-    @property
     def events_total(self) -> int:
         return self.shared.counters.events
 
@@ -266,14 +250,6 @@ class SupervisorState(TriggerRunnerSupervisor):
     @property
     def job_id(self) -> int:
         return self.shared.job_id
-
-    @property
-    def queues_key(self) -> str | None:
-        return self.shared.queues_key
-
-    @property
-    def queue_list(self) -> RowScope:
-        return self.shared.queue_list
 
     def _db_step(self, name: str, step: Callable[[], None]) -> bool:
         """A step that fails must not stop the service: an outage is logged once, any other error when
@@ -311,30 +287,6 @@ class SupervisorState(TriggerRunnerSupervisor):
             # not the database being away: a statement it refused, a lock, or a bug (named, not hidden)
             log.error("a loop step failed; retrying it every loop", step=name, error=self.last_error)
         self.failed_step = (name, self.last_error)
-
-    def _fence(self, session: Session) -> set[int]:
-        return self.shared.fence(session)
-
-    def _shard_of(self, trigger_id: int) -> int | None:
-        return self.shared.shard_of(trigger_id)
-
-    def _db_now(self) -> float:
-        return self.shared.db_now()
-
-    def _forget_member(self, trigger_id: int, *, user_action: bool) -> None:
-        self.shared.forget_member(trigger_id, user_action=user_action)
-
-    def _is_task(self, trigger_id: int) -> bool:
-        return self.shared.is_task(trigger_id)
-
-    def _task_members(self, members: Iterable[int]) -> list[int]:
-        return self.shared.task_members(members)
-
-    def _room(self) -> int:
-        return self.shared.room()
-
-    def _busy_budget(self) -> float:
-        return self.shared.busy_budget()
 
     # --- what the parts call of each other: each is implemented by its part, the conductor has them all ---
 

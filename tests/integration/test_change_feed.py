@@ -433,7 +433,7 @@ def test_deadlines_of_members_that_left_do_not_pile_up(env: AirflowConfig) -> No
     supervisor = make_supervisor()
     seeded = seed(env, 2, trigger_timeout=dt.timedelta(days=7))
     load(supervisor)
-    supervisor.deadlines.deadlines.extend((supervisor._db_now() + 3600 + i, -i) for i in range(1, 5000))
+    supervisor.deadlines.deadlines.extend((supervisor.shared.db_now() + 3600 + i, -i) for i in range(1, 5000))
     supervisor.deadlines.timeout_members()
     assert sorted(t for _due, t in supervisor.deadlines.deadlines) == sorted(seeded.trigger_ids)
 

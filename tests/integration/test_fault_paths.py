@@ -854,9 +854,9 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
     for k in range(64):
         waits += seed(env, 1, moment=other_time(5 + k)).trigger_ids
         load(first)
-        if {first._shard_of(t) for t in waits} == {0, 1, 2, 3}:
+        if {first.shared.shard_of(t) for t in waits} == {0, 1, 2, 3}:
             break
-    assert {first._shard_of(t) for t in waits} == {0, 1, 2, 3}, "64 identities missed a shard"
+    assert {first.shared.shard_of(t) for t in waits} == {0, 1, 2, 3}, "64 identities missed a shard"
     assert first.owned == {0, 1, 2, 3}
     lingering = psycopg2.connect(dsn)
     try:
@@ -870,7 +870,7 @@ def test_a_handover_while_a_session_of_its_own_locks_its_leases_keeps_the_renewa
         print(f"\nowned after the renewal: {sorted(first.owned)}; failed step: {first.failed_step}")
         assert first.failed_step is None, "the renewal failed"
         assert first.owned and first.owned < {0, 1, 2, 3}
-        kept = {t for t in waits if first._shard_of(t) in first.owned}
+        kept = {t for t in waits if first.shared.shard_of(t) in first.owned}
         assert kept and kept <= set(first.member_info)
     finally:
         lingering.close()
