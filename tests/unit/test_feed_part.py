@@ -4,43 +4,22 @@ and a snapshot older than what was read means the database went back (everything
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Mapping
 
 from smart_triggerer.config import Settings
 from smart_triggerer.supervisor.deadlines import MemberDeadlines
 from smart_triggerer.supervisor.feed import FIRST_READ_GROUPS, Feed
 from smart_triggerer.supervisor.shared import Shared
+from tests.helpers.parts import QuietInstance
 
 
-class Instance:
+class Instance(QuietInstance):
     def __init__(self, loads: dict[int, int]) -> None:
+        super().__init__()
         self.loads = loads
-
-    def stopping(self) -> bool:
-        return False
-
-    def runner_exited(self) -> bool:
-        return False
-
-    def renewed_at(self) -> float:
-        return 0.0
-
-    def renew_now(self) -> None: ...
-
-    def drop_lapsed(self) -> None: ...
-
-    def leaving_shards(self) -> Collection[int]:
-        return ()
 
     def published_groups(self) -> Mapping[int, int]:
         return self.loads
-
-    def start_groups(self) -> None: ...
-
-    def send_to_runner(self) -> None: ...
-
-    def db_step(self, name: str, step: Callable[[], None]) -> bool:
-        return True
 
 
 def feed(loads: dict[int, int]) -> Feed:

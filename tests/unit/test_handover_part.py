@@ -10,26 +10,16 @@ import time
 from smart_triggerer.config import Settings
 from smart_triggerer.supervisor.handover import DRAIN_SECONDS, Handover
 from smart_triggerer.supervisor.shared import MemberInfo, Shared
+from tests.helpers.parts import QuietInstance
 
 
-class Instance:
+class Instance(QuietInstance):
     def __init__(self) -> None:
-        self.alive: set[int] = set()
+        super().__init__()
         self.in_flight: list[int] = []
-        self.changes = 0
-        self.to_read: set[int] = set()
-
-    def alive_runners(self) -> set[int]:
-        return set(self.alive)
 
     def events_in_flight(self) -> list[int]:
         return self.in_flight
-
-    def runner_changed(self) -> None:
-        self.changes += 1
-
-    def read_in_full(self, shards: set[int]) -> None:
-        self.to_read |= shards
 
 
 def fleet_full_instance() -> tuple[Shared, Instance, Handover]:
@@ -49,7 +39,7 @@ def fleet_full_instance() -> tuple[Shared, Instance, Handover]:
 def test_a_shard_given_up_drains_while_its_coroutines_end_and_is_released_once_they_did() -> None:
     shared, instance, handover = fleet_full_instance()
     assert handover.drained({3}) == set()  # coroutine 1 still runs: the lease is kept
-    assert set(handover.leaving) == {3} and handover.runners == {1} and instance.changes == 1
+    assert set(handover.leaving) == {3} and handover.runners == {1} and instance.runner_changes == 1
     assert set(shared.member_info) == {1, 3}  # member 2 had no coroutine: nothing in flight, forgotten
     instance.alive.discard(1)
     instance.in_flight.append(1)  # it ended, but its event is not stored yet
@@ -70,10 +60,10 @@ def test_a_shard_wanted_again_while_draining_is_read_in_full_again() -> None:
     its shard began to leave, must be read again, or nobody would run it while the shard stays here."""
     _shared, instance, handover = fleet_full_instance()
     handover.drained({3})
-    changes = instance.changes
+    changes = instance.runner_changes
     assert handover.drained(set()) == set()  # shard 3 is wanted again
-    assert not handover.leaving and not handover.runners and instance.changes == changes + 1
-    assert instance.to_read == {3}
+    assert not handover.leaving and not handover.runners and instance.runner_changes == changes + 1
+    assert instance.to_read_in_full == {3}
 
 
 def test_forgetting_dropped_shards_ends_their_drain() -> None:
@@ -82,6 +72,6 @@ def test_forgetting_dropped_shards_ends_their_drain() -> None:
     assert handover.runners == {1, 3}
     handover.forget({4})
     assert set(handover.leaving) == {3} and handover.runners == {1}
-    changes = instance.changes
+    changes = instance.runner_changes
     handover.forget({7})  # not leaving: nothing changes, the runner is not asked again
-    assert instance.changes == changes
+    assert instance.runner_changes == changes

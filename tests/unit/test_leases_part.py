@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from airflow.triggers.base import TriggerEvent
 
@@ -20,32 +19,16 @@ from smart_triggerer.supervisor.handover import Handover
 from smart_triggerer.supervisor.leases import LAPSE_MARGIN_SECONDS, LOAD_STEP, Leases
 from smart_triggerer.supervisor.load import LoadFilters
 from smart_triggerer.supervisor.shared import Held, MemberInfo, Shared
+from tests.helpers.parts import QuietInstance
 
 
-class Instance:
-    """The conductor's answers to the leases, the feed and the handover, recorded."""
-
-    health_url: str | None = None
+class Instance(QuietInstance):
+    """The conductor's answers to the leases and the parts they work with; a renewal's step recorded."""
 
     def __init__(self, renewal_fails: bool = False) -> None:
+        super().__init__()
         self.renewal_fails = renewal_fails
-        self.load_due = math.inf
         self.steps: list[str] = []
-        self.alive: set[int] = set()
-
-    # the leases'
-    def stalled(self) -> bool:
-        return False
-
-    def counters(self) -> dict[str, Any]:
-        return {}
-
-    def counters_published(self, counters: dict[str, Any]) -> None: ...
-
-    def publish_snapshot(self) -> None: ...
-
-    def load_by(self, due: float) -> None:
-        self.load_due = min(self.load_due, due)
 
     def step_error(self) -> str | None:
         return "the database is away" if self.renewal_fails else None
@@ -53,40 +36,6 @@ class Instance:
     def db_step(self, name: str, step: Callable[[], None]) -> bool:
         self.steps.append(name)
         return not self.renewal_fails  # the renewal's statements are the integration tests'
-
-    # the feed's and the handover's
-    def stopping(self) -> bool:
-        return False
-
-    def runner_exited(self) -> bool:
-        return False
-
-    def renewed_at(self) -> float:
-        return 0.0
-
-    def renew_now(self) -> None: ...
-
-    def drop_lapsed(self) -> None: ...
-
-    def leaving_shards(self) -> Collection[int]:
-        return ()
-
-    def published_groups(self) -> Mapping[int, int]:
-        return {}
-
-    def start_groups(self) -> None: ...
-
-    def send_to_runner(self) -> None: ...
-
-    def alive_runners(self) -> set[int]:
-        return set(self.alive)
-
-    def events_in_flight(self) -> list[int]:
-        return []
-
-    def runner_changed(self) -> None: ...
-
-    def read_in_full(self, shards: set[int]) -> None: ...
 
 
 def leases(instance: Instance, members: dict[int, int]) -> Leases:

@@ -5,7 +5,7 @@ being given up are cancelled, and a leader whose workload is refused hands over 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from smart_triggerer.supervisor.handover import Handover
 from smart_triggerer.supervisor.log_files import LogFiles
 from smart_triggerer.supervisor.shared import MemberInfo, Shared
 from smart_triggerer.supervisor.starting import RowCannotBeBuilt, Starting
+from tests.helpers.parts import QuietInstance
 
 
 @dataclass
@@ -25,28 +26,19 @@ class Workload:
     id: int
 
 
-class Runner:
-    """The conductor's answers for the runner's side: what it runs, and what it was handed or told."""
+class Runner(QuietInstance):
+    """The conductor's answers for the runner's side: what it runs (``alive``), and what it was handed
+    or told."""
 
     def __init__(self, refuse: Collection[int] = ()) -> None:
+        super().__init__()
         self.refuse = set(refuse)  # rows whose workload the build refuses (RowCannotBeBuilt)
-        self.runs: set[int] = set()
         self.handed: list[int] = []
         self.cancelled: set[int] = set()
         self.builds: list[set[int]] = []
-        self.version = 0
-
-    def stopping(self) -> bool:
-        return False
 
     def send_to_runner(self) -> None:
-        self.runs |= set(self.handed)  # it took what it was handed
-
-    def runner_version(self) -> int:
-        return self.version
-
-    def running(self) -> set[int]:
-        return self.runs
+        self.alive |= set(self.handed)  # it took what it was handed
 
     def not_to_start(self) -> Iterable[Iterable[int]]:
         return (self.handed, self.cancelled)
@@ -62,39 +54,6 @@ class Runner:
 
     def hand_out(self, workloads: Sequence[Any]) -> None:
         self.handed.extend(w.id for w in workloads)
-
-    # the feed's and the handover's (unused here)
-    def runner_exited(self) -> bool:
-        return False
-
-    def renewed_at(self) -> float:
-        return 0.0
-
-    def renew_now(self) -> None: ...
-
-    def drop_lapsed(self) -> None: ...
-
-    def leaving_shards(self) -> Collection[int]:
-        return ()
-
-    def published_groups(self) -> Mapping[int, int]:
-        return {}
-
-    def start_groups(self) -> None: ...
-
-    def db_step(self, name: str, step: Any) -> bool:
-        return True
-
-    def alive_runners(self) -> set[int]:
-        return set(self.runs)
-
-    def events_in_flight(self) -> list[int]:
-        return []
-
-    def runner_changed(self) -> None:
-        self.version += 1
-
-    def read_in_full(self, shards: set[int]) -> None: ...
 
 
 def starting(runner: Runner, *, capacity: int = 100, max_new_per_loop: int = 100) -> Starting:
@@ -146,7 +105,7 @@ def test_coroutines_no_group_wants_and_those_of_shards_leaving_are_cancelled() -
     join(part, 2, identity_hash=2, shard=1)
     part.start_groups()
     runner.send_to_runner()
-    runner.runs.add(99)  # a coroutine of a group this instance forgot
+    runner.alive.add(99)  # a coroutine of a group this instance forgot
     part.handover.leave({1}, until=float("inf"))  # shard 1 is being given up: its coroutine ends
     part.request_started()
     assert runner.cancelled == {99, 2}
