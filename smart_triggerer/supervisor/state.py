@@ -155,7 +155,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     def held(self) -> dict[int, Held]:
         return self.shared.held
 
-    # what the events part keeps (events.py), for the reports and the parts still mixins
+    # what the events part keeps (events.py), for the reports and Airflow's overrides
 
     @property
     def orphans(self) -> list[TriggerEventEntry]:
@@ -177,7 +177,7 @@ class SupervisorState(TriggerRunnerSupervisor):
     def last_watcher_error(self) -> str | None:
         return self.event_fanout.last_watcher_error
 
-    # the feed's positions and the shards it has still to read (feed.py), for the parts still mixins
+    # the feed's positions and the shards it has still to read (feed.py), for the conductor and the tests
 
     @property
     def to_read(self) -> set[int]:

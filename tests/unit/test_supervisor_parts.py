@@ -39,7 +39,7 @@ def test_every_call_between_parts_is_implemented_by_a_part() -> None:
 def conductor_as_each_instance(conductor: SmartTriggerRunnerSupervisor) -> list[object]:
     """mypy checks that the conductor is each part's ``Instance`` (the parts are built in attrs factories,
     where ``self`` is not typed): a missing or misspelled answer fails the fast lane's type check."""
-    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall
+    from smart_triggerer.supervisor import events, feed, handover, housekeeping, leases, stall, starting
 
     answers: tuple[
         events.Instance,
@@ -48,7 +48,8 @@ def conductor_as_each_instance(conductor: SmartTriggerRunnerSupervisor) -> list[
         housekeeping.Instance,
         leases.Instance,
         stall.Instance,
-    ] = (conductor, conductor, conductor, conductor, conductor, conductor)
+        starting.Instance,
+    ] = (conductor, conductor, conductor, conductor, conductor, conductor, conductor)
     return list(answers)
 
 
