@@ -153,7 +153,8 @@ class Leases:
             cause=self.instance.step_error(),
         )
         self.drop(set(self.shared.owned))
-        self.shared.owned = set()
+        # nothing is owned: nothing is left to read in full either (whatever is claimed again is, then)
+        self.shared.owned, self.feed.to_read = set(), set()
 
     def _renewal_overdue(self) -> bool:
         return time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6

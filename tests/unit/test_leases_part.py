@@ -101,13 +101,14 @@ def test_shards_a_fence_found_lapsed_are_dropped_and_left_unread_until_claimed_a
 def test_every_shard_stops_when_a_renewal_falls_due_and_fails() -> None:
     instance = Instance(renewal_fails=True)
     part = leases(instance, {1: 3, 2: 4})
+    part.feed.to_read = {4}  # a phase of a takeover not read yet
     part.last_renewal = time.monotonic()
     part.guard()
     assert instance.steps == [] and part.shared.owned == {3, 4}, "not due: nothing renewed or stopped"
     part.last_renewal -= part.settings.lease_seconds * 0.7
     part.guard()
     assert instance.steps == ["renewal"]
-    assert part.shared.owned == set() and part.shared.member_info == {}
+    assert part.shared.owned == set() and part.shared.member_info == {} and part.feed.to_read == set()
 
 
 def test_the_feed_position_published_is_the_older_of_the_two_and_none_once_lost() -> None:
