@@ -132,14 +132,14 @@ class SmartTriggerRunnerSupervisor(RunnerComms, Reports, SupervisorState):
             return
         deadline = time.monotonic() + self.handover.drain_seconds()
         self.handover.leave(set(self.owned) - set(self.handover.leaving), deadline)
-        while self.handover.runners & self._alive_runners() and time.monotonic() < deadline:
+        while self.handover.runners & self.alive_runners() and time.monotonic() < deadline:
             self.starting.request_started()  # the cancels go out with the runner's next answer
             self._service_subprocess(0.05)
             self._db_step("events", self.handle_events)
             if self._exit_code is not None:
                 break
         self._db_step("events", self.handle_events)
-        left = self.handover.runners & self._alive_runners()
+        left = self.handover.runners & self.alive_runners()
         if left:
             log.warning(
                 "stopping with coroutines the runner had not ended yet; an event they fire now is "
@@ -150,10 +150,6 @@ class SmartTriggerRunnerSupervisor(RunnerComms, Reports, SupervisorState):
     def release_all(self) -> None:
         self.waker.close()
         self.leases.release_all()
-
-    def _alive_runners(self) -> set[int]:
-        """Coroutines the runner runs or has been handed (it may still start those)."""
-        return self.running_triggers | {w.id for w in self.creating_triggers}
 
     # --- what the leases ask of the instance (leases.py, Instance) ---
 
@@ -258,11 +254,11 @@ class SmartTriggerRunnerSupervisor(RunnerComms, Reports, SupervisorState):
         return int(self.pid)
 
     def alive_runners(self) -> set[int]:
-        return self._alive_runners()
+        """Coroutines the runner runs or has been handed (it may still start those)."""
+        return self.running_triggers | {w.id for w in self.creating_triggers}
 
     def hand_every_shard_over(self) -> None:
-        self.leases.drop(set(self.owned) | set(self.handover.leaving))
-        self.owned, self.to_read = set(), set()
+        self.leases.drop_all()
 
     def take_shards_again(self) -> None:
         self.leases.lost_the_feed()

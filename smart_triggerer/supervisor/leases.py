@@ -152,9 +152,7 @@ class Leases:
             shards=len(self.shared.owned),
             cause=self.instance.step_error(),
         )
-        self.drop(set(self.shared.owned))
-        # nothing is owned: nothing is left to read in full either (whatever is claimed again is, then)
-        self.shared.owned, self.feed.to_read = set(), set()
+        self.drop_all()
 
     def _renewal_overdue(self) -> bool:
         return time.monotonic() - self.last_renewal > self.settings.lease_seconds * 0.6
@@ -325,6 +323,12 @@ class Leases:
             self.shared.held.pop(trigger_id, None)
             self.shared.forget_member(trigger_id, user_action=False)
         self.handover.forget(shards)
+
+    def drop_all(self) -> None:
+        """Every shard stopped (a renewal that failed, the runner wedged): its waiters forgotten, no drain
+        left, nothing owned and so nothing left to read in full (whatever is claimed again is, then)."""
+        self.drop(self.shared.owned | set(self.handover.leaving))
+        self.shared.owned, self.feed.to_read = set(), set()
 
     def release_all(self) -> None:
         """Graceful stop: release every lease and leave the membership at once; the last instance also
