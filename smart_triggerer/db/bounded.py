@@ -103,3 +103,14 @@ def each_statement_commits(session: Any) -> None:
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+def close_pooled_connections() -> None:
+    """Close every connection in Airflow's pool (opened again as needed). Called just before the trigger
+    runner is forked: a child holds a copy of every socket its parent had open, and a database
+    connection's session then ends only when both processes have closed it. The runner never uses one;
+    holding them, a runner left behind by a killed supervisor kept that supervisor's sessions alive."""
+    from airflow import settings
+
+    if settings.engine is not None:
+        settings.engine.dispose()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import selectors
 import time
 from collections.abc import Callable
@@ -72,9 +73,13 @@ class MembershipNotices:
             return
         try:
             sock = _Socket(conn)
-            selector.register(sock, selectors.EVENT_READ, (self._readable, self._closed))
         except Exception:
             conn.close()
+            raise
+        try:
+            selector.register(sock, selectors.EVENT_READ, (self._readable, self._closed))
+        except Exception:
+            sock.close()
             raise
         if self.failing:
             log.info("listening for membership notices again")
@@ -121,18 +126,31 @@ class MembershipNotices:
 
 
 class _Socket:
-    """The listening connection as the selector sees it: its descriptor read once (a broken psycopg2
-    connection refuses ``fileno()``, and the selector needs it to let go of it)."""
+    """The listening connection as the selector sees it: a duplicate of its descriptor, owned here.
+
+    libpq closes the connection's own descriptor when the server ends the session, before the selector
+    can let go of it; and the trigger runner, forked from the supervisor, may hold the same socket. epoll
+    then kept the dead socket registered under a number the selector no longer knew (nothing ever removes
+    it while another process holds the socket): it was readable for ever, and the loop spun at a whole
+    core after any break of this connection (a restart, a terminated session). The duplicate stays open
+    until the selector has let go of it, so unregistering always removes what was registered."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self.fd = int(conn.fileno())
+        self.fd = os.dup(int(conn.fileno()))
+        self.closed = False
 
     def fileno(self) -> int:
         return self.fd
 
     def close(self) -> None:
-        self.conn.close()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.conn.close()
+        finally:
+            os.close(self.fd)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from airflow.jobs.triggerer_job_runner import TriggererJobRunner
 from sqlalchemy.exc import SQLAlchemyError
 
 from smart_triggerer.config import ConfigError, Settings
-from smart_triggerer.db.bounded import bound_waits
+from smart_triggerer.db.bounded import bound_waits, close_pooled_connections
 from smart_triggerer.runner.collector import tune_collector
 from smart_triggerer.supervisor import SmartTriggerRunnerSupervisor
 from smart_triggerer.supervisor.log_files import EXIT_LOG_SECONDS
@@ -70,6 +70,7 @@ class SmartTriggererJobRunner(TriggererJobRunner):
             health.start()
         supervisor: SmartTriggerRunnerSupervisor | None = None
         tune_collector()  # before the runner is forked: it inherits the settings and the frozen heap
+        close_pooled_connections()  # nor any database socket: the runner never opens a session
         try:
             supervisor = SmartTriggerRunnerSupervisor.start(
                 job=self.job,

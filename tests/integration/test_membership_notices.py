@@ -7,10 +7,15 @@ notices a newcomer would get its share, and a stopped instance's shards a new ow
 
 from __future__ import annotations
 
+import os
 import selectors
 import signal
 import time
 from datetime import datetime
+from pathlib import Path
+
+import psutil
+import psycopg2.extensions
 
 from devkit.devstack import AirflowConfig, AirflowStack, Component
 from tests.helpers.waiting import lease_owners, rows, wait_for
@@ -132,3 +137,91 @@ def test_a_listener_hears_peers_not_itself_and_listens_again_after_its_connectio
     finally:
         listener.close()
         selector.close()
+
+
+def listening_backend(dsn: str) -> int | None:
+    """The server process of the database's LISTEN session, None while nobody listens."""
+    from smart_triggerer.db.notices import CHANNEL
+
+    found = rows(
+        dsn,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query = %s",
+        f"LISTEN {CHANNEL}",
+    )
+    return int(found[0][0]) if found else None
+
+
+def descriptors(pid: int) -> dict[str, str]:
+    """The process's open descriptors and what each is (``socket:[inode]``, a path, ...)."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since it was listed
+            continue
+    return found
+
+
+def stale_registrations(pid: int) -> list[str]:
+    """What the process's epoll sets watch that is no longer the descriptor of that number: a socket
+    closed under its registration (another process holds it, so epoll kept it, readable for ever)."""
+    stale = []
+    for fd, target_of in descriptors(pid).items():
+        if "eventpoll" not in target_of:
+            continue
+        try:
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+        except FileNotFoundError:  # closed since it was listed
+            continue
+        for line in info.splitlines():
+            if not line.startswith("tfd:"):
+                continue
+            fields = line.split()
+            target, inode = fields[1], int(fields[fields.index("pos:0") + 1].removeprefix("ino:"), 16)
+            try:
+                current = os.stat(f"/proc/{pid}/fd/{target}").st_ino
+            except FileNotFoundError:
+                current = None
+            if current != inode:
+                stale.append(line)
+    return stale
+
+
+def database_sockets(pid: int, dsn: str) -> list[int]:
+    """Inodes of the process's TCP connections to the database server's port."""
+    port = int(psycopg2.extensions.parse_dsn(dsn).get("port", 5432))
+    mine = {int(t[len("socket:[") : -1]) for t in descriptors(pid).values() if t.startswith("socket:[")}
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            remote_port, inode = int(fields[2].rsplit(":", 1)[1], 16), int(fields[9])
+            if remote_port == port and inode in mine:
+                found.append(inode)
+    return found
+
+
+def test_a_broken_listening_connection_leaves_the_loop_waiting_and_the_runner_holds_no_session(
+    airflow_stack: AirflowStack,
+) -> None:
+    """The server ends the listening session: the instance listens again on a new one, and its loop goes
+    on waiting for work (it spun at a whole core, for ever, on the dead socket's registration); the trigger
+    runner, forked from the supervisor, holds none of its database connections."""
+    dsn = airflow_stack.config.database_dsn
+    instance = start(airflow_stack, "smart-listening")
+    _job_of(health_url(instance))
+    first = wait_for(lambda: listening_backend(dsn), lambda p: p is not None, 30, "the instance listening")
+    supervisor = psutil.Process(instance.pid)
+    (runner,) = supervisor.children()
+    assert database_sockets(supervisor.pid, dsn), "the supervisor's own sessions (the check can see them)"
+    assert database_sockets(runner.pid, dsn) == [], "the runner holds database connections"
+
+    rows(dsn, "SELECT pg_terminate_backend(%s)", first)
+    wait_for(lambda: listening_backend(dsn), lambda p: p not in (None, first), 40, "listening again")
+    wait_for(lambda: stale_registrations(supervisor.pid), lambda s: s == [], 10, "no stale registration")
+    before = supervisor.cpu_times()
+    time.sleep(4)  # a measuring window, not a wait for something to happen
+    after = supervisor.cpu_times()
+    busy = (after.user - before.user) + (after.system - before.system)
+    assert busy < 1.0, f"the idle supervisor used {busy:.1f} s of CPU in 4 s: its loop spins"
+    assert database_sockets(runner.pid, dsn) == []
