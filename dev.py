@@ -9,9 +9,7 @@ PostgreSQL comes from ``SMART_TRIGGERER_DSN`` when set, else from the embedded-p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -21,7 +19,6 @@ import time
 import tomllib
 import venv
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,29 +295,6 @@ def suite(pytest_args: list[str]) -> int:
             print(f"total time {clock()}; {title} failed", flush=True)
             return 1
     before = leftovers()
-    with shared_database(not only_unit_tests(pytest_args)):
-        outcome = run_phases(pytest_args)
-    if isinstance(outcome, int):
-        return outcome  # a phase wrote no report
-    (tests, bad, skipped, executed), code = outcome
-    left = sorted(leftovers() - before)
-    if left:
-        print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
-        code = code or 1
-    print(
-        f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "
-        f"{skipped} skipped, {bad} failed",
-        flush=True,
-    )
-    if executed == 0:
-        print("no test was executed: failing", flush=True)
-        return 1
-    return code
-
-
-def run_phases(pytest_args: list[str]) -> tuple[tuple[int, int, int, int], int] | int:
-    """Each pytest phase in turn: the tests counted (all, failed, skipped, executed) and the first
-    failing exit code; or the exit code alone when a phase wrote no report."""
     tests = bad = skipped = executed = 0
     code = 0
     for title, selection, junit in pytest_phases(pytest_args):
@@ -349,43 +323,19 @@ def run_phases(pytest_args: list[str]) -> tuple[tuple[int, int, int, int], int] 
             a + b for a, b in zip((tests, bad, skipped, executed), counted, strict=True)
         )
         code = code or phase
-    return (tests, bad, skipped, executed), code
-
-
-@contextlib.contextmanager
-def shared_database(wanted: bool) -> Iterator[None]:
-    """One PostgreSQL server and one migrated Airflow template for every phase and worker of the run
-    (devkit/testdb.py), instead of one each: exported to pytest as SMART_TRIGGERER_DSN and
-    SMART_TRIGGERER_TEST_TEMPLATE, and dropped (the server stopped, when it started one) at the end."""
-    if not wanted or os.environ.get("SMART_TRIGGERER_TEST_TEMPLATE"):
-        yield
-        return
-    step("PostgreSQL and a migrated Airflow template for the run")
-    helper = subprocess.Popen(
-        [str(VENV.bin / "python"), "-m", "devkit.testdb"],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    left = sorted(leftovers() - before)
+    if left:
+        print(f"the tests left temporary directories behind: {', '.join(left)}; failing", flush=True)
+        code = code or 1
+    print(
+        f"total time {clock()} (set-up, ruff, mypy and pytest); {tests} tests, {executed} executed, "
+        f"{skipped} skipped, {bad} failed",
+        flush=True,
     )
-    assert helper.stdin is not None and helper.stdout is not None
-    saved = {name: os.environ.get(name) for name in ("SMART_TRIGGERER_DSN", "SMART_TRIGGERER_TEST_TEMPLATE")}
-    try:
-        line = helper.stdout.readline()
-        if not line:
-            sys.exit(f"the test database could not be prepared (devkit.testdb exited {helper.wait()})")
-        ready = json.loads(line)
-        os.environ["SMART_TRIGGERER_DSN"] = ready["dsn"]
-        os.environ["SMART_TRIGGERER_TEST_TEMPLATE"] = ready["template"]
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        helper.stdin.close()  # the helper drops the template and stops its server
-        helper.wait(timeout=60)
+    if executed == 0:
+        print("no test was executed: failing", flush=True)
+        return 1
+    return code
 
 
 NO_TESTS_COLLECTED = 5  # pytest's exit code

@@ -124,14 +124,9 @@ def pg_db(pg_server: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def airflow_template(pg_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Name of a database migrated once per session by `airflow db migrate`, cloned by each test; under
-    `dev.py test`, the run's one template (devkit/testdb.py), migrated before the first phase."""
+    """Name of a database migrated once per session by `airflow db migrate`, cloned by each test."""
     from tests.helpers.databases import create_database, drop_database
 
-    shared = os.environ.get("SMART_TRIGGERER_TEST_TEMPLATE")
-    if shared:
-        yield shared
-        return
     name = unique_name("st_template")
     dsn = create_database(pg_server, name)
     home = tmp_path_factory.mktemp("template-home")
