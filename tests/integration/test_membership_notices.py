@@ -18,6 +18,7 @@ import psutil
 import psycopg2.extensions
 
 from devkit.devstack import AirflowConfig, AirflowStack, Component
+from tests.helpers.descriptors import descriptors
 from tests.helpers.waiting import lease_owners, rows, wait_for
 from tests.integration.test_smart_triggerer import _job_of, health_url, start
 
@@ -149,17 +150,6 @@ def listening_backend(dsn: str) -> int | None:
         f"LISTEN {CHANNEL}",
     )
     return int(found[0][0]) if found else None
-
-
-def descriptors(pid: int) -> dict[str, str]:
-    """The process's open descriptors and what each is (``socket:[inode]``, a path, ...)."""
-    found = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:  # closed since it was listed
-            continue
-    return found
 
 
 def stale_registrations(pid: int) -> list[str]:

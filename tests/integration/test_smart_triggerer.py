@@ -22,6 +22,7 @@ import pytest
 
 from devkit.devstack import AirflowStack, Component
 from tests.helpers.chaos.databases import AUDIT_DDL
+from tests.helpers.descriptors import descriptors
 from tests.helpers.seeding import Seeded, seed_deferred
 from tests.helpers.shards import keys_per_shard
 from tests.helpers.triggers import KillMarkerTrigger
@@ -621,14 +622,7 @@ LIMITED = (
 
 def open_trigger_logs(pid: int) -> int:
     """Trigger log files the process holds open now."""
-    fd_dir = Path(f"/proc/{pid}/fd")
-    targets = []
-    for fd in fd_dir.iterdir():
-        try:
-            targets.append(os.readlink(fd))
-        except OSError:
-            continue  # closed while we looked
-    return sum(".log.trigger." in target for target in targets)
+    return sum(".log.trigger." in target for target in descriptors(pid).values())
 
 
 def test_more_coroutines_than_open_files_allowed(stack: AirflowStack) -> None:
